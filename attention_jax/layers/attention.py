@@ -1,0 +1,223 @@
+"""Multi-head attention as a Flax token mixer around any registered Q/K/V variant."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping, Optional
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from flax.core import FrozenDict
+
+from attention_jax import positional, registry
+from attention_jax.core.masks import make_attention_mask
+
+Array = jnp.ndarray
+Dtype = Any
+
+# Logical axis names; the trainer's rules map them to mesh axes.
+EMBED, HEADS, KV = "embed", "heads", "kv"
+ACTIVATION_AXES = ("batch", "length", HEADS, KV)
+
+RELATIVE_POSITIONS = (None, "rope", "alibi", "t5")
+
+
+class MultiHeadAttention(nn.Module):
+  """Q/K/V projections, head layout, position handling and KV cache; the
+  attention itself is the pure function of the registered variant `attention`.
+
+  Attributes:
+    num_heads: query heads H.
+    num_kv_heads: key/value heads Hkv (H for MHA, 1 for MQA, a divisor of H for
+      GQA); defaults to `num_heads`.
+    head_dim: per-head size D; defaults to `qkv_features // num_heads`. Setting it
+      independently of `num_heads` gives the fixed-head-size layer.
+    qkv_features: H * D when `head_dim` is None; defaults to the input features.
+    out_features: output features; defaults to the input features.
+    dropout_rate: dropout on the attention weights.
+    use_bias: biases in the projections.
+    dtype, param_dtype: computation and parameter dtypes.
+    kernel_init, bias_init: initialisers of the projections.
+    attention: registered Q/K/V variant whose pure function computes the attention.
+    attention_options: extra keyword arguments of that function
+      (e.g. `{"implementation": "xla"}`, `{"local_window_size": 64}`).
+    position: relative position scheme applied here: None, "rope", "alibi" or
+      "t5" (absolute embeddings belong to the model's input layer).
+    position_options: options of the scheme (`max_wavelength` for RoPE;
+      `num_buckets`, `max_distance` for T5).
+    decode: autoregressive decoding with a KV cache in the `cache` collection.
+      Initialise with a full-length input to size the cache, then call with one
+      (or a few) tokens at a time.
+  """
+
+  num_heads: int
+  num_kv_heads: Optional[int] = None
+  head_dim: Optional[int] = None
+  qkv_features: Optional[int] = None
+  out_features: Optional[int] = None
+  dropout_rate: float = 0.0
+  use_bias: bool = True
+  dtype: Optional[Dtype] = None
+  param_dtype: Dtype = jnp.float32
+  kernel_init: Callable[..., Array] = nn.initializers.lecun_normal()
+  bias_init: Callable[..., Array] = nn.initializers.zeros_init()
+  attention: str = "dot_product"
+  attention_options: Mapping[str, Any] = FrozenDict()
+  position: Optional[str] = None
+  position_options: Mapping[str, Any] = FrozenDict()
+  decode: bool = False
+
+  def _dims(self, in_features: int):
+    num_kv_heads = self.num_kv_heads or self.num_heads
+    if self.num_heads % num_kv_heads:
+      raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
+                       f"({num_kv_heads}).")
+    qkv_features = self.qkv_features or in_features
+    if self.head_dim is not None:
+      head_dim = self.head_dim
+    elif qkv_features % self.num_heads:
+      raise ValueError(f"qkv_features ({qkv_features}) must be divisible by num_heads "
+                       f"({self.num_heads}), or set head_dim.")
+    else:
+      head_dim = qkv_features // self.num_heads
+    if self.position not in RELATIVE_POSITIONS:
+      raise ValueError(f"position must be one of {RELATIVE_POSITIONS}, got {self.position!r}.")
+    return num_kv_heads, head_dim
+
+  def _projection(self, name: str, heads: int, head_dim: int) -> nn.DenseGeneral:
+    return nn.DenseGeneral(
+        features=(heads, head_dim), axis=-1, use_bias=self.use_bias,
+        dtype=self.dtype, param_dtype=self.param_dtype,
+        kernel_init=nn.with_logical_partitioning(self.kernel_init, (EMBED, HEADS, KV)),
+        bias_init=nn.with_logical_partitioning(self.bias_init, (HEADS, KV)),
+        name=name)
+
+  @nn.compact
+  def __call__(
+      self,
+      x: Array,
+      context: Optional[Array] = None,
+      *,
+      mask: Optional[Array] = None,
+      bias: Optional[Array] = None,
+      is_causal: bool = False,
+      query_seq_lengths: Optional[Array] = None,
+      key_value_seq_lengths: Optional[Array] = None,
+      segment_ids: Optional[Array] = None,
+      positions: Optional[Array] = None,
+      deterministic: bool = True,
+  ) -> Array:
+    """Attends from `x` to `context` (self-attention when `context` is None).
+
+    Args:
+      x: `[B, Tq, E]` queries' inputs.
+      context: `[B, Tk, Ec]` keys' and values' inputs, or None.
+      mask: boolean, broadcastable to `[B, H, Tq, Tk]`; True may attend.
+      bias: additive logits bias broadcastable to `[B, H, Tq, Tk]`.
+      is_causal: causal self-attention (implied when decoding).
+      query_seq_lengths, key_value_seq_lengths: `[B]` valid lengths (padding).
+      segment_ids: `[B, T]` packed-sequence ids (self-attention).
+      positions: `[B, Tq]` or `[Tq]` token positions for relative schemes, e.g.
+        restarting at each packed segment; `arange(T)` by default.
+      deterministic: disables dropout.
+
+    Returns:
+      `[B, Tq, out_features]`.
+    """
+    spec = registry.get_variant(self.attention)
+    if not spec.qkv:
+      raise ValueError(f"attention={self.attention!r} is not Q/K/V attention; build it with "
+                       f"registry.get_variant({self.attention!r}).module instead.")
+    num_kv_heads, head_dim = self._dims(x.shape[-1])
+    if self.decode and context is not None:
+      raise ValueError("decode=True caches self-attention keys; got a context for cross-attention.")
+    kv_input = x if context is None else context
+
+    query = self._projection("query", self.num_heads, head_dim)(x)
+    key = self._projection("key", num_kv_heads, head_dim)(kv_input)
+    value = self._projection("value", num_kv_heads, head_dim)(kv_input)
+
+    q_len, kv_len = x.shape[1], kv_input.shape[1]
+    q_positions = jnp.arange(q_len) if positions is None else positions
+    k_positions = q_positions if context is None else jnp.arange(kv_len)
+    q_offset = 0
+    if self.decode and self.has_variable("cache", "cached_key"):
+      key, value, q_offset = self._update_cache(key, value)
+      q_positions = q_positions + q_offset
+      k_positions = jnp.arange(key.shape[1])
+      # Causal over absolute positions covers both the new tokens and the
+      # still-empty slots of the cache.
+      mask = make_attention_mask(q_len, key.shape[1], is_causal=True, q_offset=q_offset,
+                                 mask=mask)
+      is_causal = False
+    elif self.decode:
+      self._init_cache(key, value)
+      is_causal = True
+
+    if self.position == "rope":
+      wavelength = self.position_options.get("max_wavelength", 10_000.0)
+      query = positional.apply_rope(query, q_positions, max_wavelength=wavelength)
+      key = positional.apply_rope(key, k_positions, max_wavelength=wavelength)
+    elif self.position in ("alibi", "t5"):
+      bias = _add(bias, self._position_bias(_batched(q_positions), _batched(k_positions)))
+
+    query = nn.with_logical_constraint(query, ACTIVATION_AXES)
+    key = nn.with_logical_constraint(key, ACTIVATION_AXES)
+    value = nn.with_logical_constraint(value, ACTIVATION_AXES)
+
+    options = dict(self.attention_options)
+    if self.dropout_rate > 0.0 and not deterministic:
+      options.update(dropout_rate=self.dropout_rate, dropout_rng=self.make_rng("dropout"))
+    out = spec.fn(query, key, value, bias, mask, is_causal=is_causal,
+                  query_seq_lengths=query_seq_lengths,
+                  key_value_seq_lengths=key_value_seq_lengths,
+                  segment_ids=segment_ids, **options)
+    out = nn.with_logical_constraint(out, ACTIVATION_AXES)
+
+    return nn.DenseGeneral(
+        features=self.out_features or x.shape[-1], axis=(-2, -1), use_bias=self.use_bias,
+        dtype=self.dtype, param_dtype=self.param_dtype,
+        kernel_init=nn.with_logical_partitioning(self.kernel_init, (HEADS, KV, EMBED)),
+        bias_init=nn.with_logical_partitioning(self.bias_init, (EMBED,)),
+        name="out")(out)
+
+  def _position_bias(self, q_positions: Array, k_positions: Array) -> Array:
+    """ALiBi or T5 bias, `[B|1, H, Tq, Tk]`."""
+    if self.position == "alibi":
+      return positional.alibi_bias(self.num_heads, q_positions, k_positions)
+    return positional.T5RelativePositionBias(
+        num_heads=self.num_heads, name="relative_position_bias",
+        **dict(self.position_options))(q_positions, k_positions)
+
+  def _init_cache(self, key: Array, value: Array) -> None:
+    """Sizes the cache from the full-length input seen at initialisation."""
+    self.variable("cache", "cached_key", jnp.zeros, key.shape, key.dtype)
+    self.variable("cache", "cached_value", jnp.zeros, value.shape, value.dtype)
+    self.variable("cache", "cache_index", lambda: jnp.array(0, jnp.int32))
+
+  def _update_cache(self, key: Array, value: Array):
+    """Writes the new tokens' K/V at the cache index; returns the whole cache.
+
+    key, value: `[B, Tnew, Hkv, D]`. Returns `(cached_key [B, L, Hkv, D],
+    cached_value, index of the first new token)`.
+    """
+    cached_key = self.variable("cache", "cached_key")
+    cached_value = self.variable("cache", "cached_value")
+    cache_index = self.variable("cache", "cache_index")
+    max_len, new_len = cached_key.value.shape[1], key.shape[1]
+    if new_len > max_len:
+      raise ValueError(f"decoding {new_len} tokens at once exceeds the cache length {max_len}.")
+    index = cache_index.value
+    start = (0, index, 0, 0)
+    cached_key.value = jax.lax.dynamic_update_slice(cached_key.value, key, start)
+    cached_value.value = jax.lax.dynamic_update_slice(cached_value.value, value, start)
+    cache_index.value = index + new_len
+    return cached_key.value, cached_value.value, index
+
+
+def _batched(positions: Array) -> Array:
+  return positions if positions.ndim == 2 else positions[None]
+
+
+def _add(a: Optional[Array], b: Array) -> Array:
+  return b if a is None else a + b

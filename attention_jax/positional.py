@@ -1,0 +1,328 @@
+"""Position encodings: absolute embeddings, RoPE, ALiBi and T5 relative biases.
+
+Absolute schemes (sinusoidal, learned) are added to the token embeddings at the
+model's input. Relative schemes act inside attention: RoPE rotates queries and
+keys, ALiBi and T5 add a `[B|1, H, Tq, Tk]` bias to the attention logits.
+
+Positions are token indices, `[T]` (shared by the batch) or `[B, T]` (e.g.
+restarting at each packed segment); every function here is jit-compatible.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Optional
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+Array = jnp.ndarray
+Dtype = Any
+Initializer = Callable[..., Array]
+
+POSITION_ENCODINGS = ("none", "sinusoidal", "learned", "rope", "alibi", "t5")
+
+
+def check_position_encoding(name: str) -> str:
+  """Returns `name` if it is one of `POSITION_ENCODINGS`, else raises ValueError."""
+  if name not in POSITION_ENCODINGS:
+    raise ValueError(f"position encoding must be one of {POSITION_ENCODINGS}, got {name!r}.")
+  return name
+
+
+# ---------------------------------------------------------------------------
+# Absolute position embeddings.
+# ---------------------------------------------------------------------------
+
+
+def sinusoidal_embedding(positions: Array, features: int,
+                         max_timescale: float = 10_000.0) -> Array:
+  """Sinusoids of Vaswani et al. 2017, interleaved as in the paper.
+
+  `PE[pos, 2i] = sin(pos / max_timescale^(2i / features))` and
+  `PE[pos, 2i + 1] = cos(pos / max_timescale^(2i / features))`.
+
+  Args:
+    positions: `[..., T]` integer or float positions.
+    features: embedding size E, even.
+    max_timescale: the longest wavelength is `2 pi max_timescale`.
+
+  Returns:
+    `[..., T, E]` float32.
+  """
+  if not isinstance(features, int) or features <= 0 or features % 2:
+    raise ValueError(f"features must be a positive even int, got {features!r}.")
+  inv_timescales = max_timescale ** (-np.arange(0, features, 2, dtype=np.float32) / features)
+  angles = jnp.asarray(positions, jnp.float32)[..., None] * inv_timescales  # [..., T, E/2]
+  # Stacking on a new last axis and flattening interleaves sin and cos.
+  pe = jnp.stack([jnp.sin(angles), jnp.cos(angles)], axis=-1)
+  return pe.reshape(*angles.shape[:-1], features)
+
+
+def _check_sequence(x: Array, name: str = "x") -> None:
+  if x.ndim != 3:
+    raise ValueError(f"{name} must be [B, T, E], got shape {x.shape}.")
+
+
+def _check_positions(positions: Array, batch: int, length: int,
+                     name: str = "positions") -> None:
+  """`positions` must be `[T]` or `[B, T]` (or `[1, T]`) for a `[B, T, ...]` input."""
+  shape = jnp.shape(positions)
+  ok = (len(shape) == 1 and shape[0] == length) or (
+      len(shape) == 2 and shape[0] in (1, batch) and shape[1] == length)
+  if not ok:
+    raise ValueError(f"{name} must be [T] or [B, T] with B={batch}, T={length}, "
+                     f"got shape {shape}.")
+
+
+class SinusoidalPositionEmbedding(nn.Module):
+  """Adds fixed sinusoids (`sinusoidal_embedding`) to the inputs; no parameters.
+
+  Attributes:
+    max_timescale: see `sinusoidal_embedding`.
+  """
+
+  max_timescale: float = 10_000.0
+
+  @nn.compact
+  def __call__(self, x: Array, positions: Optional[Array] = None) -> Array:
+    """x: `[B, T, E]`; positions: `[B, T]`, `[T]` or None (`arange(T)`). Returns `[B, T, E]`."""
+    _check_sequence(x)
+    batch, length, features = x.shape
+    if positions is None:
+      positions = jnp.arange(length)
+    _check_positions(positions, batch, length)
+    pe = sinusoidal_embedding(positions, features, self.max_timescale)
+    return x + pe.astype(x.dtype)
+
+
+class LearnedPositionEmbedding(nn.Module):
+  """Adds a learned embedding per position, `embedding: [max_length, E]`.
+
+  Attributes:
+    max_length: number of positions with an embedding; positions must be below it.
+    embedding_init: initialiser of the table.
+    param_dtype: dtype of the table.
+  """
+
+  max_length: int
+  embedding_init: Initializer = nn.initializers.normal(stddev=0.02)
+  param_dtype: Dtype = jnp.float32
+
+  @nn.compact
+  def __call__(self, x: Array, positions: Optional[Array] = None) -> Array:
+    """x: `[B, T, E]`; positions: `[B, T]`, `[T]` or None (`arange(T)`). Returns `[B, T, E]`."""
+    _check_sequence(x)
+    batch, length, features = x.shape
+    embedding = self.param(
+        "embedding", nn.with_logical_partitioning(self.embedding_init, ("length", "embed")),
+        (self.max_length, features), self.param_dtype)
+    if positions is None:
+      if length > self.max_length:
+        raise ValueError(f"sequence length {length} exceeds max_length {self.max_length}.")
+      pe = embedding[None, :length]
+    else:
+      positions = jnp.asarray(positions)
+      _check_positions(positions, batch, length)
+      if not jnp.issubdtype(positions.dtype, jnp.integer):
+        raise ValueError(f"positions must be integers to index the embedding, got dtype "
+                         f"{positions.dtype}.")
+      if not isinstance(positions, jax.core.Tracer):
+        low, high = int(np.min(positions)), int(np.max(positions))
+        if low < 0 or high >= self.max_length:
+          raise ValueError(f"positions must lie in [0, max_length={self.max_length}), got "
+                           f"values in [{low}, {high}] (sequence length {length}).")
+      # Traced positions cannot be checked; "fill" turns out-of-range ones into
+      # NaN rather than silently clamping them to the last embedding.
+      pe = jnp.take(embedding, positions, axis=0, mode="fill")
+    return x + pe.astype(x.dtype)
+
+
+# ---------------------------------------------------------------------------
+# Rotary position embedding.
+# ---------------------------------------------------------------------------
+
+
+def apply_rope(x: Array, positions: Array, max_wavelength: float = 10_000.0) -> Array:
+  """Rotary position embedding (Su et al. 2021).
+
+  Uses the "rotate half" layout: feature `i` is paired with feature `i + D/2`
+  and the pair is rotated by `pos * max_wavelength^(-2i / D)`, `i < D/2`. This
+  is the interleaved rotation of the paper up to a fixed permutation of the
+  features, which Q/K projections absorb; dot products of rotated queries and
+  keys then depend on positions only through `q_pos - k_pos`.
+
+  Args:
+    x: `[B, T, H, D]` queries or keys, D even.
+    positions: `[B, T]` or `[T]` positions.
+    max_wavelength: base of the geometric frequencies.
+
+  Returns:
+    `[B, T, H, D]` in `x.dtype` (computed in float32).
+  """
+  if x.ndim != 4:
+    raise ValueError(f"x must be [B, T, H, D], got shape {x.shape}.")
+  batch, length, _, head_dim = x.shape
+  if head_dim % 2:
+    raise ValueError(f"apply_rope needs an even head dim D, got x of shape {x.shape}.")
+  _check_positions(positions, batch, length)
+  half = head_dim // 2
+  inv_freq = max_wavelength ** (-np.arange(half, dtype=np.float32) * 2 / head_dim)
+  angles = jnp.asarray(positions, jnp.float32)[..., None] * inv_freq
+  angles = jnp.broadcast_to(angles, (batch, length, half))[:, :, None, :]  # [B, T, 1, D/2]
+  sin, cos = jnp.sin(angles), jnp.cos(angles)
+  x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  return out.astype(x.dtype)
+
+
+# ---------------------------------------------------------------------------
+# Relative biases on the attention logits.
+# ---------------------------------------------------------------------------
+
+
+def _batched_positions(positions: Array, name: str) -> Array:
+  """`[T]` -> `[1, T]`; `[B, T]` unchanged."""
+  positions = jnp.asarray(positions)
+  if positions.ndim not in (1, 2):
+    raise ValueError(f"{name} must be [T] or [B, T], got shape {positions.shape}.")
+  return positions if positions.ndim == 2 else positions[None]
+
+
+def _relative_positions(q_positions: Array, k_positions: Array) -> Array:
+  """`k_pos - q_pos`: `[B|1, Tq, Tk]`."""
+  q = _batched_positions(q_positions, "q_positions")
+  k = _batched_positions(k_positions, "k_positions")
+  if q.shape[0] != k.shape[0] and 1 not in (q.shape[0], k.shape[0]):
+    raise ValueError(f"q_positions and k_positions have incompatible batch sizes: "
+                     f"shapes {q.shape} and {k.shape}.")
+  return k[:, None, :] - q[:, :, None]
+
+
+def _check_num_heads(num_heads: int) -> None:
+  if not isinstance(num_heads, int) or isinstance(num_heads, bool) or num_heads <= 0:
+    raise ValueError(f"num_heads must be a positive int, got {num_heads!r}.")
+
+
+def alibi_slopes(num_heads: int) -> Array:
+  """ALiBi head slopes (Press et al. 2022): `[H]` float32.
+
+  For H a power of two, the geometric sequence `2^(-8 h / H)`, h = 1..H. Otherwise
+  the slopes of the largest power of two n < H, followed by every other slope of
+  2n (those falling between the first ones) until there are H.
+  """
+  _check_num_heads(num_heads)
+
+  def power_of_two(n):
+    return [2.0 ** (-8.0 * h / n) for h in range(1, n + 1)]
+
+  n = 2 ** int(math.floor(math.log2(num_heads)))
+  slopes = power_of_two(n) + power_of_two(2 * n)[0::2][: num_heads - n]
+  return jnp.asarray(slopes, jnp.float32)
+
+
+def alibi_bias(num_heads: int, q_positions: Array, k_positions: Array) -> Array:
+  """ALiBi logits bias `-slope_h * |q_pos - k_pos|`.
+
+  The paper defines the bias for causal attention, `-slope * (i - j)` for keys
+  `j <= i`; the keys `j > i` are masked, so the symmetric distance gives the
+  same result there and also serves bidirectional attention.
+
+  Args:
+    num_heads: H.
+    q_positions: `[B|1, Tq]` or `[Tq]`.
+    k_positions: `[B|1, Tk]` or `[Tk]`.
+
+  Returns:
+    `[B|1, H, Tq, Tk]` float32.
+  """
+  distance = jnp.abs(_relative_positions(q_positions, k_positions)).astype(jnp.float32)
+  return -alibi_slopes(num_heads)[None, :, None, None] * distance[:, None]
+
+
+def t5_relative_position_bucket(relative_position: Array, *, bidirectional: bool = True,
+                                num_buckets: int = 32, max_distance: int = 128) -> Array:
+  """T5 relative position buckets (Raffel et al. 2020).
+
+  Distances below half of a direction's buckets get a bucket each; larger ones
+  share log-spaced buckets up to `max_distance`, beyond which all land in the
+  last bucket. When bidirectional, keys at or before the query
+  (`relative_position <= 0`) use buckets `[0, num_buckets / 2)` and keys after
+  it use `[num_buckets / 2, num_buckets)`. Otherwise all keys after the query
+  share bucket 0 with the query itself (causal attention masks them anyway).
+
+  Args:
+    relative_position: integer array of `k_pos - q_pos`, any shape.
+    bidirectional: whether keys after the query get their own buckets.
+    num_buckets: total number of buckets.
+    max_distance: distance from which all offsets share the last bucket.
+
+  Returns:
+    int32 array of bucket ids, shaped like `relative_position`.
+  """
+  relative_position = jnp.asarray(relative_position)
+  if not isinstance(num_buckets, int):
+    raise ValueError(f"num_buckets must be an int, got {num_buckets!r}.")
+  if not jnp.issubdtype(relative_position.dtype, jnp.integer):
+    raise ValueError(f"relative_position must be an integer array, got dtype "
+                     f"{relative_position.dtype}.")
+  per_direction = num_buckets // 2 if bidirectional else num_buckets
+  if per_direction < 2 or (bidirectional and num_buckets % 2):
+    raise ValueError(f"num_buckets must be an int >= 2 (an even int >= 4 when bidirectional), "
+                     f"got {num_buckets!r} with bidirectional={bidirectional}.")
+  max_exact = per_direction // 2
+  if max_distance <= max_exact:
+    raise ValueError(f"max_distance must exceed the {max_exact} exact buckets of "
+                     f"num_buckets={num_buckets}, got {max_distance!r}.")
+
+  distance = -relative_position.astype(jnp.int32)  # > 0 for keys before the query
+  bucket = jnp.zeros_like(distance)
+  if bidirectional:
+    bucket += jnp.where(distance < 0, per_direction, 0)
+    distance = jnp.abs(distance)
+  else:
+    distance = jnp.maximum(distance, 0)
+  # Clamping before the log keeps the unused (small-distance) branch finite.
+  scaled = jnp.log(jnp.maximum(distance, max_exact).astype(jnp.float32) / max_exact)
+  scaled = scaled / math.log(max_distance / max_exact) * (per_direction - max_exact)
+  large = jnp.minimum(max_exact + scaled.astype(jnp.int32), per_direction - 1)
+  return bucket + jnp.where(distance < max_exact, distance, large)
+
+
+class T5RelativePositionBias(nn.Module):
+  """Learned per-head bias of each relative position bucket (T5).
+
+  Attributes:
+    num_heads: H.
+    num_buckets, max_distance, bidirectional: see `t5_relative_position_bucket`.
+    embedding_init: initialiser of the `[num_buckets, H]` table; small, so that
+      attention starts close to content-only.
+    param_dtype: dtype of the table.
+  """
+
+  num_heads: int
+  num_buckets: int = 32
+  max_distance: int = 128
+  bidirectional: bool = True
+  embedding_init: Initializer = nn.initializers.normal(stddev=0.02)
+  param_dtype: Dtype = jnp.float32
+
+  @nn.compact
+  def __call__(self, q_positions: Array, k_positions: Array) -> Array:
+    """q_positions: `[B|1, Tq]` or `[Tq]`; k_positions: `[B|1, Tk]` or `[Tk]`.
+
+    Returns:
+      `[B|1, H, Tq, Tk]` float32.
+    """
+    _check_num_heads(self.num_heads)
+    buckets = t5_relative_position_bucket(
+        _relative_positions(q_positions, k_positions), bidirectional=self.bidirectional,
+        num_buckets=self.num_buckets, max_distance=self.max_distance)  # [B|1, Tq, Tk]
+    table = self.param(
+        "rel_embedding",
+        nn.with_logical_partitioning(self.embedding_init, ("relpos_buckets", "heads")),
+        (self.num_buckets, self.num_heads), self.param_dtype)
+    bias = jnp.take(table, buckets, axis=0)  # [B|1, Tq, Tk, H]
+    return jnp.transpose(bias, (0, 3, 1, 2)).astype(jnp.float32)

@@ -1,0 +1,8 @@
+"""Attention variants: one module per family, pure function and Flax module side by side.
+
+Importing this package registers every variant in `attention_jax.registry`.
+"""
+
+from attention_jax.variants.dense import (available_implementations, dot_product_attention,
+                                          register_implementation)
+from attention_jax.variants.heads import multi_head_attention

@@ -1,0 +1,289 @@
+"""Exact scaled dot-product attention (Vaswani et al. 2017).
+
+`dot_product_attention` is a drop-in for `jax.nn.dot_product_attention`: the
+same argument names and `[B, T, H, D]` layout, grouped K/V heads when K/V have
+fewer heads than the query, plus `segment_ids` for packed sequences, and an
+`implementation` switch. Implementations register themselves in
+`_IMPLEMENTATIONS`; the kernels add "blockwise" and "pallas" there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Dict, Optional, Sequence, Tuple, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from attention_jax import registry
+from attention_jax.core.masks import Window, make_attention_mask, normalize_window, split_segment_ids
+from attention_jax.core.softmax import masked_softmax
+
+Array = jnp.ndarray
+SegmentIds = Union[None, Array, Tuple[Array, Array]]
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionInputs:
+  """Validated rank-4 inputs of one attention call, shared by all implementations.
+
+  query: [B, Tq, H, D]; key: [B, Tk, Hkv, D]; value: [B, Tk, Hkv, Dv];
+  bias: float broadcastable to [B, H, Tq, Tk] or None; scale: float;
+  the structured masks are kept separate (not materialised) so that blockwise
+  implementations can evaluate them per block.
+  """
+
+  query: Array
+  key: Array
+  value: Array
+  bias: Optional[Array]
+  mask: Optional[Array]
+  scale: float
+  is_causal: bool
+  query_seq_lengths: Optional[Array]
+  key_value_seq_lengths: Optional[Array]
+  local_window_size: Optional[Tuple[int, int]]
+  q_segment_ids: Optional[Array]
+  kv_segment_ids: Optional[Array]
+
+  def dense_mask(self) -> Optional[Array]:
+    """All masks combined into one boolean [B|1, H|1, Tq, Tk] array."""
+    return make_attention_mask(
+        self.query.shape[1], self.key.shape[1],
+        is_causal=self.is_causal,
+        local_window_size=self.local_window_size,
+        query_seq_lengths=self.query_seq_lengths,
+        key_value_seq_lengths=self.key_value_seq_lengths,
+        q_segment_ids=self.q_segment_ids,
+        kv_segment_ids=self.kv_segment_ids,
+        mask=self.mask)
+
+
+@dataclasses.dataclass(frozen=True)
+class Implementation:
+  fn: Callable[..., Array]  # fn(inputs: AttentionInputs, **options) -> [B, Tq, H, Dv]
+  is_available: Callable[[], bool]
+  priority: int  # `implementation=None` picks the available one with the highest.
+
+
+_IMPLEMENTATIONS: Dict[str, Implementation] = {}
+
+
+def register_implementation(name: str, fn: Callable[..., Array], *,
+                            is_available: Callable[[], bool] = lambda: True,
+                            priority: int = 0) -> None:
+  """Makes `fn(inputs: AttentionInputs) -> out` selectable as `implementation=name`."""
+  _IMPLEMENTATIONS[name] = Implementation(fn, is_available, priority)
+
+
+def available_implementations() -> Tuple[str, ...]:
+  """Implementation names usable on the default backend, best first."""
+  usable = [(impl.priority, name) for name, impl in _IMPLEMENTATIONS.items() if impl.is_available()]
+  return tuple(name for _, name in sorted(usable, reverse=True))
+
+
+def _check_broadcastable(name: str, array: Optional[Array], target: Sequence[int]) -> None:
+  if array is None:
+    return
+  shape = tuple(jnp.shape(array))
+  ok = len(shape) == len(target) and all(s in (1, t) for s, t in zip(shape, target))
+  if not ok:
+    raise ValueError(
+        f"{name} must have rank {len(target)} and broadcast to [B, H, Tq, Tk] = "
+        f"{list(target)} (each dimension equal or 1), got shape {list(shape)}.")
+
+
+def _check_lengths(name: str, lengths: Optional[Array], batch: int, max_len: int) -> None:
+  if lengths is None:
+    return
+  if jnp.shape(lengths) != (batch,) or not jnp.issubdtype(jnp.asarray(lengths).dtype, jnp.integer):
+    raise ValueError(f"{name} must be an integer array of shape [B] = [{batch}], "
+                     f"got {jnp.asarray(lengths).dtype} {list(jnp.shape(lengths))}.")
+  if not isinstance(lengths, jax.core.Tracer):  # Values are only checkable outside jit.
+    values = np.asarray(lengths)
+    low, high = int(values.min()), int(values.max())
+    if low < 0 or high > max_len:
+      raise ValueError(f"{name} must lie in [0, {max_len}], got values in [{low}, {high}].")
+
+
+def _check_segment_ids(name: str, ids: Optional[Array], batch: int, length: int) -> None:
+  if ids is not None and jnp.shape(ids) != (batch, length):
+    raise ValueError(f"{name} must have shape [B, T] = [{batch}, {length}], "
+                     f"got {list(jnp.shape(ids))}.")
+
+
+def prepare_inputs(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,
+                   query_seq_lengths=None, key_value_seq_lengths=None,
+                   local_window_size: Optional[Window] = None,
+                   segment_ids: SegmentIds = None) -> Tuple[AttentionInputs, bool]:
+  """Validates the arguments of `dot_product_attention` and brings them to rank 4.
+
+  Returns the inputs and whether the call was unbatched (rank 3).
+  """
+  query, key, value = jnp.asarray(query), jnp.asarray(key), jnp.asarray(value)
+  if query.ndim not in (3, 4):
+    raise ValueError(f"query must have rank 4 [B, Tq, H, D] (or 3 [Tq, H, D]), got shape "
+                     f"{list(query.shape)}.")
+  for name, x in (("key", key), ("value", value)):
+    if x.ndim != query.ndim:
+      raise ValueError(f"{name} must have the rank of query ({query.ndim}), got shape "
+                       f"{list(x.shape)}.")
+  unbatched = query.ndim == 3
+  if unbatched:
+    query, key, value = query[None], key[None], value[None]
+    bias = None if bias is None else jnp.asarray(bias)[None]
+    mask = None if mask is None else jnp.asarray(mask)[None]
+
+  batch, q_len, num_heads, head_dim = query.shape
+  if key.shape[0] != batch or value.shape[0] != batch:
+    raise ValueError(f"query, key and value must share the batch size, got "
+                     f"{query.shape[0]}, {key.shape[0]}, {value.shape[0]}.")
+  if key.shape[1] != value.shape[1]:
+    raise ValueError(f"key and value must have the same length Tk, got key {list(key.shape)} "
+                     f"and value {list(value.shape)}.")
+  if key.shape[3] != head_dim:
+    raise ValueError(f"key head dim must equal query head dim {head_dim}, got key shape "
+                     f"{list(key.shape)}.")
+  num_kv_heads = key.shape[2]
+  if value.shape[2] != num_kv_heads:
+    raise ValueError(f"key and value must have the same number of heads, got key "
+                     f"{list(key.shape)} and value {list(value.shape)}.")
+  if num_heads % num_kv_heads:
+    raise ValueError(f"the number of query heads ({num_heads}) must be a multiple of the "
+                     f"number of key/value heads ({num_kv_heads}).")
+
+  kv_len = key.shape[1]
+  target = (batch, num_heads, q_len, kv_len)
+  _check_broadcastable("bias", bias, target)
+  _check_broadcastable("mask", mask, target)
+  if mask is not None and jnp.asarray(mask).dtype != jnp.bool_:
+    raise ValueError(f"mask must be boolean (True may attend), got dtype {jnp.asarray(mask).dtype}.")
+  _check_lengths("query_seq_lengths", query_seq_lengths, batch, q_len)
+  _check_lengths("key_value_seq_lengths", key_value_seq_lengths, batch, kv_len)
+  q_segment_ids, kv_segment_ids = split_segment_ids(segment_ids)
+  if unbatched and q_segment_ids is not None:
+    q_segment_ids, kv_segment_ids = q_segment_ids[None], kv_segment_ids[None]
+  _check_segment_ids("segment_ids (query side)", q_segment_ids, batch, q_len)
+  _check_segment_ids("segment_ids (key/value side)", kv_segment_ids, batch, kv_len)
+  if scale is None:
+    scale = head_dim ** -0.5
+
+  inputs = AttentionInputs(
+      query=query, key=key, value=value,
+      bias=None if bias is None else jnp.asarray(bias),
+      mask=None if mask is None else jnp.asarray(mask),
+      scale=scale, is_causal=bool(is_causal),
+      query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
+      local_window_size=normalize_window(local_window_size),
+      q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids)
+  return inputs, unbatched
+
+
+def dot_product_attention(
+    query: Array,
+    key: Array,
+    value: Array,
+    bias: Optional[Array] = None,
+    mask: Optional[Array] = None,
+    *,
+    scale: Optional[float] = None,
+    is_causal: bool = False,
+    query_seq_lengths: Optional[Array] = None,
+    key_value_seq_lengths: Optional[Array] = None,
+    local_window_size: Optional[Window] = None,
+    segment_ids: SegmentIds = None,
+    implementation: Optional[str] = None,
+    dropout_rate: float = 0.0,
+    dropout_rng: Optional[jax.Array] = None,
+) -> Array:
+  """Scaled dot-product attention softmax(q k^T * scale + bias) v.
+
+  Args:
+    query: `[B, Tq, H, D]` (or `[Tq, H, D]`).
+    key: `[B, Tk, Hkv, D]`; `H` must be a multiple of `Hkv` (MQA: Hkv = 1, GQA).
+    value: `[B, Tk, Hkv, Dv]`.
+    bias: additive logits bias, rank 4, broadcastable to `[B, H, Tq, Tk]`.
+    mask: boolean, rank 4, broadcastable to `[B, H, Tq, Tk]`; True may attend.
+    scale: logit scale, 1/sqrt(D) by default.
+    is_causal: query i attends keys j <= i (top-left aligned, as jax.nn).
+    query_seq_lengths: `[B]` int; queries past the length output zeros.
+    key_value_seq_lengths: `[B]` int; keys past the length are ignored.
+    local_window_size: int or (left, right): query i sees keys [i - left, i + right].
+    segment_ids: `[B, T]` for self-attention over packed sequences, or a pair
+      `(q_segment_ids [B, Tq], kv_segment_ids [B, Tk])`; tokens only attend
+      within their own segment.
+    implementation: one of `available_implementations()`, or None for the best.
+    dropout_rate: dropout on the attention weights (only with a `dropout_rng`).
+    dropout_rng: PRNG key for the dropout; None disables dropout.
+
+  Returns:
+    `[B, Tq, H, Dv]` in the query dtype. A query that may attend to no key
+    returns zeros (and passes zero gradients), never NaN.
+  """
+  inputs, unbatched = prepare_inputs(
+      query, key, value, bias, mask, scale=scale, is_causal=is_causal,
+      query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
+      local_window_size=local_window_size, segment_ids=segment_ids)
+  if implementation is None:
+    implementation = available_implementations()[0]
+  if implementation not in _IMPLEMENTATIONS:
+    raise ValueError(f"implementation must be one of {sorted(_IMPLEMENTATIONS)} or None, "
+                     f"got {implementation!r}.")
+  impl = _IMPLEMENTATIONS[implementation]
+  if not impl.is_available():
+    raise ValueError(f"implementation {implementation!r} is not available on backend "
+                     f"{jax.default_backend()!r}; available: {list(available_implementations())}.")
+  options = {}
+  if dropout_rng is not None and dropout_rate > 0.0:
+    if implementation != "xla":
+      raise ValueError(f"dropout on attention weights needs implementation='xla', got "
+                       f"{implementation!r}.")
+    options = dict(dropout_rate=dropout_rate, dropout_rng=dropout_rng)
+  out = impl.fn(inputs, **options)
+  return out[0] if unbatched else out
+
+
+def _xla_attention(inputs: AttentionInputs, dropout_rate: float = 0.0,
+                   dropout_rng: Optional[jax.Array] = None) -> Array:
+  """Materialises the [B, H, Tq, Tk] logits; grouped heads are never repeated in memory."""
+  query, key, value = inputs.query, inputs.key, inputs.value
+  batch, q_len, num_heads, head_dim = query.shape
+  kv_len, num_kv_heads = key.shape[1], key.shape[2]
+  group = num_heads // num_kv_heads
+  # Query head h * group + g shares K/V head h, as jnp.repeat(key, group, axis=2) would.
+  grouped_query = query.reshape(batch, q_len, num_kv_heads, group, head_dim)
+  logits = jnp.einsum("bqhgd,bkhd->bhgqk", grouped_query, key,
+                      preferred_element_type=jnp.float32)
+  logits = logits.reshape(batch, num_heads, q_len, kv_len) * inputs.scale
+  if inputs.bias is not None:
+    logits = logits + inputs.bias.astype(jnp.float32)
+  weights = masked_softmax(logits, inputs.dense_mask())
+  if dropout_rng is not None and dropout_rate > 0.0:
+    keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, weights.shape)
+    weights = jnp.where(keep, weights / (1.0 - dropout_rate), 0.0)
+  weights = weights.astype(value.dtype).reshape(batch, num_kv_heads, group, q_len, kv_len)
+  out = jnp.einsum("bhgqk,bkhd->bqhgd", weights, value, preferred_element_type=jnp.float32)
+  return out.reshape(batch, q_len, num_heads, value.shape[-1]).astype(query.dtype)
+
+
+def _cudnn_attention(inputs: AttentionInputs) -> Array:
+  """cuDNN's fused kernel through jax.nn, for the masks it supports."""
+  if inputs.q_segment_ids is not None:
+    raise ValueError("implementation='cudnn' does not take segment_ids; use 'xla' or 'pallas'.")
+  return jax.nn.dot_product_attention(
+      inputs.query, inputs.key, inputs.value, inputs.bias, inputs.mask,
+      scale=inputs.scale, is_causal=inputs.is_causal,
+      query_seq_lengths=inputs.query_seq_lengths,
+      key_value_seq_lengths=inputs.key_value_seq_lengths,
+      local_window_size=inputs.local_window_size, implementation="cudnn")
+
+
+register_implementation("xla", _xla_attention, priority=0)
+register_implementation("cudnn", _cudnn_attention, priority=-1,
+                        is_available=lambda: jax.default_backend() == "gpu")
+
+
+registry.register(registry.VariantSpec(
+    name="dot_product", fn=dot_product_attention, family="dense", complexity="O(T^2)",
+    subquadratic=False, exact=True, causal=True, cross=True, paper="Vaswani et al. 2017"))

@@ -1,0 +1,1 @@
+"""Experiment scripts: benchmarks and trainers run with `python -m experiments.<name>`."""

@@ -1,0 +1,498 @@
+r"""Benchmark `attention_jax.dot_product_attention` against `jax.nn.dot_product_attention`.
+
+Every implementation that `attention_jax.available_implementations()` lists for
+the current backend is measured next to the peer `jax.nn.dot_product_attention`
+("xla", plus "cudnn" on GPU), in the same run and on the same inputs, for each
+sequence length, causal setting and mode:
+
+* ``fwd``: the attention output;
+* ``fwd_bwd``: the gradient of ``sum(out)`` with respect to ``q``, ``k`` and ``v``.
+
+Each cell is jit-compiled first (not timed), run once to warm up, then timed as
+the median wall time of ``--repeats`` runs with `jax.block_until_ready`.
+
+Peak memory. On CPU every cell runs in a fresh child process (the script calls
+itself with a hidden ``--cell`` argument), so the process high-water mark
+belongs to that cell alone; the figure reported is the peak RSS minus the RSS
+just before the computation (inputs and executable already resident). On
+GPU/TPU cells run in-process and the device's ``peak_bytes_in_use`` is used; it
+cannot be reset, so a cell that does not raise it gets an upper bound only.
+XLA's compiled memory analysis is recorded on every backend as well.
+
+This is a benchmark, not a test: it asserts nothing about speed.
+
+Usage::
+
+  python -m experiments.benchmark_attention
+  python -m experiments.benchmark_attention --lengths 1024 4096 --dtype bfloat16 \
+      --causal true --modes fwd_bwd --repeats 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import json
+import math
+import os
+import pathlib
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any, Callable, Iterator
+
+import jax
+import jax.numpy as jnp
+
+import attention_jax
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
+PEER = "jax.nn:xla"
+MODES = ("fwd", "fwd_bwd")
+MB = 1024 * 1024
+
+# ---------------------------------------------------------------------------
+# Command line.
+# ---------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+  """Parses the command line; the defaults finish in a few minutes on 2 CPU cores."""
+  parser = argparse.ArgumentParser(
+      description=__doc__.split("\n\n")[0],
+      formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+  )
+  parser.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048, 4096],
+                      help="sequence lengths T (queries and keys alike)")
+  parser.add_argument("--batch", type=int, default=1)
+  parser.add_argument("--heads", type=int, default=8)
+  parser.add_argument("--head-dim", type=int, default=64)
+  parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+  parser.add_argument("--causal", choices=["both", "true", "false"], default="both")
+  parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+  parser.add_argument("--impls", nargs="+", default=None,
+                      help="labels to run, e.g. attention_jax:xla jax.nn:cudnn "
+                           "(default: all available; the peer %s is always added)" % PEER)
+  parser.add_argument("--repeats", type=int, default=5, help="timed runs per cell")
+  parser.add_argument("--out", type=pathlib.Path, default=None,
+                      help="JSON output (default: benchmarks/attention_<backend>.json)")
+  parser.add_argument("--cell-timeout", type=float, default=900.0,
+                      help="seconds before a CPU child process is abandoned")
+  # Internal: run a single cell described by this JSON and print its record.
+  parser.add_argument("--cell", default=None, help=argparse.SUPPRESS)
+  args = parser.parse_args(argv)
+  if args.repeats < 1:
+    parser.error("--repeats must be at least 1")
+  return args
+
+
+def causal_settings(choice: str) -> list[bool]:
+  """Maps the --causal choice to the settings to sweep."""
+  return {"both": [False, True], "true": [True], "false": [False]}[choice]
+
+
+# ---------------------------------------------------------------------------
+# Implementations.
+# ---------------------------------------------------------------------------
+
+
+def attention_jax_implementations() -> tuple[str, ...]:
+  """Names `attention_jax.dot_product_attention` accepts on this backend."""
+  if not hasattr(attention_jax, "dot_product_attention"):
+    return ()
+  return tuple(getattr(attention_jax, "available_implementations", lambda: ("xla",))())
+
+
+def available_labels(backend: str | None = None) -> list[str]:
+  """All implementation labels that can be benchmarked on `backend`, peer last."""
+  backend = backend or jax.default_backend()
+  labels = [f"attention_jax:{name}" for name in attention_jax_implementations()]
+  if backend == "gpu":  # cuDNN's fused attention only exists for NVIDIA GPUs.
+    labels.append("jax.nn:cudnn")
+  labels.append(PEER)
+  return labels
+
+
+def select_labels(requested: list[str] | None, backend: str) -> list[str]:
+  """Validates --impls against what is available and makes sure the peer is in."""
+  available = available_labels(backend)
+  if requested is None:
+    return available
+  unknown = [label for label in requested if label not in available]
+  if unknown:
+    raise SystemExit(f"unavailable implementation(s) {unknown}; choose from {available}")
+  # Speedups are defined against the peer, so it is always measured.
+  return list(dict.fromkeys(requested + [PEER]))
+
+
+def attention_function(label: str) -> Callable[..., jax.Array]:
+  """Returns `f(q, k, v, is_causal)` for a label such as "attention_jax:xla"."""
+  library, implementation = label.split(":", 1)
+  attend = {
+      "attention_jax": lambda: attention_jax.dot_product_attention,
+      "jax.nn": lambda: jax.nn.dot_product_attention,
+  }[library]()
+  return functools.partial(attend, implementation=implementation)
+
+
+# ---------------------------------------------------------------------------
+# One cell: inputs, the function to time, the measurements.
+# ---------------------------------------------------------------------------
+
+
+def make_inputs(cell: dict[str, Any]) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Random normal q, k, v of layout [B, T, H, D] from a fixed key.
+
+  Every cell builds them from the same key, so all implementations see
+  identical inputs even when they run in different processes.
+  """
+  shape = (cell["batch"], cell["seq_len"], cell["heads"], cell["head_dim"])
+  return _random_qkv(jax.random.PRNGKey(0), shape, cell["dtype"])
+
+
+@functools.partial(jax.jit, static_argnames=("shape", "dtype"))
+def _random_qkv(key: jax.Array, shape: tuple[int, ...], dtype: str):
+  """Three normal arrays from `key`; jitted as one program because eager
+  random ops compile one by one, which dominated the start-up of a CPU cell."""
+  return tuple(jax.random.normal(k, shape, dtype=dtype) for k in jax.random.split(key, 3))
+
+
+def make_step(label: str, mode: str, causal: bool) -> Callable[..., Any]:
+  """The jitted computation for one cell: the forward pass, or grads of sum(out)."""
+  attend = attention_function(label)
+
+  def forward(q, k, v):
+    return attend(q, k, v, is_causal=causal)
+
+  if mode == "fwd":
+    return jax.jit(forward)
+
+  def loss(q, k, v):
+    # Sum in float32 so the bfloat16 runs do not lose the loss to rounding.
+    return forward(q, k, v).astype(jnp.float32).sum()
+
+  return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+
+
+def attention_flops(cell: dict[str, Any]) -> float:
+  """Matmul FLOPs: 4*B*H*T*T*D forward, 2.5x more for backward, halved if causal."""
+  b, t, h, d = cell["batch"], cell["seq_len"], cell["heads"], cell["head_dim"]
+  flops = 4.0 * b * h * t * t * d
+  if cell["mode"] == "fwd_bwd":
+    flops *= 3.5
+  if cell["causal"]:
+    flops /= 2
+  return flops
+
+
+def compiled_memory(compiled: Any) -> dict[str, int] | None:
+  """XLA's static memory analysis of an executable; None where unsupported."""
+  try:
+    stats = compiled.memory_analysis()
+  except Exception:  # pylint: disable=broad-except
+    return None
+  if stats is None:
+    return None
+  fields = ("temp_size_in_bytes", "argument_size_in_bytes", "output_size_in_bytes",
+            "alias_size_in_bytes", "generated_code_size_in_bytes")
+  return {f: int(getattr(stats, f)) for f in fields if hasattr(stats, f)}
+
+
+def time_runs(compiled: Any, inputs: tuple[jax.Array, ...], repeats: int) -> list[float]:
+  """Milliseconds of `repeats` runs, after one untimed warm-up run."""
+  jax.block_until_ready(compiled(*inputs))  # The first call pays one-off runtime setup.
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    jax.block_until_ready(compiled(*inputs))
+    times.append((time.perf_counter() - start) * 1e3)
+  return times
+
+
+# ---------------------------------------------------------------------------
+# Memory probes.
+# ---------------------------------------------------------------------------
+
+
+def _proc_status_bytes(field: str) -> int | None:
+  """A `kB` field of /proc/self/status in bytes (Linux only), else None."""
+  try:
+    with open("/proc/self/status") as status:
+      for line in status:
+        if line.startswith(field + ":"):
+          return int(line.split()[1]) * 1024
+  except OSError:
+    pass
+  return None
+
+
+def current_rss() -> int | None:
+  """Resident set size of this process now."""
+  return _proc_status_bytes("VmRSS")
+
+
+def reset_peak_rss() -> bool:
+  """Resets the RSS high-water mark to the current RSS (Linux >= 4.0).
+
+  Without this the peak would include compilation, which can exceed the run.
+  """
+  try:
+    with open("/proc/self/clear_refs", "w") as clear_refs:
+      clear_refs.write("5")
+    return True
+  except OSError:
+    return False
+
+
+def peak_rss() -> int:
+  """This process's RSS high-water mark.
+
+  VmHWM is preferred over `ru_maxrss` because on Linux a child's `ru_maxrss`
+  starts at its parent's high-water mark (it is carried across exec), which
+  would charge the parent's memory to the cell.
+  """
+  hwm = _proc_status_bytes("VmHWM")
+  if hwm is not None:
+    return hwm
+  maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+  return maxrss if sys.platform == "darwin" else maxrss * 1024  # bytes vs kB
+
+
+def device_memory(device: jax.Device) -> dict[str, int]:
+  """The allocator's statistics for `device`; empty where the backend has none."""
+  try:
+    return device.memory_stats() or {}
+  except Exception:  # pylint: disable=broad-except
+    return {}
+
+
+class PeakMemory:
+  """Context manager measuring the peak memory of the code inside it.
+
+  `process` mode (CPU, one cell per process): peak RSS minus the RSS at entry.
+  `device` mode (accelerators): the allocator's peak minus bytes in use at
+  entry; exact only if the cell raised the process-wide peak, otherwise an
+  upper bound.
+  """
+
+  def __init__(self, method: str):
+    self.method = method
+    self.result: dict[str, Any] = {"method": method}
+
+  def __enter__(self) -> "PeakMemory":
+    if self.method == "process":
+      self.result["baseline_bytes"] = current_rss()
+      self.result["peak_reset"] = reset_peak_rss()
+      if self.result["baseline_bytes"] is None:  # Not Linux: fall back to the mark.
+        self.result["baseline_bytes"] = peak_rss()
+    else:
+      stats = device_memory(jax.devices()[0])
+      self.result["baseline_bytes"] = stats.get("bytes_in_use")
+      self._peak_before = stats.get("peak_bytes_in_use")
+    return self
+
+  def __exit__(self, *exc_info) -> None:
+    if self.method == "process":
+      peak, exact = peak_rss(), self.result["peak_reset"]
+    else:
+      peak = device_memory(jax.devices()[0]).get("peak_bytes_in_use")
+      exact = peak is not None and self._peak_before is not None and peak > self._peak_before
+    baseline = self.result["baseline_bytes"]
+    self.result["peak_bytes"] = peak
+    self.result["peak_delta_bytes"] = (
+        max(peak - baseline, 0) if peak is not None and baseline is not None else None)
+    self.result["exact"] = bool(exact)
+
+
+# ---------------------------------------------------------------------------
+# Running cells.
+# ---------------------------------------------------------------------------
+
+
+def make_cells(args: argparse.Namespace, labels: list[str]) -> Iterator[dict[str, Any]]:
+  """One JSON-serialisable description per (length, causal, mode, impl)."""
+  for seq_len in args.lengths:
+    for causal in causal_settings(args.causal):
+      for mode in args.modes:
+        for label in labels:
+          yield {
+              "impl": label, "seq_len": seq_len, "causal": causal, "mode": mode,
+              "batch": args.batch, "heads": args.heads, "head_dim": args.head_dim,
+              "dtype": args.dtype, "repeats": args.repeats,
+          }
+
+
+def measure_cell(cell: dict[str, Any], memory_method: str) -> dict[str, Any]:
+  """Compiles, times and measures one cell in this process; errors are recorded."""
+  record = dict(cell, flops=attention_flops(cell), memory={"method": memory_method},
+                error=None)
+  try:
+    inputs = jax.block_until_ready(make_inputs(cell))
+    step = make_step(cell["impl"], cell["mode"], cell["causal"])
+    start = time.perf_counter()
+    compiled = step.lower(*inputs).compile()
+    record["compile_s"] = time.perf_counter() - start
+    with PeakMemory(memory_method) as memory:
+      times = time_runs(compiled, inputs, cell["repeats"])
+    record["memory"] = dict(memory.result, compiled=compiled_memory(compiled))
+    record["times_ms"] = times
+    record["ms"] = statistics.median(times)
+    record["gflop_per_s"] = record["flops"] / (record["ms"] * 1e-3) / 1e9
+  except Exception as e:  # pylint: disable=broad-except
+    # OOMs and unsupported configurations (e.g. cuDNN rejecting float32) are
+    # results too: note them and let the sweep go on.
+    record["error"] = f"{type(e).__name__}: {e}"[:2000]
+  return record
+
+
+def measure_in_child(cell: dict[str, Any], timeout: float) -> dict[str, Any]:
+  """Runs one cell in a fresh Python process so that its peak RSS is its own."""
+  command = [sys.executable, "-m", "experiments.benchmark_attention", "--cell", json.dumps(cell)]
+  failed = dict(cell, flops=attention_flops(cell), memory={"method": "process"})
+  try:
+    child = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True,
+                           timeout=timeout, check=False)
+  except subprocess.TimeoutExpired:
+    return dict(failed, error=f"timed out after {timeout:.0f} s")
+  # The record is the last JSON line; anything else on stdout is library chatter.
+  for line in reversed(child.stdout.splitlines()):
+    if line.startswith("{"):
+      return json.loads(line)
+  if child.returncode < 0:
+    reason = f"killed by signal {-child.returncode} (out of memory?)"
+  else:
+    reason = f"exit status {child.returncode}: {child.stderr.strip()[-1000:]}"
+  return dict(failed, error=f"child process failed, {reason}")
+
+
+def run_cells(cells: list[dict[str, Any]], args: argparse.Namespace,
+              backend: str) -> list[dict[str, Any]]:
+  """Measures every cell, isolating each in its own process on CPU."""
+  records = []
+  for i, cell in enumerate(cells, 1):
+    if backend == "cpu":
+      record = measure_in_child(cell, args.cell_timeout)
+    else:
+      # Accelerators stay in-process: a TPU can be held by one process only,
+      # and a child per cell would re-initialise the runtime every time.
+      record = measure_cell(cell, "device")
+      jax.clear_caches()  # Drop this cell's executables before the next one.
+    records.append(record)
+    outcome = f"{record['ms']:.2f} ms" if record.get("error") is None else "FAILED"
+    print(f"[{i}/{len(cells)}] {cell['impl']} T={cell['seq_len']} "
+          f"causal={cell['causal']} {cell['mode']}: {outcome}", flush=True)
+  return records
+
+
+def add_speedups(records: list[dict[str, Any]]) -> None:
+  """Sets `speedup_vs_peer` = peer_ms / impl_ms, the peer from the same shape cell."""
+  def shape_key(r):
+    return (r["seq_len"], r["causal"], r["mode"])
+
+  peer_ms = {shape_key(r): r.get("ms") for r in records
+             if r["impl"] == PEER and r.get("error") is None}
+  for record in records:
+    reference = peer_ms.get(shape_key(record))
+    ok = record.get("error") is None and reference is not None
+    record["peer"] = PEER
+    record["speedup_vs_peer"] = reference / record["ms"] if ok else None
+
+
+# ---------------------------------------------------------------------------
+# Reporting.
+# ---------------------------------------------------------------------------
+
+
+def peak_mb_text(memory: dict[str, Any]) -> str:
+  """The measured peak in MB; '<' marks an upper bound, '-' a missing value."""
+  delta = memory.get("peak_delta_bytes")
+  if delta is None:
+    return "-"
+  return ("" if memory.get("exact") else "<") + f"{delta / MB:.1f}"
+
+
+def format_table(records: list[dict[str, Any]], backend: str) -> str:
+  """A fixed-width table of all records, one line each."""
+  # TFLOP/s reads better on accelerators, GFLOP/s on CPU.
+  unit, scale = ("GFLOP/s", 1.0) if backend == "cpu" else ("TFLOP/s", 1e-3)
+  header = (f"{'impl':<24} {'T':>6} {'causal':>6} {'mode':>8} {'ms':>10} "
+            f"{unit:>9} {'peak MB':>9} {'vs ' + PEER:>14}")
+  lines = [header, "-" * len(header)]
+  for r in records:
+    prefix = f"{r['impl']:<24} {r['seq_len']:>6} {str(r['causal']):>6} {r['mode']:>8} "
+    if r.get("error") is not None:
+      lines.append(prefix + f"{'failed:':>10} {r['error'].splitlines()[0][:60]}")
+      continue
+    speedup = r["speedup_vs_peer"]
+    lines.append(prefix + f"{r['ms']:>10.2f} {r['gflop_per_s'] * scale:>9.2f} "
+                 f"{peak_mb_text(r['memory']):>9} "
+                 f"{(f'{speedup:.2f}x' if speedup is not None else '-'):>14}")
+  return "\n".join(lines)
+
+
+def environment() -> dict[str, Any]:
+  """What the numbers were measured on."""
+  device = jax.devices()[0]
+  return {
+      "backend": jax.default_backend(),
+      "device_kind": device.device_kind,
+      "device_count": jax.device_count(),
+      "jax_version": jax.__version__,
+      "attention_jax_version": getattr(attention_jax, "__version__", None),
+      "python": sys.version.split()[0],
+      "cpu_count": os.cpu_count(),
+  }
+
+
+def write_json(path: pathlib.Path, payload: dict[str, Any]) -> None:
+  """Writes `payload`, creating the folder; non-finite floats become null."""
+  def finite(x):
+    if isinstance(x, float) and not math.isfinite(x):
+      return None
+    if isinstance(x, dict):
+      return {k: finite(v) for k, v in x.items()}
+    if isinstance(x, list):
+      return [finite(v) for v in x]
+    return x
+
+  path.parent.mkdir(parents=True, exist_ok=True)
+  path.write_text(json.dumps(finite(payload), indent=2) + "\n")
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+  """Runs the sweep, prints the table, writes the JSON and returns its payload."""
+  args = parse_args(argv)
+  if args.cell is not None:  # Child process: one cell, its record on stdout.
+    print(json.dumps(measure_cell(json.loads(args.cell), "process")), flush=True)
+    return {}
+
+  backend = jax.default_backend()
+  labels = select_labels(args.impls, backend)
+  cells = list(make_cells(args, labels))
+  start = time.perf_counter()
+  records = run_cells(cells, args, backend)
+  add_speedups(records)
+  print(format_table(records, backend))
+
+  out = args.out or REPO_ROOT / "benchmarks" / f"attention_{backend}.json"
+  arguments = {k: (str(v) if isinstance(v, pathlib.Path) else v)
+               for k, v in vars(args).items() if k != "cell"}
+  arguments.update(impls=labels, out=str(out))
+  payload = {
+      "environment": environment(),
+      "arguments": arguments,
+      "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+      "wall_time_s": time.perf_counter() - start,
+      "peer": PEER,
+      "records": records,
+  }
+  write_json(out, payload)
+  print(f"wrote {len(records)} records to {out} in {payload['wall_time_s']:.0f} s")
+  return payload
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,1 @@
+"""Pallas kernels (installed as attention_jax.kernels)."""

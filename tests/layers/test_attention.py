@@ -1,0 +1,173 @@
+"""MultiHeadAttention against Flax's MultiHeadDotProductAttention, KV-cache decoding, head layouts."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from attention_jax import MultiHeadAttention, registry
+from attention_jax.variants.heads import multi_head_attention
+from attention_testing import assert_close
+
+B, T, E, H = 2, 6, 16, 4
+
+
+def _inputs(seed=0, length=T, features=E):
+  return jax.random.normal(jax.random.PRNGKey(seed), (B, length, features))
+
+
+def _init(module, *args, **kwargs):
+  return nn.meta.unbox(module.init(jax.random.PRNGKey(1), *args, **kwargs))
+
+
+@pytest.mark.parity("multi_head")
+@pytest.mark.parametrize("cross", [False, True])
+@pytest.mark.parametrize("with_mask", [False, True])
+def test_equals_flax_multi_head_dot_product_attention_with_the_same_weights(cross, with_mask):
+  x = _inputs(0)
+  context = _inputs(1, length=9, features=12) if cross else None
+  kv_len = 9 if cross else T
+  mask = None
+  if with_mask:
+    mask = jax.random.bernoulli(jax.random.PRNGKey(5), 0.7, (B, 1, T, kv_len))
+  ours = MultiHeadAttention(num_heads=H, qkv_features=24, out_features=10)
+  params = _init(ours, x, context)
+  theirs = nn.MultiHeadDotProductAttention(num_heads=H, qkv_features=24, out_features=10)
+  theirs_params = theirs.init(jax.random.PRNGKey(2), x, context)
+  assert jax.tree.structure(theirs_params) == jax.tree.structure(params)
+  expected = theirs.apply(params, x, context, mask=mask)
+  actual = ours.apply(params, x, context, mask=mask)
+  if with_mask:  # Flax gives fully masked rows uniform weights; ours gives zeros.
+    attended = np.asarray(mask).any(-1)[:, 0]
+    actual, expected = np.asarray(actual)[attended], np.asarray(expected)[attended]
+  assert_close(actual, expected)
+
+
+@pytest.mark.parity("multi_head")
+def test_pure_multi_head_function_and_sum_of_heads_form_equal_the_module():
+  x, context = _inputs(0), _inputs(1, length=9)
+  module = MultiHeadAttention(num_heads=H, use_bias=False)
+  params = _init(module, x, context)["params"]
+  expected = module.apply({"params": params}, x, context, is_causal=False)
+  kernels = [params[name]["kernel"] for name in ("query", "key", "value", "out")]
+  concat = multi_head_attention(x, context, *kernels)
+  summed = multi_head_attention(x, context, *kernels, sum_of_heads=True)
+  assert_close(concat, expected)
+  assert_close(summed, expected)
+
+
+@pytest.mark.parity("grouped_query")
+@pytest.mark.parity("multi_query")
+@pytest.mark.parametrize("variant, num_kv_heads", [("multi_query", None), ("grouped_query", 2)])
+def test_shared_kv_heads_equal_mha_with_repeated_kv_weights(variant, num_kv_heads):
+  x = _inputs(0)
+  options = {} if num_kv_heads is None else {"num_kv_heads": num_kv_heads}
+  grouped = registry.get_variant(variant).module(num_heads=H, **options)
+  params = _init(grouped, x)["params"]
+  kv_heads = params["key"]["kernel"].shape[1]
+  assert kv_heads == (num_kv_heads or 1)
+  # The same layer written as MHA: every query head h gets K/V head h // (H // Hkv).
+  repeated = jax.tree.map(lambda p: p, params)
+  for name in ("key", "value"):
+    repeated[name] = {"kernel": jnp.repeat(params[name]["kernel"], H // kv_heads, axis=1),
+                      "bias": jnp.repeat(params[name]["bias"], H // kv_heads, axis=0)}
+  mha = MultiHeadAttention(num_heads=H)
+  assert_close(grouped.apply({"params": params}, x, is_causal=True),
+               mha.apply({"params": repeated}, x, is_causal=True))
+
+
+def _decode_step_by_step(module, params, x, cache):
+  outputs = []
+  for t in range(x.shape[1]):
+    out, mutated = module.apply({"params": params, "cache": cache}, x[:, t:t + 1],
+                                mutable=["cache"])
+    cache = mutated["cache"]
+    outputs.append(out)
+  return jnp.concatenate(outputs, axis=1)
+
+
+@pytest.mark.parity("dot_product")
+@pytest.mark.parametrize("position", [None, "rope", "alibi", "t5"])
+@pytest.mark.parametrize("num_kv_heads", [H, 2, 1])
+def test_kv_cache_decoding_equals_the_causal_forward_pass(position, num_kv_heads):
+  x = _inputs(3)
+  full = MultiHeadAttention(num_heads=H, num_kv_heads=num_kv_heads, position=position)
+  params = _init(full, x)["params"]
+  expected = full.apply({"params": params}, x, is_causal=True)
+
+  decoder = full.clone(decode=True)
+  cache = decoder.init(jax.random.PRNGKey(0), x)["cache"]
+  assert cache["cached_key"].shape == (B, T, num_kv_heads, E // H)
+  actual = jax.jit(_decode_step_by_step, static_argnums=0)(decoder, params, x, cache)
+  assert_close(actual, expected, rtol=1e-5, atol=2e-5)
+
+
+def test_kv_cache_prefill_then_decode_equals_the_causal_forward_pass():
+  x = _inputs(4)
+  full = MultiHeadAttention(num_heads=H, position="rope")
+  params = _init(full, x)["params"]
+  expected = full.apply({"params": params}, x, is_causal=True)
+  decoder = full.clone(decode=True)
+  cache = decoder.init(jax.random.PRNGKey(0), x)["cache"]
+  prefix, mutated = decoder.apply({"params": params, "cache": cache}, x[:, :4], mutable=["cache"])
+  rest = _decode_step_by_step(decoder, params, x[:, 4:], mutated["cache"])
+  assert_close(jnp.concatenate([prefix, rest], axis=1), expected, atol=2e-5)
+
+
+def test_parameters_carry_logical_axis_names():
+  module = MultiHeadAttention(num_heads=H, position="t5")
+  boxed = module.init(jax.random.PRNGKey(0), _inputs())["params"]
+  names = {path: leaf.names for path, leaf in jax.tree_util.tree_flatten_with_path(
+      boxed, is_leaf=lambda l: isinstance(l, nn.Partitioned))[0]}
+  by_param = {"/".join(k.key for k in path): value for path, value in names.items()}
+  assert by_param["query/kernel"] == ("embed", "heads", "kv")
+  assert by_param["key/bias"] == ("heads", "kv")
+  assert by_param["out/kernel"] == ("heads", "kv", "embed")
+  assert by_param["out/bias"] == ("embed",)
+  assert by_param["relative_position_bias/rel_embedding"] == ("relpos_buckets", "heads")
+
+
+def test_fixed_head_size_is_independent_of_the_number_of_heads():
+  module = MultiHeadAttention(num_heads=8, head_dim=32)
+  params = _init(module, _inputs())["params"]
+  assert params["query"]["kernel"].shape == (E, 8, 32)
+  assert module.apply({"params": params}, _inputs()).shape == (B, T, E)
+
+
+def test_attention_options_reach_the_pure_function():
+  x = _inputs()
+  windowed = MultiHeadAttention(num_heads=H, attention_options={"local_window_size": 0})
+  params = _init(windowed, x)["params"]
+  # With a window of 0 every token attends only to itself: output = out(value(x)).
+  value = jnp.einsum("bte,ehd->bthd", x, params["value"]["kernel"]) + params["value"]["bias"]
+  expected = jnp.einsum("bthd,hde->bte", value, params["out"]["kernel"]) + params["out"]["bias"]
+  assert_close(windowed.apply({"params": params}, x), expected)
+
+
+def test_dropout_is_active_only_when_not_deterministic():
+  x = _inputs()
+  module = MultiHeadAttention(num_heads=H, dropout_rate=0.5)
+  params = _init(module, x)
+  clean = module.apply(params, x)
+  assert_close(module.apply(params, x, deterministic=True), clean)
+  noisy = module.apply(params, x, deterministic=False, rngs={"dropout": jax.random.PRNGKey(3)})
+  assert not np.allclose(noisy, clean)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(num_heads=4, num_kv_heads=3), r"num_heads \(4\) must be a multiple of num_kv_heads \(3\)"),
+    (dict(num_heads=5), r"qkv_features \(16\) must be divisible by num_heads \(5\)"),
+    (dict(num_heads=4, attention="nope"), "unknown attention variant 'nope'"),
+    (dict(num_heads=4, attention="multi_head"), "is not Q/K/V attention"),
+    (dict(num_heads=4, position="sinusoidal"), "position must be one of"),
+])
+def test_bad_configuration_raises_value_errors(kwargs, message):
+  with pytest.raises(ValueError, match=message):
+    MultiHeadAttention(**kwargs).init(jax.random.PRNGKey(0), _inputs())
+
+
+def test_decode_refuses_cross_attention():
+  with pytest.raises(ValueError, match="decode=True caches self-attention"):
+    MultiHeadAttention(num_heads=H, decode=True).init(jax.random.PRNGKey(0), _inputs(),
+                                                      _inputs(1))

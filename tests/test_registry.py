@@ -1,0 +1,74 @@
+"""The registry: lookups, errors, README table, and test coverage of every variant."""
+
+import ast
+import pathlib
+
+import pytest
+
+from attention_jax import registry
+from experiments import variant_table
+
+TESTS = pathlib.Path(__file__).resolve().parent
+
+
+def _marked_variants(kind: str) -> set:
+  """Names given to `@pytest.mark.<kind>("name")` anywhere under tests/."""
+  names = set()
+  for path in TESTS.rglob("test_*.py"):
+    for node in ast.walk(ast.parse(path.read_text())):
+      if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+          and node.func.attr == kind and isinstance(node.func.value, ast.Attribute)
+          and node.func.value.attr == "mark"):
+        names.update(arg.value for arg in node.args if isinstance(arg, ast.Constant))
+  return names
+
+
+def test_every_variant_has_a_parity_or_property_test():
+  parity, prop = _marked_variants("parity"), _marked_variants("property")
+  missing = [name for name in registry.list_variants() if name not in parity | prop]
+  assert not missing, f"registered variants without a parity/property test: {missing}"
+  # Exact variants are held to parity with the reference, not just a property.
+  loose = [name for name in registry.list_variants()
+           if registry.get_variant(name).exact and name not in parity]
+  assert not loose, f"exact variants without a parity test: {loose}"
+  unknown = (parity | prop) - set(registry.list_variants())
+  assert not unknown, f"tests are marked with unregistered names: {sorted(unknown)}"
+
+
+def test_readme_variant_table_is_generated_from_the_registry():
+  readme = variant_table.README.read_text()
+  assert variant_table.render(readme) == readme, (
+      "README.md's variant table is stale: run python -m experiments.variant_table")
+  for name in registry.list_variants():
+    assert f"| `{name}` |" in readme
+
+
+def test_unknown_variant_lists_the_valid_names():
+  with pytest.raises(ValueError, match=r"unknown attention variant 'no_such'.*dot_product"):
+    registry.get_variant("no_such")
+
+
+def test_specs_are_consistent():
+  names = registry.list_variants()
+  assert "dot_product" in names and len(names) == len(set(names))
+  for name in names:
+    spec = registry.get_variant(name)
+    assert spec.name == name
+    assert spec.family in registry.FAMILIES
+    assert callable(spec.fn) and callable(spec.module)
+    assert spec.complexity.startswith("O(")
+    # A sub-quadratic claim and a T^2 complexity contradict each other.
+    assert spec.subquadratic == ("T^2" not in spec.complexity), name
+
+
+def test_duplicate_registration_is_refused():
+  spec = registry.get_variant("dot_product")
+  with pytest.raises(ValueError, match="already registered"):
+    registry.register(spec)
+
+
+def test_bad_family_is_refused():
+  spec = registry.get_variant("dot_product")
+  bad = registry.VariantSpec(**{**spec.__dict__, "name": "x_bad_family", "family": "misc"})
+  with pytest.raises(ValueError, match="family must be one of"):
+    registry.register(bad)
