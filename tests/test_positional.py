@@ -12,9 +12,15 @@ import pytest
 
 from attention_jax import positional
 
+# Jitted once per shape: eager dispatch compiles every primitive separately, which
+# dominates the runtime of tests this small.
+rope = jax.jit(positional.apply_rope, static_argnames="max_wavelength")
+buckets = jax.jit(positional.t5_relative_position_bucket,
+                  static_argnames=("bidirectional", "num_buckets", "max_distance"))
+sinusoids = jax.jit(positional.sinusoidal_embedding, static_argnums=(1, 2))
 
 def _normal(shape, seed=0, dtype=jnp.float32):
-  return jax.random.normal(jax.random.PRNGKey(seed), shape, dtype)
+  return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), dtype)
 
 
 # --------------------------------------------------------------------------- sinusoidal
@@ -32,16 +38,16 @@ def _paper_sinusoids(positions, features, max_timescale=10_000.0):
 
 def test_sinusoidal_matches_paper_formula():
   positions = [0, 1, 2, 7, 50, 333]
-  got = positional.sinusoidal_embedding(jnp.array(positions), 16)
+  got = sinusoids(jnp.array(positions), 16)
   assert got.shape == (6, 16)
   np.testing.assert_allclose(got, _paper_sinusoids(positions, 16), atol=2e-5)
-  got = positional.sinusoidal_embedding(jnp.array(positions, jnp.float32), 6, max_timescale=50.0)
+  got = sinusoids(jnp.array(positions, jnp.float32), 6, 50.0)
   np.testing.assert_allclose(got, _paper_sinusoids(positions, 6, 50.0), atol=2e-5)
 
 
 def test_sinusoidal_batched_positions():
   positions = jnp.array([[0, 1, 2], [5, 6, 9]])
-  got = positional.sinusoidal_embedding(positions, 8)
+  got = sinusoids(positions, 8)
   assert got.shape == (2, 3, 8)
   np.testing.assert_allclose(got[1], _paper_sinusoids([5, 6, 9], 8), atol=2e-5)
 
@@ -50,7 +56,7 @@ def test_sinusoidal_shift_is_a_fixed_linear_map():
   # The paper's motivation: PE(pos + k) = M_k PE(pos) for a matrix M_k independent
   # of pos. Fit M_k on some positions and check it on others.
   features, shift = 8, 5
-  table = np.asarray(positional.sinusoidal_embedding(jnp.arange(200), features), np.float64)
+  table = np.asarray(sinusoids(jnp.arange(200), features), np.float64)
   fit, held_out = np.arange(0, 100), np.arange(100, 195)
   m, *_ = np.linalg.lstsq(table[fit], table[fit + shift], rcond=None)
   np.testing.assert_allclose(table[held_out] @ m, table[held_out + shift], atol=1e-3)
@@ -64,15 +70,15 @@ def test_sinusoidal_odd_features_raises():
 def test_sinusoidal_module_adds_embedding_and_has_no_params():
   x = _normal((2, 5, 8))
   module = positional.SinusoidalPositionEmbedding()
-  variables = module.init(jax.random.PRNGKey(0), x)
+  variables = jax.jit(module.init)(jax.random.PRNGKey(0), x)
   assert not jax.tree_util.tree_leaves(variables)
-  np.testing.assert_allclose(module.apply(variables, x), x + _paper_sinusoids(range(5), 8),
-                             atol=2e-5)
+  apply = jax.jit(module.apply)
+  np.testing.assert_allclose(apply(variables, x), x + _paper_sinusoids(range(5), 8), atol=2e-5)
   positions = jnp.array([[0, 1, 2, 0, 1], [3, 4, 5, 6, 7]])
-  got = jax.jit(module.apply)(variables, x, positions)
+  got = apply(variables, x, positions)
   np.testing.assert_allclose(got[0], x[0] + _paper_sinusoids([0, 1, 2, 0, 1], 8), atol=2e-5)
   np.testing.assert_allclose(got[1], x[1] + _paper_sinusoids([3, 4, 5, 6, 7], 8), atol=2e-5)
-  assert module.apply(variables, x.astype(jnp.bfloat16)).dtype == jnp.bfloat16
+  assert apply(variables, x.astype(jnp.bfloat16)).dtype == jnp.bfloat16
 
 
 def test_sinusoidal_module_bad_inputs():
@@ -89,16 +95,17 @@ def test_sinusoidal_module_bad_inputs():
 def test_learned_param_shape_axes_and_output():
   x = _normal((2, 3, 4))
   module = positional.LearnedPositionEmbedding(max_length=6)
-  variables = module.init(jax.random.PRNGKey(1), x)
+  variables = jax.jit(module.init)(jax.random.PRNGKey(1), x)
   boxed = variables["params"]["embedding"]
   assert isinstance(boxed, nn.LogicallyPartitioned)
   assert boxed.names == ("length", "embed")
   table = np.asarray(nn.unbox(variables)["params"]["embedding"])
   assert table.shape == (6, 4)
   assert 0.005 < table.std() < 0.05  # normal(stddev=0.02)
-  np.testing.assert_allclose(module.apply(variables, x), x + table[:3], atol=1e-6)
+  apply = jax.jit(module.apply)
+  np.testing.assert_allclose(apply(variables, x), x + table[:3], atol=1e-6)
   positions = jnp.array([[5, 0, 2], [1, 1, 4]])
-  got = jax.jit(module.apply)(variables, x, positions)
+  got = apply(variables, x, positions)
   np.testing.assert_allclose(got, x + table[np.asarray(positions)], atol=1e-6)
 
 
@@ -130,15 +137,15 @@ def _complex_rope(x, positions, max_wavelength=10_000.0):
 def test_rope_matches_complex_rotation():
   x = _normal((2, 5, 3, 8))
   positions = jnp.array([[0, 1, 2, 3, 4], [7, 3, 100, 0, 12]])
-  np.testing.assert_allclose(positional.apply_rope(x, positions), _complex_rope(x, positions),
+  np.testing.assert_allclose(rope(x, positions), _complex_rope(x, positions),
                              atol=1e-4)
-  np.testing.assert_allclose(positional.apply_rope(x, jnp.arange(5), max_wavelength=100.0),
+  np.testing.assert_allclose(rope(x, jnp.arange(5), max_wavelength=100.0),
                              _complex_rope(x, np.arange(5), 100.0), atol=1e-4)
 
 
 def test_rope_preserves_norms():
   x = _normal((2, 6, 2, 16), seed=3)
-  out = positional.apply_rope(x, jnp.arange(6) * 37)
+  out = rope(x, jnp.arange(6) * 37)
   np.testing.assert_allclose(jnp.linalg.norm(out, axis=-1), jnp.linalg.norm(x, axis=-1),
                              rtol=1e-5)
 
@@ -148,8 +155,8 @@ def test_rope_dot_products_depend_on_relative_position_only():
   positions = jnp.arange(6)
 
   def logits(offset):
-    rq = positional.apply_rope(q, positions + offset)
-    rk = positional.apply_rope(k, positions + offset)
+    rq = rope(q, positions + offset)
+    rk = rope(k, positions + offset)
     return jnp.einsum("bqhd,bkhd->bhqk", rq, rk)
 
   np.testing.assert_allclose(logits(0), logits(11), atol=1e-4)
@@ -161,7 +168,7 @@ def test_rope_dot_products_depend_on_relative_position_only():
 def test_rope_jit_batched_positions_and_dtype():
   x = _normal((2, 4, 2, 8)).astype(jnp.bfloat16)
   positions = jnp.array([[0, 1, 2, 3], [5, 6, 7, 8]])
-  out = jax.jit(positional.apply_rope)(x, positions)
+  out = rope(x, positions)
   assert out.dtype == jnp.bfloat16 and out.shape == x.shape
   np.testing.assert_allclose(np.asarray(out, np.float32), _complex_rope(x.astype(jnp.float32),
                                                                         positions), atol=5e-2)
@@ -238,16 +245,16 @@ UNIDIRECTIONAL = [(0, 0), (5, 0), (1000, 0), (-5, 5), (-15, 15), (-16, 16), (-40
 @pytest.mark.parametrize("bidirectional,cases", [(True, BIDIRECTIONAL), (False, UNIDIRECTIONAL)])
 def test_t5_buckets_hand_worked(bidirectional, cases):
   relative, expected = map(np.array, zip(*cases))
-  got = positional.t5_relative_position_bucket(jnp.array(relative), bidirectional=bidirectional)
+  got = buckets(jnp.array(relative), bidirectional=bidirectional)
   assert got.dtype == jnp.int32
   np.testing.assert_array_equal(got, expected)
 
 
 def test_t5_buckets_monotone_and_in_range():
   distance = jnp.arange(0, 400)
-  before = np.asarray(positional.t5_relative_position_bucket(-distance, num_buckets=16,
+  before = np.asarray(buckets(-distance, num_buckets=16,
                                                              max_distance=64))
-  after = np.asarray(positional.t5_relative_position_bucket(distance[1:], num_buckets=16,
+  after = np.asarray(buckets(distance[1:], num_buckets=16,
                                                             max_distance=64))
   assert np.all(np.diff(before) >= 0) and np.all(np.diff(after) >= 0)
   assert set(before) == set(range(8)) and set(after) == set(range(9, 16))
@@ -265,7 +272,7 @@ def test_t5_bucket_bad_inputs():
 def test_t5_module_params_and_bias():
   module = positional.T5RelativePositionBias(num_heads=3)
   q_positions, k_positions = jnp.array([[0, 1, 2, 3], [4, 5, 6, 7]]), jnp.arange(5)
-  variables = module.init(jax.random.PRNGKey(0), q_positions, k_positions)
+  variables = jax.jit(module.init)(jax.random.PRNGKey(0), q_positions, k_positions)
   boxed = variables["params"]["rel_embedding"]
   assert boxed.names == ("relpos_buckets", "heads")
   assert boxed.value.shape == (32, 3)
@@ -283,8 +290,8 @@ def test_t5_module_params_and_bias():
 def test_t5_module_equal_offsets_equal_bias():
   module = positional.T5RelativePositionBias(num_heads=2, num_buckets=8, max_distance=16)
   positions = jnp.arange(20)
-  variables = module.init(jax.random.PRNGKey(0), positions, positions)
-  bias = np.asarray(module.apply(variables, positions, positions))
+  variables = jax.jit(module.init)(jax.random.PRNGKey(0), positions, positions)
+  bias = np.asarray(jax.jit(module.apply)(variables, positions, positions))
   # Toeplitz: bias[i, j] depends only on j - i.
   np.testing.assert_array_equal(bias[:, :, 1:, 1:], bias[:, :, :-1, :-1])
   # Every bucket is used except num_buckets / 2: offset 0 counts as "before".
