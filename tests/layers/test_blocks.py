@@ -1,0 +1,228 @@
+"""FeedForward, norms and EncoderBlock against their written-out formulas."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.scipy.special import erf
+
+from attention_jax.layers import EncoderBlock, FeedForward, MultiHeadAttention, make_norm
+from attention_testing import assert_close
+
+B, T, E, H, F = 2, 8, 16, 4, 32
+
+
+def _inputs(seed=0, length=T, features=E):
+  return jax.random.normal(jax.random.PRNGKey(seed), (B, length, features))
+
+
+def _params(module, *args, **kwargs):
+  return nn.meta.unbox(module.init(jax.random.PRNGKey(1), *args, **kwargs))["params"]
+
+
+def _dense(x, p):
+  return x @ p["kernel"] + p["bias"]
+
+
+def _layer_norm(x, p, eps=1e-6):
+  mean = x.mean(-1, keepdims=True)
+  var = ((x - mean) ** 2).mean(-1, keepdims=True)
+  return (x - mean) / jnp.sqrt(var + eps) * p["scale"] + p["bias"]
+
+
+def _rms_norm(x, p, eps=1e-6):
+  return x / jnp.sqrt((x ** 2).mean(-1, keepdims=True) + eps) * p["scale"]
+
+
+def _perturbed(params, seed=7):
+  """Random parameters: default initialisers (zero biases, unit scales) would
+  hide a missing bias or scale."""
+  leaves, tree = jax.tree.flatten(params)
+  rng = np.random.default_rng(seed)  # NumPy: no compilation per parameter shape.
+  return jax.tree.unflatten(
+      tree, [leaf + 0.3 * rng.standard_normal(leaf.shape, np.float32) for leaf in leaves])
+
+
+# ---------------------------------------------------------------------------
+# FeedForward.
+# ---------------------------------------------------------------------------
+
+_PLAIN = {
+    "relu": lambda h: jnp.maximum(h, 0),
+    "gelu": lambda h: 0.5 * h * (1 + erf(h / np.sqrt(2))),
+    "swish": lambda h: h / (1 + jnp.exp(-h)),
+}
+
+
+@pytest.mark.parametrize("activation", sorted(_PLAIN))
+def test_feedforward_equals_act_x_w_then_w_out(activation):
+  x = _inputs()
+  module = FeedForward(F, activation=activation)
+  params = _perturbed(_params(module, x))
+  expected = _dense(_PLAIN[activation](_dense(x, params["wi"])), params["wo"])
+  assert_close(module.apply({"params": params}, x), expected, atol=1e-5)
+
+
+@pytest.mark.parametrize("activation,gate", [("swiglu", "swish"), ("geglu", "gelu")])
+def test_gated_feedforward_equals_act_xw_times_xv_then_w_out(activation, gate):
+  x = _inputs()
+  module = FeedForward(F, activation=activation)
+  params = _perturbed(_params(module, x))
+  assert set(params) == {"wi_0", "wi_1", "wo"}
+  hidden = _PLAIN[gate](_dense(x, params["wi_0"])) * _dense(x, params["wi_1"])
+  assert_close(module.apply({"params": params}, x), _dense(hidden, params["wo"]), atol=1e-5)
+
+
+def test_feedforward_without_bias_has_no_bias_params():
+  x = _inputs()
+  module = FeedForward(F, activation="relu", use_bias=False)
+  params = _params(module, x)
+  assert "bias" not in params["wi"] and "bias" not in params["wo"]
+  expected = jnp.maximum(x @ params["wi"]["kernel"], 0) @ params["wo"]["kernel"]
+  assert_close(module.apply({"params": params}, x), expected)
+
+
+def test_feedforward_unknown_activation_lists_the_valid_ones():
+  with pytest.raises(ValueError, match="activation.*swiglu.*'tanh'"):
+    FeedForward(F, activation="tanh").init(jax.random.PRNGKey(0), _inputs())
+
+
+def test_feedforward_params_carry_logical_axes():
+  boxed = FeedForward(F, activation="geglu").init(jax.random.PRNGKey(0), _inputs())["params"]
+  names = {path: leaf.names for path, leaf in _boxes(boxed)}
+  assert names == {
+      ("wi_0", "kernel"): ("embed", "mlp"), ("wi_0", "bias"): ("mlp",),
+      ("wi_1", "kernel"): ("embed", "mlp"), ("wi_1", "bias"): ("mlp",),
+      ("wo", "kernel"): ("mlp", "embed"), ("wo", "bias"): ("embed",),
+  }
+
+
+def _boxes(tree):
+  flat = jax.tree_util.tree_flatten_with_path(
+      tree, is_leaf=lambda x: isinstance(x, nn.Partitioned))[0]
+  return [(tuple(k.key for k in path), leaf) for path, leaf in flat]
+
+
+def test_feedforward_dropout_acts_only_when_not_deterministic():
+  x = _inputs()
+  module = FeedForward(F, dropout_rate=0.5)
+  params = _params(module, x)
+  reference = FeedForward(F, dropout_rate=0.0).apply({"params": params}, x)
+  assert_close(module.apply({"params": params}, x, deterministic=True), reference)
+  dropped = module.apply({"params": params}, x, deterministic=False,
+                         rngs={"dropout": jax.random.PRNGKey(3)})
+  assert not np.allclose(dropped, reference, atol=1e-3)
+
+
+# ---------------------------------------------------------------------------
+# Norms.
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind,formula", [("layernorm", _layer_norm), ("rmsnorm", _rms_norm)])
+def test_norm_equals_its_formula_and_names_its_scale_axis(kind, formula):
+  x = 3.0 * _inputs() + 1.0
+  module = make_norm(kind, jnp.float32)
+  boxed = module.init(jax.random.PRNGKey(0), x)["params"]
+  assert all(leaf.names == ("embed",) for _, leaf in _boxes(boxed))
+  params = _perturbed(nn.meta.unbox(boxed))
+  assert_close(module.apply({"params": params}, x), formula(x, params), atol=1e-5)
+
+
+def test_make_norm_unknown_name_lists_the_valid_ones():
+  with pytest.raises(ValueError, match="layernorm.*rmsnorm.*'batchnorm'"):
+    make_norm("batchnorm")
+
+
+# ---------------------------------------------------------------------------
+# EncoderBlock.
+# ---------------------------------------------------------------------------
+
+
+def _block_by_formula(params, x, *, pre_norm, norm, mask=None, is_causal=False):
+  """The residual structure written out, the sub-layers applied on their own."""
+  attention = MultiHeadAttention(num_heads=H)
+  mlp = FeedForward(F, activation="gelu")
+  normalize = _layer_norm if norm == "layernorm" else _rms_norm
+
+  def attend(y):
+    return attention.apply({"params": params["attention"]}, y, mask=mask, is_causal=is_causal)
+
+  def feed_forward(y):
+    return mlp.apply({"params": params["mlp"]}, y)
+
+  if pre_norm:
+    y = x + attend(normalize(x, params["attention_norm"]))
+    return y + feed_forward(normalize(y, params["mlp_norm"]))
+  y = normalize(x + attend(x), params["attention_norm"])
+  return normalize(y + feed_forward(y), params["mlp_norm"])
+
+
+@pytest.mark.parametrize("pre_norm", [True, False])
+@pytest.mark.parametrize("norm", ["layernorm", "rmsnorm"])
+def test_block_equals_pre_or_post_norm_formula(pre_norm, norm):
+  x = _inputs()
+  mask = jax.random.bernoulli(jax.random.PRNGKey(4), 0.7, (B, 1, T, T)).at[..., 0].set(True)
+  block = EncoderBlock(num_heads=H, mlp_dim=F, norm=norm, pre_norm=pre_norm)
+  params = _perturbed(_params(block, x))
+  assert set(params) == {"attention", "attention_norm", "mlp", "mlp_norm"}
+  expected = _block_by_formula(params, x, pre_norm=pre_norm, norm=norm, mask=mask)
+  assert_close(block.apply({"params": params}, x, mask=mask), expected, atol=1e-4)
+
+
+def test_causal_block_output_at_t_ignores_later_inputs():
+  x = _inputs()
+  block = EncoderBlock(num_heads=H, mlp_dim=F)
+  params = _params(block, x)
+  changed = x.at[:, 3:].set(_inputs(seed=9)[:, 3:])
+  out = block.apply({"params": params}, x, is_causal=True)
+  out_changed = block.apply({"params": params}, changed, is_causal=True)
+  assert_close(out[:, :3], out_changed[:, :3])
+  assert not np.allclose(out[:, 3:], out_changed[:, 3:], atol=1e-3)
+
+
+def test_block_dropout_is_off_when_deterministic_and_on_otherwise():
+  x = _inputs()
+  block = EncoderBlock(num_heads=H, mlp_dim=F, dropout_rate=0.3, attention_dropout_rate=0.3)
+  params = _params(block, x)
+  reference = EncoderBlock(num_heads=H, mlp_dim=F).apply({"params": params}, x)
+  assert_close(block.apply({"params": params}, x, deterministic=True), reference)
+  run = lambda seed: block.apply({"params": params}, x, deterministic=False,
+                                 rngs={"dropout": jax.random.PRNGKey(seed)})
+  assert not np.allclose(run(0), reference, atol=1e-3)
+  assert not np.allclose(run(0), run(1), atol=1e-3)
+  assert_close(run(2), run(2))
+
+
+@pytest.mark.parametrize("attention,num_kv_heads,expected_kv_heads",
+                         [("dot_product", None, H), ("multi_query", None, 1),
+                          ("grouped_query", 2, 2)])
+def test_block_builds_the_named_mixer(attention, num_kv_heads, expected_kv_heads):
+  x = _inputs()
+  block = EncoderBlock(num_heads=H, mlp_dim=F, attention=attention, num_kv_heads=num_kv_heads)
+  params = _params(block, x)
+  assert params["attention"]["query"]["kernel"].shape == (E, H, E // H)
+  assert params["attention"]["key"]["kernel"].shape == (E, expected_kv_heads, E // H)
+  assert block.apply({"params": params}, x).shape == x.shape
+
+
+def test_block_passes_relative_position_to_the_mixer():
+  x = _inputs()
+  params = _params(EncoderBlock(num_heads=H, mlp_dim=F, position="t5"), x)
+  assert "relative_position_bias" in params["attention"]
+  # RoPE has no parameters, but it makes the output depend on positions.
+  rope = EncoderBlock(num_heads=H, mlp_dim=F, position="rope")
+  params = _params(rope, x)
+  no_position = EncoderBlock(num_heads=H, mlp_dim=F).apply({"params": params}, x)
+  assert not np.allclose(rope.apply({"params": params}, x), no_position, atol=1e-4)
+
+
+def test_block_unknown_names_raise():
+  x = _inputs()
+  with pytest.raises(ValueError, match="unknown attention variant 'nope'"):
+    EncoderBlock(num_heads=H, mlp_dim=F, attention="nope").init(jax.random.PRNGKey(0), x)
+  with pytest.raises(ValueError, match="norm must be one of"):
+    EncoderBlock(num_heads=H, mlp_dim=F, norm="nope").init(jax.random.PRNGKey(0), x)
+  with pytest.raises(ValueError, match=r"x must be \[B, T, E\]"):
+    EncoderBlock(num_heads=H, mlp_dim=F).init(jax.random.PRNGKey(0), x[0])
