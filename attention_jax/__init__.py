@@ -9,6 +9,7 @@ from attention_jax import registry
 from attention_jax.core import make_attention_mask, masked_softmax, reference_attention
 from attention_jax.layers.attention import MultiHeadAttention
 from attention_jax.registry import get_variant, list_variants
+from attention_jax import kernels  # registers the blockwise and Pallas implementations
 from attention_jax.variants import (available_implementations, dot_product_attention,
                                     multi_head_attention)
 

@@ -16,7 +16,8 @@ itself with a hidden ``--cell`` argument), so the process high-water mark
 belongs to that cell alone; the figure reported is the peak RSS minus the RSS
 just before the computation (inputs and executable already resident). On
 GPU/TPU cells run in-process and the device's ``peak_bytes_in_use`` is used; it
-cannot be reset, so a cell that does not raise it gets an upper bound only.
+cannot be reset, so a cell that does not raise it gets an upper bound only
+(marked '~' in the table, like any other inexact figure).
 XLA's compiled memory analysis is recorded on every backend as well.
 
 This is a benchmark, not a test: it asserts nothing about speed.
@@ -76,7 +77,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
   parser.add_argument("--impls", nargs="+", default=None,
                       help="labels to run, e.g. attention_jax:xla jax.nn:cudnn "
                            "(default: all available; the peer %s is always added)" % PEER)
-  parser.add_argument("--repeats", type=int, default=5, help="timed runs per cell")
+  parser.add_argument("--repeats", type=int, default=3, help="timed runs per cell")
   parser.add_argument("--out", type=pathlib.Path, default=None,
                       help="JSON output (default: benchmarks/attention_<backend>.json)")
   parser.add_argument("--cell-timeout", type=float, default=900.0,
@@ -147,17 +148,13 @@ def make_inputs(cell: dict[str, Any]) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Random normal q, k, v of layout [B, T, H, D] from a fixed key.
 
   Every cell builds them from the same key, so all implementations see
-  identical inputs even when they run in different processes.
+  identical inputs even when they run in different processes. The key uses the
+  "rbg" generator: it is deterministic on a given backend and compiles in about
+  half the time of the default threefry, which each CPU child process pays.
   """
   shape = (cell["batch"], cell["seq_len"], cell["heads"], cell["head_dim"])
-  return _random_qkv(jax.random.PRNGKey(0), shape, cell["dtype"])
-
-
-@functools.partial(jax.jit, static_argnames=("shape", "dtype"))
-def _random_qkv(key: jax.Array, shape: tuple[int, ...], dtype: str):
-  """Three normal arrays from `key`; jitted as one program because eager
-  random ops compile one by one, which dominated the start-up of a CPU cell."""
-  return tuple(jax.random.normal(k, shape, dtype=dtype) for k in jax.random.split(key, 3))
+  keys = jax.random.split(jax.random.key(0, impl="rbg"), 3)
+  return tuple(jax.random.normal(k, shape, dtype=cell["dtype"]) for k in keys)
 
 
 def make_step(label: str, mode: str, causal: bool) -> Callable[..., Any]:
@@ -275,7 +272,8 @@ class PeakMemory:
   `process` mode (CPU, one cell per process): peak RSS minus the RSS at entry.
   `device` mode (accelerators): the allocator's peak minus bytes in use at
   entry; exact only if the cell raised the process-wide peak, otherwise an
-  upper bound.
+  upper bound. `exact` is False for those bounds, and in `process` mode where
+  the high-water mark could not be reset (then compilation may dominate it).
   """
 
   def __init__(self, method: str):
@@ -286,7 +284,7 @@ class PeakMemory:
     if self.method == "process":
       self.result["baseline_bytes"] = current_rss()
       self.result["peak_reset"] = reset_peak_rss()
-      if self.result["baseline_bytes"] is None:  # Not Linux: fall back to the mark.
+      if self.result["baseline_bytes"] is None:  # No /proc: the mark is all we have.
         self.result["baseline_bytes"] = peak_rss()
     else:
       stats = device_memory(jax.devices()[0])
@@ -407,11 +405,11 @@ def add_speedups(records: list[dict[str, Any]]) -> None:
 
 
 def peak_mb_text(memory: dict[str, Any]) -> str:
-  """The measured peak in MB; '<' marks an upper bound, '-' a missing value."""
+  """The measured peak in MB; '~' marks an inexact figure, '-' a missing one."""
   delta = memory.get("peak_delta_bytes")
   if delta is None:
     return "-"
-  return ("" if memory.get("exact") else "<") + f"{delta / MB:.1f}"
+  return ("" if memory.get("exact") else "~") + f"{delta / MB:.1f}"
 
 
 def format_table(records: list[dict[str, Any]], backend: str) -> str:

@@ -1,1 +1,3 @@
-"""Pallas kernels (installed as attention_jax.kernels)."""
+"""Attention kernels, installed as `attention_jax.kernels` (never a top-level `kernels`)."""
+
+from . import flash_attention

@@ -8,6 +8,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from attention_jax.core import reference_attention
+
 
 def random_qkv(seed=0, batch=2, q_len=7, kv_len=None, num_heads=4, num_kv_heads=None,
                head_dim=8, value_dim=None, dtype=jnp.float32):
@@ -49,3 +51,82 @@ def loop_mask(batch, q_len, kv_len, *, is_causal=False, window=None, q_lengths=N
 def assert_close(actual, expected, rtol=1e-5, atol=1e-5, err_msg=""):
   np.testing.assert_allclose(np.asarray(actual, np.float32), np.asarray(expected, np.float32),
                              rtol=rtol, atol=atol, err_msg=err_msg)
+
+
+# The argument grid every exact implementation is checked on (Tq != Tk, odd lengths).
+B, TQ, TK, H = 2, 7, 9, 4
+Q_LENGTHS = np.array([5, 7])
+KV_LENGTHS = np.array([3, 9])
+Q_SEGMENTS = np.array([[1, 1, 1, 2, 2, 2, 2], [1, 1, 1, 1, 1, 1, 3]])
+KV_SEGMENTS = np.array([[1, 1, 2, 2, 2, 2, 2, 0, 0], [1, 1, 1, 1, 2, 2, 2, 2, 2]])
+
+# name -> (keyword arguments of dot_product_attention, arguments of loop_mask, supported by jax.nn)
+MASK_CASES = {
+    "plain": ({}, {}, True),
+    "causal": (dict(is_causal=True), dict(is_causal=True), True),
+    "window": (dict(local_window_size=2), dict(window=2), True),
+    "window_pair": (dict(local_window_size=(3, 0)), dict(window=(3, 0)), True),
+    "causal_window": (dict(is_causal=True, local_window_size=(2, 2)),
+                      dict(is_causal=True, window=(2, 2)), True),
+    "q_lengths": (dict(query_seq_lengths=jnp.array(Q_LENGTHS)), dict(q_lengths=Q_LENGTHS), True),
+    "kv_lengths": (dict(key_value_seq_lengths=jnp.array(KV_LENGTHS)),
+                   dict(kv_lengths=KV_LENGTHS), True),
+    "segments": (dict(segment_ids=(jnp.array(Q_SEGMENTS), jnp.array(KV_SEGMENTS))),
+                 dict(q_segments=Q_SEGMENTS, kv_segments=KV_SEGMENTS), False),
+    "everything": (dict(is_causal=True, local_window_size=(4, 1),
+                        key_value_seq_lengths=jnp.array(KV_LENGTHS),
+                        segment_ids=(jnp.array(Q_SEGMENTS), jnp.array(KV_SEGMENTS))),
+                   dict(is_causal=True, window=(4, 1), kv_lengths=KV_LENGTHS,
+                        q_segments=Q_SEGMENTS, kv_segments=KV_SEGMENTS), False),
+}
+
+
+def bias_and_mask(seed):
+  """A random bias [1, H, Tq, Tk] and a random boolean mask [B, 1, Tq, Tk]."""
+  rng = np.random.default_rng(seed)
+  bias = jnp.array(rng.normal(size=(1, H, TQ, TK)), jnp.float32)
+  mask = jnp.array(rng.random((B, 1, TQ, TK)) > 0.2)
+  return bias, mask
+
+
+def _output_and_grads(fn, query, key, value, bias):
+  """fn's output and the gradients of a fixed random projection of it w.r.t. q, k, v, bias."""
+  shape = query.shape[:3] + value.shape[-1:]
+  cotangent = jax.random.normal(jax.random.PRNGKey(42), shape)
+
+  def loss(*args):
+    out = fn(*args)
+    return jnp.sum(out.astype(jnp.float32) * cotangent), out
+
+  (_, out), grads = jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True)(
+      query, key, value, bias)
+  return out, grads
+
+
+
+def check_against_reference(attention_fn, case, num_kv_heads, with_bias_and_mask, *,
+                            dtype=jnp.float32, rtol=1e-5, atol=1e-5):
+  """Outputs and q/k/v/bias gradients of `attention_fn` (the signature of
+  dot_product_attention) equal the reference under the loop-built mask."""
+  kwargs, mask_args, _ = MASK_CASES[case]
+  query, key, value = random_qkv(batch=B, q_len=TQ, kv_len=TK, num_heads=H,
+                                 num_kv_heads=num_kv_heads, value_dim=5, dtype=dtype)
+  allowed = loop_mask(B, TQ, TK, **mask_args)
+  bias, extra_mask = bias_and_mask(seed=1)
+  bias = bias.astype(dtype)
+  if with_bias_and_mask:
+    allowed = allowed & np.asarray(extra_mask)
+  else:
+    bias, extra_mask = jnp.zeros_like(bias), None
+
+  ours = lambda q, k, v, b: attention_fn(q, k, v, b, extra_mask, scale=0.3, **kwargs)
+  oracle = lambda q, k, v, b: reference_attention(q, k, v, b, jnp.array(allowed), scale=0.3)
+
+  # One compilation of the implementation under test; the oracle runs eagerly.
+  out, grads = jax.jit(lambda *args: _output_and_grads(ours, *args))(query, key, value, bias)
+  expected_out, expected_grads = _output_and_grads(oracle, query, key, value, bias)
+  assert out.dtype == dtype
+  assert_close(out, expected_out, rtol=rtol, atol=atol)
+  for name, got, want in zip("qkvb", grads, expected_grads):
+    assert got.dtype == dtype
+    assert_close(got, want, rtol=rtol, atol=atol, err_msg=f"gradient of {name}")

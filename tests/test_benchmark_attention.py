@@ -19,24 +19,27 @@ from experiments import benchmark_attention  # pylint: disable=g-import-not-at-t
 
 LENGTHS = (64, 128)
 MODES = ("fwd", "fwd_bwd")
+# One attention_jax implementation; the peer must be added by the script itself.
+# Each CPU cell costs a child process (~4 s), so the impl list is pinned rather
+# than growing with available_implementations().
+REQUESTED = ["attention_jax:xla"]
 
 
 @pytest.fixture(scope="module")
 def payload(tmp_path_factory):
   """Runs the benchmark once on tiny shapes and loads the JSON it wrote."""
   out = tmp_path_factory.mktemp("bench") / "attention.json"
-  # Causal only: both settings share one code path, and every CPU cell costs a
-  # child process, which keeps the test well under a minute.
+  # Causal only, for the same reason: the sweep stays well under a minute.
   benchmark_attention.main([
       "--lengths", *map(str, LENGTHS), "--batch", "1", "--heads", "2", "--head-dim", "16",
-      "--causal", "true", "--modes", *MODES, "--repeats", "1", "--out", str(out),
+      "--causal", "true", "--modes", *MODES, "--impls", *REQUESTED, "--repeats", "1",
+      "--out", str(out),
   ])
   return json.loads(out.read_text())
 
 
 def test_one_record_per_requested_cell(payload):
-  labels = benchmark_attention.available_labels()
-  assert benchmark_attention.PEER in labels
+  labels = REQUESTED + [benchmark_attention.PEER]
   assert payload["arguments"]["impls"] == labels
   cells = {(r["impl"], r["seq_len"], r["causal"], r["mode"]) for r in payload["records"]}
   expected = {(l, t, True, m) for l in labels for t in LENGTHS for m in MODES}
@@ -67,6 +70,12 @@ def test_environment_and_arguments_recorded(payload):
   assert payload["environment"]["backend"]
   assert payload["arguments"]["lengths"] == list(LENGTHS)
   assert payload["timestamp"]
+
+
+def test_default_impls_include_attention_jax_and_peer():
+  labels = benchmark_attention.available_labels()
+  assert "attention_jax:xla" in labels
+  assert labels[-1] == benchmark_attention.PEER
 
 
 def test_flop_count():

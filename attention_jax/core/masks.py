@@ -41,15 +41,31 @@ def normalize_window(local_window_size: Optional[Window]) -> Optional[Tuple[int,
   return window
 
 
-def causal_predicate(q_pos: Array, k_pos: Array) -> Array:
-  """Query at `q_pos` may see keys at or before it."""
-  return k_pos <= q_pos
+Reach = Tuple[Optional[int], Optional[int]]
 
 
-def window_predicate(q_pos: Array, k_pos: Array, window: Tuple[int, int]) -> Array:
-  """Query at `q_pos` may see keys within `window = (left, right)` of it."""
-  left, right = window
-  return (k_pos >= q_pos - left) & (k_pos <= q_pos + right)
+def reach_of(is_causal: bool, window: Optional[Tuple[int, int]]) -> Reach:
+  """How far a query sees: keys k with q - left <= k <= q + right; None is unbounded.
+
+  Causal attention is reach (None, 0), a window (left, right) is itself, and
+  both together clip the right side to 0. Blockwise code uses the reach to skip
+  blocks that no query of a block can see.
+  """
+  left, right = (None, None) if window is None else window
+  if is_causal:
+    right = 0 if right is None else min(right, 0)
+  return left, right
+
+
+def reach_predicate(q_pos: Array, k_pos: Array, reach: Reach) -> Optional[Array]:
+  """Query at `q_pos` may see the key at `k_pos` (None when the reach is unbounded)."""
+  left, right = reach
+  allowed = None
+  if right is not None:
+    allowed = k_pos <= q_pos + right
+  if left is not None:
+    allowed = and_masks(allowed, k_pos >= q_pos - left)
+  return allowed
 
 
 def length_predicate(pos: Array, lengths: Array) -> Array:
@@ -107,10 +123,9 @@ def make_attention_mask(
   window = normalize_window(local_window_size)
 
   masks = []
-  if is_causal:
-    masks.append(causal_predicate(q_pos, k_pos)[None, None])
-  if window is not None:
-    masks.append(window_predicate(q_pos, k_pos, window)[None, None])
+  structured = reach_predicate(q_pos, k_pos, reach_of(is_causal, window))
+  if structured is not None:
+    masks.append(structured[None, None])
   if query_seq_lengths is not None:
     # Padded queries see nothing; their outputs (and gradients) are zero.
     q_valid = length_predicate(jnp.arange(q_len)[None, :], query_seq_lengths[:, None])

@@ -7,81 +7,25 @@ import pytest
 
 import attention_jax
 from attention_jax.core import reference_attention
-from attention_testing import assert_close, loop_mask, random_qkv
-
-B, TQ, TK, H = 2, 7, 9, 4
-Q_LENGTHS = np.array([5, 7])
-KV_LENGTHS = np.array([3, 9])
-Q_SEGMENTS = np.array([[1, 1, 1, 2, 2, 2, 2], [1, 1, 1, 1, 1, 1, 3]])
-KV_SEGMENTS = np.array([[1, 1, 2, 2, 2, 2, 2, 0, 0], [1, 1, 1, 1, 2, 2, 2, 2, 2]])
-
-# name -> (keyword arguments of dot_product_attention, arguments of loop_mask, supported by jax.nn)
-CASES = {
-    "plain": ({}, {}, True),
-    "causal": (dict(is_causal=True), dict(is_causal=True), True),
-    "window": (dict(local_window_size=2), dict(window=2), True),
-    "window_pair": (dict(local_window_size=(3, 0)), dict(window=(3, 0)), True),
-    "causal_window": (dict(is_causal=True, local_window_size=(2, 2)),
-                      dict(is_causal=True, window=(2, 2)), True),
-    "q_lengths": (dict(query_seq_lengths=jnp.array(Q_LENGTHS)), dict(q_lengths=Q_LENGTHS), True),
-    "kv_lengths": (dict(key_value_seq_lengths=jnp.array(KV_LENGTHS)),
-                   dict(kv_lengths=KV_LENGTHS), True),
-    "segments": (dict(segment_ids=(jnp.array(Q_SEGMENTS), jnp.array(KV_SEGMENTS))),
-                 dict(q_segments=Q_SEGMENTS, kv_segments=KV_SEGMENTS), False),
-    "everything": (dict(is_causal=True, local_window_size=(4, 1),
-                        key_value_seq_lengths=jnp.array(KV_LENGTHS),
-                        segment_ids=(jnp.array(Q_SEGMENTS), jnp.array(KV_SEGMENTS))),
-                   dict(is_causal=True, window=(4, 1), kv_lengths=KV_LENGTHS,
-                        q_segments=Q_SEGMENTS, kv_segments=KV_SEGMENTS), False),
-}
-HEAD_LAYOUTS = {"mha": 4, "gqa": 2, "mqa": 1}
-
-
-def _bias_and_mask(seed):
-  rng = np.random.default_rng(seed)
-  bias = jnp.array(rng.normal(size=(1, H, TQ, TK)), jnp.float32)
-  mask = jnp.array(rng.random((B, 1, TQ, TK)) > 0.2)
-  return bias, mask
-
-
-def _grads(fn, query, key, value, bias):
-  """Gradients of a fixed random projection of the output w.r.t. q, k, v and bias."""
-  cotangent = jax.random.normal(jax.random.PRNGKey(42), fn(query, key, value, bias).shape)
-  loss = lambda *args: jnp.sum(fn(*args).astype(jnp.float32) * cotangent)
-  return jax.grad(loss, argnums=(0, 1, 2, 3))(query, key, value, bias)
+from attention_testing import (B, H, MASK_CASES, TK, TQ, assert_close, bias_and_mask,
+                               check_against_reference, loop_mask, random_qkv)
 
 
 @pytest.mark.parity("dot_product")
-@pytest.mark.parametrize("case", sorted(CASES))
-@pytest.mark.parametrize("heads", sorted(HEAD_LAYOUTS))
+@pytest.mark.parametrize("case", sorted(MASK_CASES))
+@pytest.mark.parametrize("num_kv_heads", [4, 2, 1])
 @pytest.mark.parametrize("with_bias_and_mask", [False, True])
-def test_matches_reference_outputs_and_gradients(case, heads, with_bias_and_mask):
-  kwargs, mask_args, _ = CASES[case]
-  query, key, value = random_qkv(batch=B, q_len=TQ, kv_len=TK, num_heads=H,
-                                 num_kv_heads=HEAD_LAYOUTS[heads], value_dim=5)
-  allowed = loop_mask(B, TQ, TK, **mask_args)
-  bias, extra_mask = _bias_and_mask(seed=1)
-  if with_bias_and_mask:
-    allowed = allowed & np.asarray(extra_mask)
-  else:
-    bias, extra_mask = jnp.zeros_like(bias), None
-
-  ours = lambda q, k, v, b: attention_jax.dot_product_attention(
-      q, k, v, b, extra_mask, scale=0.3, **kwargs)
-  oracle = lambda q, k, v, b: reference_attention(q, k, v, b, jnp.array(allowed), scale=0.3)
-
-  assert_close(jax.jit(ours)(query, key, value, bias), oracle(query, key, value, bias))
-  for name, got, want in zip("qkvb", _grads(ours, query, key, value, bias),
-                             _grads(oracle, query, key, value, bias)):
-    assert_close(got, want, err_msg=f"gradient of {name}")
+def test_matches_reference_outputs_and_gradients(case, num_kv_heads, with_bias_and_mask):
+  check_against_reference(attention_jax.dot_product_attention, case, num_kv_heads,
+                          with_bias_and_mask)
 
 
 @pytest.mark.parity("dot_product")
-@pytest.mark.parametrize("case", sorted(c for c in CASES if CASES[c][2]))
+@pytest.mark.parametrize("case", sorted(c for c in MASK_CASES if MASK_CASES[c][2]))
 def test_matches_jax_nn_on_attended_rows(case):
-  kwargs, mask_args, _ = CASES[case]
+  kwargs, mask_args, _ = MASK_CASES[case]
   query, key, value = random_qkv(batch=B, q_len=TQ, kv_len=TK, num_heads=H, num_kv_heads=2)
-  bias, mask = _bias_and_mask(seed=2)
+  bias, mask = bias_and_mask(seed=2)
   ours = attention_jax.dot_product_attention(query, key, value, bias, mask, **kwargs)
   theirs = jax.nn.dot_product_attention(query, key, value, bias, mask, **kwargs)
   # jax.nn gives rows with nothing to attend an arbitrary (non-zero) value; compare the rest.

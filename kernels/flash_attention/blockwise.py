@@ -1,0 +1,304 @@
+"""Blockwise (online) softmax attention in pure JAX: the portable flash attention.
+
+Queries are processed a block at a time; for each query block a loop over the
+key blocks it can see keeps a running maximum `m`, normaliser `l` and output
+accumulator, so no `[Tq, Tk]` array is ever built. The forward pass saves the
+output and the log-sum-exp `lse = m + log(l)`; the backward pass (a
+`jax.custom_vjp`) recomputes each block's probabilities from `lse` instead of
+storing them, in two sweeps: one over query blocks for dq (and dbias), one over
+key blocks for dk and dv. Memory is O(T) in both directions.
+
+Internal layout: query `[B, Hkv, G, Tq, D]` (G = H // Hkv query heads per K/V
+head), key and value `[B, Hkv, Tk, D]`, so grouped heads share K/V blocks
+without copies.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Optional, Tuple
+
+import jax
+import jax.numpy as jnp
+
+from attention_jax.variants.dense import AttentionInputs, prepare_inputs
+
+from . import common
+
+Array = jnp.ndarray
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+  """Everything about a call that is fixed at trace time."""
+
+  block_q: int
+  block_k: int
+  block_q_dkv: int
+  block_k_dkv: int
+  q_len: int  # padded Tq (a multiple of every query block size)
+  kv_len: int  # padded Tk
+  true_kv_len: int
+  scale: float
+  reach: common.Reach
+
+
+@dataclasses.dataclass
+class _Masks:
+  """The non-differentiable arrays that decide which pairs may attend (padded)."""
+
+  mask: Optional[Array]  # [B|1, Hkv|1, G|1, Tq|1, Tk|1] bool
+  q_lengths: Optional[Array]  # [B]
+  kv_lengths: Optional[Array]  # [B]
+  q_segment_ids: Optional[Array]  # [B, Tq]
+  kv_segment_ids: Optional[Array]  # [B, Tk]
+
+
+jax.tree_util.register_dataclass(
+    _Masks, data_fields=["mask", "q_lengths", "kv_lengths", "q_segment_ids", "kv_segment_ids"],
+    meta_fields=[])
+
+
+def _block_logits(cfg: _Static, masks: _Masks, q_blk, k_blk, bias, q_start, k_start, bq, bk):
+  """Scaled, biased and masked logits of one block: `[B, Hkv, G, bq, bk]` float32."""
+  logits = jnp.einsum("bhgqd,bhkd->bhgqk", q_blk, k_blk,
+                      preferred_element_type=jnp.float32) * cfg.scale
+  if bias is not None:
+    logits += _block_of(bias, q_start, k_start, bq, bk).astype(jnp.float32)
+  q_pos = q_start + jnp.arange(bq)
+  k_pos = k_start + jnp.arange(bk)
+  slice_ids = lambda ids, start, size: None if ids is None else jax.lax.dynamic_slice_in_dim(
+      ids, start, size, axis=1)
+  allowed = common.block_mask(
+      q_pos, k_pos, kv_len=cfg.true_kv_len, reach=cfg.reach,
+      q_lengths=masks.q_lengths, kv_lengths=masks.kv_lengths,
+      q_segment_ids=slice_ids(masks.q_segment_ids, q_start, bq),
+      kv_segment_ids=slice_ids(masks.kv_segment_ids, k_start, bk))[:, None, None]
+  if masks.mask is not None:
+    allowed = allowed & _block_of(masks.mask, q_start, k_start, bq, bk)
+  return jnp.where(allowed, logits, -jnp.inf)
+
+
+def _block_of(x, q_start, k_start, bq, bk):
+  """The `[.., bq|1, bk|1]` block of a bias or mask laid out `[.., Tq|1, Tk|1]`."""
+  return common.slice_axis(common.slice_axis(x, 3, q_start, bq), 4, k_start, bk)
+
+
+def _forward(cfg: _Static, q, k, v, bias, masks: _Masks):
+  """Returns out `[B, Hkv, G, Tq, Dv]` (query dtype) and lse `[B, Hkv, G, Tq]` float32."""
+  bq, bk = cfg.block_q, cfg.block_k
+  num_kv_blocks = cfg.kv_len // bk
+
+  def one_query_block(i):
+    q_blk = jax.lax.dynamic_slice_in_dim(q, i * bq, bq, axis=3)
+    stats_shape = q_blk.shape[:-1]
+    init = (jnp.full(stats_shape, -jnp.inf), jnp.zeros(stats_shape),
+            jnp.zeros(stats_shape + (v.shape[-1],), jnp.float32))
+
+    def visit_key_block(j, carry):
+      row_max, row_sum, acc = carry
+      k_blk = jax.lax.dynamic_slice_in_dim(k, j * bk, bk, axis=2)
+      v_blk = jax.lax.dynamic_slice_in_dim(v, j * bk, bk, axis=2)
+      logits = _block_logits(cfg, masks, q_blk, k_blk, bias, i * bq, j * bk, bq, bk)
+      new_max = jnp.maximum(row_max, logits.max(-1))
+      # A row with nothing allowed so far keeps max -inf; exponentiate against 0 then.
+      safe_max = jnp.where(jnp.isfinite(new_max), new_max, 0.0)
+      probs = jnp.exp(logits - safe_max[..., None])
+      correction = jnp.exp(row_max - safe_max)
+      row_sum = correction * row_sum + probs.sum(-1)
+      acc = correction[..., None] * acc + jnp.einsum(
+          "bhgqk,bhkd->bhgqd", probs.astype(v.dtype), v_blk, preferred_element_type=jnp.float32)
+      return new_max, row_sum, acc
+
+    lo, hi = common.kv_block_range(i, bq, bk, num_kv_blocks, cfg.reach)
+    row_max, row_sum, acc = jax.lax.fori_loop(lo, hi, visit_key_block, init)
+    empty = row_sum == 0.0  # nothing to attend: output 0, lse -inf
+    out = acc / jnp.where(empty, 1.0, row_sum)[..., None]
+    lse = jnp.where(empty, -jnp.inf, row_max + jnp.log(jnp.where(empty, 1.0, row_sum)))
+    return out.astype(q.dtype), lse
+
+  out, lse = jax.lax.map(one_query_block, jnp.arange(cfg.q_len // bq))
+  # [nq, B, Hkv, G, bq, ...] -> [B, Hkv, G, nq * bq, ...]
+  out = jnp.moveaxis(out, 0, 3).reshape(q.shape[:3] + (cfg.q_len, v.shape[-1]))
+  lse = jnp.moveaxis(lse, 0, 3).reshape(q.shape[:3] + (cfg.q_len,))
+  return out, lse
+
+
+def _reduce_to(x, shape):
+  """Sums the block `x` over the axes where a tensor of `shape` broadcasts (size 1)."""
+  axes = tuple(a for a, (n, m) in enumerate(zip(x.shape, shape)) if m == 1 and n != 1)
+  return jnp.sum(x, axis=axes, keepdims=True) if axes else x
+
+
+def _backward(cfg: _Static, q, k, v, bias, masks: _Masks, out, lse, d_out):
+  """Gradients of q, k, v and bias, recomputing block probabilities from lse."""
+  # Rows with nothing to attend have lse = -inf; +inf makes their probabilities 0.
+  lse = jnp.where(jnp.isneginf(lse), jnp.inf, lse)
+  delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
+
+  def block_grads(i_start, j_start, bq, bk):
+    """p and ds = p * (dO v^T - delta) of one block, and the slices they came from."""
+    q_blk = jax.lax.dynamic_slice_in_dim(q, i_start, bq, axis=3)
+    do_blk = jax.lax.dynamic_slice_in_dim(d_out, i_start, bq, axis=3)
+    k_blk = jax.lax.dynamic_slice_in_dim(k, j_start, bk, axis=2)
+    v_blk = jax.lax.dynamic_slice_in_dim(v, j_start, bk, axis=2)
+    logits = _block_logits(cfg, masks, q_blk, k_blk, bias, i_start, j_start, bq, bk)
+    probs = jnp.exp(logits - jax.lax.dynamic_slice_in_dim(lse, i_start, bq, axis=3)[..., None])
+    d_probs = jnp.einsum("bhgqd,bhkd->bhgqk", do_blk, v_blk, preferred_element_type=jnp.float32)
+    d_logits = probs * (d_probs - jax.lax.dynamic_slice_in_dim(delta, i_start, bq, axis=3)[..., None])
+    return probs, d_logits, q_blk, do_blk, k_blk
+
+  # Sweep 1: for each query block, dq (and the bias gradient) over its key blocks.
+  bq, bk = cfg.block_q, cfg.block_k
+
+  def dq_of_query_block(d_bias, i):
+    def visit(j, carry):
+      dq, d_bias = carry
+      _, d_logits, _, _, k_blk = block_grads(i * bq, j * bk, bq, bk)
+      dq += jnp.einsum("bhgqk,bhkd->bhgqd", d_logits.astype(k.dtype), k_blk,
+                       preferred_element_type=jnp.float32)
+      if d_bias is not None:
+        d_bias = _add_block(d_bias, _reduce_to(d_logits, bias.shape), i * bq, j * bk)
+      return dq, d_bias
+
+    lo, hi = common.kv_block_range(i, bq, bk, cfg.kv_len // bk, cfg.reach)
+    dq = jnp.zeros(q.shape[:3] + (bq, q.shape[-1]), jnp.float32)
+    dq, d_bias = jax.lax.fori_loop(lo, hi, visit, (dq, d_bias))
+    return d_bias, dq * cfg.scale
+
+  d_bias = None if bias is None else jnp.zeros(bias.shape, jnp.float32)
+  d_bias, dq = jax.lax.scan(dq_of_query_block, d_bias, jnp.arange(cfg.q_len // bq))
+  dq = jnp.moveaxis(dq, 0, 3).reshape(q.shape).astype(q.dtype)
+
+  # Sweep 2: for each key block, dk and dv over the query blocks that see it.
+  bq, bk = cfg.block_q_dkv, cfg.block_k_dkv
+
+  def dkv_of_key_block(j):
+    def visit(i, carry):
+      dk, dv = carry
+      probs, d_logits, q_blk, do_blk, _ = block_grads(i * bq, j * bk, bq, bk)
+      dv += jnp.einsum("bhgqk,bhgqd->bhkd", probs.astype(d_out.dtype), do_blk,
+                       preferred_element_type=jnp.float32)
+      dk += jnp.einsum("bhgqk,bhgqd->bhkd", d_logits.astype(q.dtype), q_blk,
+                       preferred_element_type=jnp.float32)
+      return dk, dv
+
+    lo, hi = common.q_block_range(j, bq, bk, cfg.q_len // bq, cfg.reach)
+    init = (jnp.zeros(k.shape[:2] + (bk, k.shape[-1]), jnp.float32),
+            jnp.zeros(v.shape[:2] + (bk, v.shape[-1]), jnp.float32))
+    dk, dv = jax.lax.fori_loop(lo, hi, visit, init)
+    return dk * cfg.scale, dv
+
+  dk, dv = jax.lax.map(dkv_of_key_block, jnp.arange(cfg.kv_len // bk))
+  dk = jnp.moveaxis(dk, 0, 2).reshape(k.shape).astype(k.dtype)
+  dv = jnp.moveaxis(dv, 0, 2).reshape(v.shape).astype(v.dtype)
+  return dq, dk, dv, None if bias is None else d_bias.astype(bias.dtype)
+
+
+def _add_block(total, block, q_start, k_start):
+  """`total[..., q_start:+bq, k_start:+bk] += block` (broadcast axes stay whole)."""
+  starts = [0, 0, 0, 0 if total.shape[3] == 1 else q_start, 0 if total.shape[4] == 1 else k_start]
+  current = jax.lax.dynamic_slice(total, starts, block.shape)
+  return jax.lax.dynamic_update_slice(total, current + block, starts)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _attention(cfg, q, k, v, bias, masks):
+  return _forward(cfg, q, k, v, bias, masks)[0]
+
+
+def _attention_fwd(cfg, q, k, v, bias, masks):
+  out, lse = _forward(cfg, q, k, v, bias, masks)
+  return out, (q, k, v, bias, masks, out, lse)
+
+
+def _attention_bwd(cfg, residuals, d_out):
+  q, k, v, bias, masks, out, lse = residuals
+  dq, dk, dv, d_bias = _backward(cfg, q, k, v, bias, masks, out, lse, d_out)
+  return dq, dk, dv, d_bias, None
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+def blockwise_attention(inputs: AttentionInputs,
+                        block_sizes: Optional[common.BlockSizes] = None) -> Array:
+  """Exact attention over `inputs` with O(T) memory; `[B, Tq, H, Dv]`.
+
+  Args:
+    inputs: validated arguments of `attention_jax.dot_product_attention`.
+    block_sizes: query/key block lengths; `default_block_sizes()` when None.
+      Sequences that are not a multiple of a block are padded internally.
+  """
+  query, key, value = inputs.query, inputs.key, inputs.value
+  batch, q_len, num_heads, head_dim = query.shape
+  kv_len, num_kv_heads = key.shape[1], key.shape[2]
+  group = num_heads // num_kv_heads
+  if block_sizes is None:
+    block_sizes = default_block_sizes(q_len, kv_len)
+  bq_dkv, bk_dkv = block_sizes.dkv
+  # Clip blocks to the (rounded-up) sequence so that short inputs are not over-padded.
+  fit = lambda block, length: min(block, _round_up(length, 8))
+  bq, bk = fit(block_sizes.block_q, q_len), fit(block_sizes.block_k, kv_len)
+  bq_dkv, bk_dkv = fit(bq_dkv, q_len), fit(bk_dkv, kv_len)
+  q_multiple = _lcm(bq, bq_dkv)
+  kv_multiple = _lcm(bk, bk_dkv)
+  cfg = _Static(block_q=bq, block_k=bk, block_q_dkv=bq_dkv, block_k_dkv=bk_dkv,
+                q_len=_round_up(q_len, q_multiple), kv_len=_round_up(kv_len, kv_multiple),
+                true_kv_len=kv_len, scale=float(inputs.scale),
+                reach=common.reach_of(inputs.is_causal, inputs.local_window_size))
+
+  # [B, T, H, D] -> [B, Hkv, G, T, D] and [B, Hkv, T, D], padded to whole blocks.
+  q = query.reshape(batch, q_len, num_kv_heads, group, head_dim).transpose(0, 2, 3, 1, 4)
+  q = common.pad_axis(q, 3, q_multiple)
+  k = common.pad_axis(key.transpose(0, 2, 1, 3), 2, kv_multiple)
+  v = common.pad_axis(value.transpose(0, 2, 1, 3), 2, kv_multiple)
+  bias = _grouped_pairwise(inputs.bias, num_kv_heads, group, q_multiple, kv_multiple)
+  pad_ids = lambda ids, multiple: None if ids is None else common.pad_axis(ids, 1, multiple)
+  masks = _Masks(
+      mask=_grouped_pairwise(inputs.mask, num_kv_heads, group, q_multiple, kv_multiple),
+      q_lengths=inputs.query_seq_lengths, kv_lengths=inputs.key_value_seq_lengths,
+      q_segment_ids=pad_ids(inputs.q_segment_ids, q_multiple),
+      kv_segment_ids=pad_ids(inputs.kv_segment_ids, kv_multiple))
+
+  out = _attention(cfg, q, k, v, bias, masks)  # [B, Hkv, G, Tq', Dv]
+  out = out[:, :, :, :q_len].transpose(0, 3, 1, 2, 4)
+  return out.reshape(batch, q_len, num_heads, value.shape[-1])
+
+
+def _grouped_pairwise(x: Optional[Array], num_kv_heads: int, group: int, q_multiple: int,
+                      kv_multiple: int) -> Optional[Array]:
+  """A bias or mask `[B|1, H|1, Tq|1, Tk|1]` as `[B|1, Hkv|1, G|1, Tq'|1, Tk'|1]`."""
+  if x is None:
+    return None
+  heads = (num_kv_heads, group) if x.shape[1] != 1 else (1, 1)
+  x = x.reshape(x.shape[:1] + heads + x.shape[2:])
+  return common.pad_axis(common.pad_axis(x, 3, q_multiple), 4, kv_multiple)
+
+
+def default_block_sizes(q_len: int, kv_len: int) -> common.BlockSizes:
+  """Blocks of 512: large enough that each step is a sizeable matmul on CPU."""
+  del q_len, kv_len
+  return common.BlockSizes(block_q=512, block_k=512)
+
+
+def _round_up(n: int, multiple: int) -> int:
+  return common.cdiv(n, multiple) * multiple
+
+
+def _lcm(a: int, b: int) -> int:
+  import math  # pylint: disable=import-outside-toplevel
+  return a * b // math.gcd(a, b)
+
+
+def blockwise_dot_product_attention(query, key, value, bias=None, mask=None, *,
+                                    block_sizes: Optional[common.BlockSizes] = None,
+                                    **kwargs) -> Array:
+  """`attention_jax.dot_product_attention` computed blockwise, with explicit block sizes.
+
+  Takes every argument of `dot_product_attention` except `implementation`.
+  """
+  inputs, unbatched = prepare_inputs(query, key, value, bias, mask, **kwargs)
+  out = blockwise_attention(inputs, block_sizes)
+  return out[0] if unbatched else out

@@ -1,0 +1,116 @@
+"""What every blockwise-softmax implementation shares: block sizes, the range of
+blocks a block can see, and the mask of one block.
+
+Positions are absolute token indices. A structured mask (causal, window) is
+summarised by its *reach*: query q may see keys k with q - left <= k <= q + right,
+where `None` means unbounded. Blocks outside the reach are never visited.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Tuple
+
+import jax
+import jax.numpy as jnp
+
+from attention_jax.core import masks
+
+Array = jnp.ndarray
+Reach = masks.Reach
+reach_of = masks.reach_of
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+  """Query and key block lengths of the forward and backward passes.
+
+  `block_q`/`block_k` tile the forward and the dq pass; `block_q_dkv`/`block_k_dkv`
+  tile the pass that accumulates dk and dv (None: same as the forward).
+  """
+
+  block_q: int
+  block_k: int
+  block_q_dkv: Optional[int] = None
+  block_k_dkv: Optional[int] = None
+
+  def __post_init__(self):
+    for field in dataclasses.fields(self):
+      value = getattr(self, field.name)
+      if value is not None and (not isinstance(value, int) or value <= 0):
+        raise ValueError(f"BlockSizes.{field.name} must be a positive int, got {value!r}.")
+
+  @property
+  def dkv(self) -> Tuple[int, int]:
+    return (self.block_q_dkv or self.block_q, self.block_k_dkv or self.block_k)
+
+
+def kv_block_range(q_block: Array, block_q: int, block_k: int, num_kv_blocks: int,
+                   reach: Reach) -> Tuple[Array, Array]:
+  """[lo, hi) of the key blocks that queries of block `q_block` can see."""
+  left, right = reach
+  first_q = q_block * block_q
+  last_q = first_q + block_q - 1
+  lo = 0 if left is None else jnp.maximum(0, (first_q - left) // block_k)
+  hi = num_kv_blocks if right is None else jnp.minimum(num_kv_blocks,
+                                                       (last_q + right) // block_k + 1)
+  return lo, jnp.maximum(hi, lo)
+
+
+def q_block_range(kv_block: Array, block_q: int, block_k: int, num_q_blocks: int,
+                  reach: Reach) -> Tuple[Array, Array]:
+  """[lo, hi) of the query blocks that can see keys of block `kv_block`."""
+  left, right = reach
+  first_k = kv_block * block_k
+  last_k = first_k + block_k - 1
+  # q sees k when k - right <= q <= k + left.
+  lo = 0 if right is None else jnp.maximum(0, (first_k - right) // block_q)
+  hi = num_q_blocks if left is None else jnp.minimum(num_q_blocks,
+                                                     (last_k + left) // block_q + 1)
+  return lo, jnp.maximum(hi, lo)
+
+
+def block_mask(q_pos: Array, k_pos: Array, *, kv_len: int, reach: Reach,
+               q_lengths: Optional[Array] = None, kv_lengths: Optional[Array] = None,
+               q_segment_ids: Optional[Array] = None,
+               kv_segment_ids: Optional[Array] = None) -> Array:
+  """The allowed pairs of one block from the structured masks: `[B|1, bq, bk]`.
+
+  Args:
+    q_pos: `[bq]` absolute query positions; k_pos: `[bk]` absolute key positions.
+    kv_len: the real Tk; positions past it are block padding.
+    reach: from `reach_of`.
+    q_lengths, kv_lengths: `[B]` valid lengths.
+    q_segment_ids: `[B, bq]`; kv_segment_ids: `[B, bk]` (this block's slices).
+  """
+  allowed = masks.and_masks((k_pos < kv_len)[None, :],
+                            masks.reach_predicate(q_pos[:, None], k_pos[None, :], reach))
+  allowed = allowed[None]  # [1, bq, bk]
+  if q_lengths is not None:
+    allowed &= masks.length_predicate(q_pos[None, :, None], q_lengths[:, None, None])
+  if kv_lengths is not None:
+    allowed &= masks.length_predicate(k_pos[None, None, :], kv_lengths[:, None, None])
+  if q_segment_ids is not None:
+    allowed &= masks.segment_predicate(q_segment_ids[:, :, None], kv_segment_ids[:, None, :])
+  return allowed
+
+
+def pad_axis(x: Array, axis: int, multiple: int, value=0) -> Array:
+  """Pads `axis` of `x` up to a multiple of `multiple` (axes of size 1 stay broadcast)."""
+  size = x.shape[axis]
+  if size == 1 or size % multiple == 0:
+    return x
+  widths = [(0, 0)] * x.ndim
+  widths[axis] = (0, multiple - size % multiple)
+  return jnp.pad(x, widths, constant_values=value)
+
+
+def slice_axis(x: Array, axis: int, start: Array, size: int) -> Array:
+  """`x[..., start:start+size, ...]` along `axis`, unless that axis is broadcast (size 1)."""
+  if x.shape[axis] == 1:
+    return x
+  return jax.lax.dynamic_slice_in_dim(x, start, size, axis)
+
+
+def cdiv(a: int, b: int) -> int:
+  return -(-a // b)
