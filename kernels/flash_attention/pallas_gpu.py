@@ -1,0 +1,665 @@
+"""Flash attention as Pallas kernels for NVIDIA GPUs (Triton lowering).
+
+The same online-softmax algorithm as `blockwise.py`, written as three Pallas
+kernels: the forward pass (grid over query blocks, loop over key blocks), the
+dq pass (same tiling, also writes the bias gradient) and the dk/dv pass (grid
+over key blocks, loop over query blocks). The backward pass recomputes each
+block's probabilities from the log-sum-exp the forward pass saved.
+
+Layout: the kernels read the caller's `[B, T, H, D]` arrays directly. Every
+BlockSpec squeezes the batch and head axes (`None`), and its index map picks
+query head `h` and K/V head `h // G` (grouped heads, G = H // Hkv), so there is
+no transpose and grouped K/V heads are never repeated in memory. The per-row
+statistics (lse, delta) are `[B, H, Tq]` so that a query block's slice is
+contiguous.
+
+What Triton needs, and how the wrapper provides it:
+  * every loaded or stored block has a power-of-two size: head dims are zero
+    padded up to a power of two (at least 16; zero columns change no logit and
+    give zero output columns), sequences are padded to whole blocks, and the
+    block sizes themselves must be powers of two of at least 16;
+  * keys past the true Tk are masked by position; padded queries are sliced off;
+  * the boolean mask is passed as int8, lengths and segment ids as int32.
+
+Masks: causal and window masks are evaluated from positions and also bound the
+key (query) loop through `common.kv_block_range` (`q_block_range`), so blocks
+outside their reach are never visited; `key_value_seq_lengths` masks keys by
+position and shortens the loop; segment ids mask by equality and a block pair
+whose query-id and key-id ranges are disjoint is skipped with `lax.cond`; a
+boolean mask and a bias are read block by block. `query_seq_lengths` needs no
+kernel support: padded query rows are zeroed after the kernel, which also zeroes
+every gradient they would contribute. A query that may attend to nothing gets
+output 0, lse -inf, and zero gradients.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Callable, Optional
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from attention_jax.core import masks as mask_lib
+from attention_jax.variants.dense import AttentionInputs, prepare_inputs
+
+from . import common
+
+Array = jnp.ndarray
+
+SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+MAX_HEAD_DIM = 256
+MIN_BLOCK = 16  # Triton's tensor-core dots need every dimension >= 16.
+
+
+@dataclasses.dataclass(frozen=True)
+class _Config:
+  """Everything about a call that is fixed at trace time."""
+
+  block_q: int
+  block_k: int
+  block_q_dkv: int
+  block_k_dkv: int
+  q_len: int  # padded Tq (a multiple of every query block)
+  kv_len: int  # padded Tk (a multiple of every key block)
+  true_kv_len: int
+  num_heads: int
+  group: int  # query heads per K/V head
+  scale: float
+  reach: common.Reach
+  interpret: bool
+  num_warps: Optional[int]
+  num_stages: Optional[int]
+
+
+@dataclasses.dataclass
+class _MaskArrays:
+  """The non-differentiable arrays that decide which pairs may attend (padded)."""
+
+  mask: Optional[Array]  # [B|1, H|1, Tq', Tk'] int8, nonzero may attend
+  q_segment_ids: Optional[Array]  # [B, Tq'] int32
+  kv_segment_ids: Optional[Array]  # [B, Tk'] int32
+  kv_lengths: Optional[Array]  # [B] int32
+
+
+jax.tree_util.register_dataclass(
+    _MaskArrays, data_fields=["mask", "q_segment_ids", "kv_segment_ids", "kv_lengths"],
+    meta_fields=[])
+
+
+# ---------------------------------------------------------------------------
+# Block-level helpers shared by the three kernels.
+# ---------------------------------------------------------------------------
+
+
+def _masked_logits(cfg: _Config, q, k, q_start, k_start, bias_blk, mask_blk, q_ids, kv_ids,
+                   kv_limit):
+  """Scaled, biased and masked logits of one block: `[bq, bk]` float32.
+
+  Args:
+    q: `[bq, D]`; k: `[bk, D]`; q_start, k_start: absolute first positions.
+    bias_blk: `[bq, bk]` or None; mask_blk: `[bq, bk]` int8 or None.
+    q_ids: `[bq]`, kv_ids: `[bk]` segment ids or None.
+    kv_limit: keys at or past it are padding (true Tk, or the batch's length).
+  """
+  logits = plgpu.dot(q, k, trans_b=True) * cfg.scale
+  if bias_blk is not None:
+    logits += bias_blk.astype(jnp.float32)
+  q_pos = q_start + jnp.arange(q.shape[0])[:, None]
+  k_pos = k_start + jnp.arange(k.shape[0])[None, :]
+  allowed = mask_lib.and_masks(
+      mask_lib.length_predicate(k_pos, kv_limit),
+      mask_lib.reach_predicate(q_pos, k_pos, cfg.reach),
+      None if q_ids is None else mask_lib.segment_predicate(q_ids[:, None], kv_ids[None, :]),
+      None if mask_blk is None else mask_blk != 0)
+  return jnp.where(allowed, logits, -jnp.inf)
+
+
+def _kv_limit(cfg: _Config, kv_lengths_ref):
+  """Keys at or past this position are masked: the true Tk or the batch's length."""
+  if kv_lengths_ref is None:
+    return cfg.true_kv_len
+  return jnp.minimum(cfg.true_kv_len, kv_lengths_ref[()])
+
+
+def _kv_blocks(cfg: _Config, q_block, block_q: int, block_k: int, kv_limit):
+  """[lo, hi) of the key blocks query block `q_block` must visit."""
+  lo, hi = common.kv_block_range(q_block, block_q, block_k, cfg.kv_len // block_k, cfg.reach)
+  # Blocks that start at or past the last valid key hold nothing to attend.
+  hi = jnp.minimum(hi, (kv_limit + block_k - 1) // block_k)
+  return lo, jnp.maximum(hi, lo)
+
+
+def _q_blocks(cfg: _Config, kv_block, block_q: int, block_k: int, kv_limit):
+  """[lo, hi) of the query blocks that see key block `kv_block`."""
+  lo, hi = common.q_block_range(kv_block, block_q, block_k, cfg.q_len // block_q, cfg.reach)
+  return lo, jnp.where(kv_block * block_k < kv_limit, hi, lo)
+
+
+def _segments_overlap(ids_a, ids_b):
+  """Whether two blocks of segment ids can share a segment (their ranges intersect)."""
+  return (jnp.min(ids_a) <= jnp.max(ids_b)) & (jnp.min(ids_b) <= jnp.max(ids_a))
+
+
+def _loop_skipping_disjoint(visit: Callable, skip: Callable, overlap: Optional[Callable]):
+  """A loop body that runs `visit(j, carry)` unless `overlap(j)` is False, then `skip`."""
+  if overlap is None:
+    return visit
+  return lambda j, carry: lax.cond(overlap(j), visit, skip, j, carry)
+
+
+def _pairwise_block(ref, rows, cols):
+  """A `[rows, cols]` block of a bias or mask ref (None stays None)."""
+  return None if ref is None else ref[rows, cols]
+
+
+# ---------------------------------------------------------------------------
+# Kernels.
+# ---------------------------------------------------------------------------
+
+
+def _forward_kernel(q_ref, k_ref, v_ref, bias_ref, m: _MaskArrays, out_ref, lse_ref, *,
+                    cfg: _Config):
+  """One query block of one head: out `[bq, Dv]`, lse `[bq]`.
+
+  Refs: q `[bq, D]`, k `[Tk', D]`, v `[Tk', Dv]`, bias and mask `[bq, Tk']`,
+  q segment ids `[bq]`, kv segment ids `[Tk']`, kv length `[]`.
+  """
+  bq, bk = cfg.block_q, cfg.block_k
+  i = pl.program_id(0)
+  q = q_ref[...]
+  q_ids = None if m.q_segment_ids is None else m.q_segment_ids[...]
+  kv_ids_of = lambda j: m.kv_segment_ids[pl.ds(j * bk, bk)]
+  kv_limit = _kv_limit(cfg, m.kv_lengths)
+  rows = slice(None)
+
+  def visit(j, carry):
+    row_max, row_sum, acc = carry
+    keys = pl.ds(j * bk, bk)
+    logits = _masked_logits(cfg, q, k_ref[keys, :], i * bq, j * bk,
+                            _pairwise_block(bias_ref, rows, keys),
+                            _pairwise_block(m.mask, rows, keys), q_ids,
+                            None if q_ids is None else kv_ids_of(j), kv_limit)
+    new_max = jnp.maximum(row_max, jnp.max(logits, axis=1))
+    # A row with nothing allowed so far keeps max -inf; exponentiate against 0 then.
+    safe_max = jnp.where(new_max == -jnp.inf, 0.0, new_max)
+    probs = jnp.exp(logits - safe_max[:, None])
+    correction = jnp.exp(row_max - safe_max)
+    row_sum = correction * row_sum + jnp.sum(probs, axis=1)
+    v = v_ref[keys, :]
+    acc = correction[:, None] * acc + plgpu.dot(probs.astype(v.dtype), v)
+    return new_max, row_sum, acc
+
+  overlap = None if q_ids is None else lambda j: _segments_overlap(q_ids, kv_ids_of(j))
+  body = _loop_skipping_disjoint(visit, lambda j, carry: carry, overlap)
+  init = (jnp.full((bq,), -jnp.inf, jnp.float32), jnp.zeros((bq,), jnp.float32),
+          jnp.zeros((bq, v_ref.shape[-1]), jnp.float32))
+  lo, hi = _kv_blocks(cfg, i, bq, bk, kv_limit)
+  row_max, row_sum, acc = lax.fori_loop(lo, hi, body, init)
+
+  empty = row_sum == 0.0  # nothing to attend: output 0, lse -inf
+  safe_sum = jnp.where(empty, 1.0, row_sum)
+  out_ref[...] = (acc / safe_sum[:, None]).astype(out_ref.dtype)
+  lse_ref[...] = jnp.where(empty, -jnp.inf, row_max + jnp.log(safe_sum))
+
+
+def _dq_kernel(q_ref, k_ref, v_ref, bias_ref, m: _MaskArrays, do_ref, lse_ref, delta_ref,
+               dq_ref, dbias_ref, *, cfg: _Config):
+  """dq `[bq, D]` of one query block of one head, and its row of bias gradients.
+
+  Refs as in `_forward_kernel`, plus d_out `[bq, Dv]`, lse and delta `[bq]`
+  (lse is +inf on rows that attend nothing); dbias `[bq, Tk']` float32 or None.
+  """
+  bq, bk = cfg.block_q, cfg.block_k
+  i = pl.program_id(0)
+  q, d_out = q_ref[...], do_ref[...]
+  lse, delta = lse_ref[...], delta_ref[...]
+  q_ids = None if m.q_segment_ids is None else m.q_segment_ids[...]
+  kv_ids_of = lambda j: m.kv_segment_ids[pl.ds(j * bk, bk)]
+  kv_limit = _kv_limit(cfg, m.kv_lengths)
+  rows = slice(None)
+
+  def visit(j, dq):
+    keys = pl.ds(j * bk, bk)
+    k = k_ref[keys, :]
+    logits = _masked_logits(cfg, q, k, i * bq, j * bk,
+                            _pairwise_block(bias_ref, rows, keys),
+                            _pairwise_block(m.mask, rows, keys), q_ids,
+                            None if q_ids is None else kv_ids_of(j), kv_limit)
+    probs = jnp.exp(logits - lse[:, None])
+    d_probs = plgpu.dot(d_out, v_ref[keys, :], trans_b=True)
+    d_logits = probs * (d_probs - delta[:, None])
+    if dbias_ref is not None:
+      dbias_ref[:, keys] = d_logits
+    return dq + plgpu.dot(d_logits.astype(k.dtype), k)
+
+  def clear_bias_grad(j, carry):
+    """Bias gradients of a block that is not visited are zero (written once)."""
+    if dbias_ref is not None:
+      dbias_ref[:, pl.ds(j * bk, bk)] = jnp.zeros((bq, bk), jnp.float32)
+    return carry
+
+  overlap = None if q_ids is None else lambda j: _segments_overlap(q_ids, kv_ids_of(j))
+  body = _loop_skipping_disjoint(visit, clear_bias_grad, overlap)
+  lo, hi = _kv_blocks(cfg, i, bq, bk, kv_limit)
+  dq = lax.fori_loop(lo, hi, body, jnp.zeros((bq, q_ref.shape[-1]), jnp.float32))
+  dq_ref[...] = (dq * cfg.scale).astype(dq_ref.dtype)
+  if dbias_ref is not None:
+    lax.fori_loop(0, lo, clear_bias_grad, 0)
+    lax.fori_loop(hi, cfg.kv_len // bk, clear_bias_grad, 0)
+
+
+def _dkv_kernel(q_ref, k_ref, v_ref, bias_ref, m: _MaskArrays, do_ref, lse_ref, delta_ref,
+                dk_ref, dv_ref, *, cfg: _Config):
+  """dk `[bk, D]` and dv `[bk, Dv]` of one key block, as seen by one query head.
+
+  Refs: q `[Tq', D]`, k `[bk, D]`, v `[bk, Dv]`, bias and mask `[Tq', bk]`,
+  q segment ids `[Tq']`, kv segment ids `[bk]`, d_out `[Tq', Dv]`, lse and
+  delta `[Tq']`.
+  """
+  bq, bk = cfg.block_q_dkv, cfg.block_k_dkv
+  j = pl.program_id(0)
+  k, v = k_ref[...], v_ref[...]
+  kv_ids = None if m.kv_segment_ids is None else m.kv_segment_ids[...]
+  q_ids_of = lambda i: m.q_segment_ids[pl.ds(i * bq, bq)]
+  kv_limit = _kv_limit(cfg, m.kv_lengths)
+  cols = slice(None)
+
+  def visit(i, carry):
+    dk, dv = carry
+    queries = pl.ds(i * bq, bq)
+    q, d_out = q_ref[queries, :], do_ref[queries, :]
+    logits = _masked_logits(cfg, q, k, i * bq, j * bk,
+                            _pairwise_block(bias_ref, queries, cols),
+                            _pairwise_block(m.mask, queries, cols),
+                            None if kv_ids is None else q_ids_of(i), kv_ids, kv_limit)
+    probs = jnp.exp(logits - lse_ref[queries][:, None])
+    dv += plgpu.dot(probs.astype(d_out.dtype), d_out, trans_a=True)
+    d_probs = plgpu.dot(d_out, v, trans_b=True)
+    d_logits = probs * (d_probs - delta_ref[queries][:, None])
+    dk += plgpu.dot(d_logits.astype(q.dtype), q, trans_a=True)
+    return dk, dv
+
+  overlap = None if kv_ids is None else lambda i: _segments_overlap(q_ids_of(i), kv_ids)
+  body = _loop_skipping_disjoint(visit, lambda i, carry: carry, overlap)
+  init = (jnp.zeros((bk, k_ref.shape[-1]), jnp.float32),
+          jnp.zeros((bk, v_ref.shape[-1]), jnp.float32))
+  lo, hi = _q_blocks(cfg, j, bq, bk, kv_limit)
+  dk, dv = lax.fori_loop(lo, hi, body, init)
+  dk_ref[...] = (dk * cfg.scale).astype(dk_ref.dtype)
+  dv_ref[...] = dv.astype(dv_ref.dtype)
+
+
+# ---------------------------------------------------------------------------
+# BlockSpecs. Grids are (sequence block, batch, query head).
+# ---------------------------------------------------------------------------
+
+
+def _head_spec(block_len: int, dim: int, kv_head: bool, group: int, blocked: bool):
+  """`[B, T, H, D]` -> one head's `[block_len, D]`, blocked along T or whole."""
+  head_of = (lambda h: h // group) if kv_head else (lambda h: h)
+  if blocked:
+    return pl.BlockSpec((None, block_len, None, dim), lambda t, b, h: (b, t, head_of(h), 0))
+  return pl.BlockSpec((None, block_len, None, dim), lambda t, b, h: (b, 0, head_of(h), 0))
+
+
+def _pairwise_spec(x: Optional[Array], q_block: int, k_block: int, along_q: bool):
+  """`[B|1, H|1, Tq', Tk']` -> `[q_block, k_block]`, blocked along the query or key axis."""
+  if x is None:
+    return None
+  batch_of = (lambda b: b) if x.shape[0] > 1 else (lambda b: 0)
+  head_of = (lambda h: h) if x.shape[1] > 1 else (lambda h: 0)
+  if along_q:
+    index_map = lambda t, b, h: (batch_of(b), head_of(h), t, 0)
+  else:
+    index_map = lambda t, b, h: (batch_of(b), head_of(h), 0, t)
+  return pl.BlockSpec((None, None, q_block, k_block), index_map)
+
+
+def _ids_spec(ids: Optional[Array], block_len: int, blocked: bool):
+  if ids is None:
+    return None
+  return pl.BlockSpec((None, block_len), lambda t, b, h: (b, t if blocked else 0))
+
+
+def _mask_specs(cfg: _Config, m: _MaskArrays, bq: int, bk: int, along_q: bool) -> _MaskArrays:
+  """BlockSpecs of the mask arrays for a grid over query (`along_q`) or key blocks."""
+  q_block, k_block = (bq, cfg.kv_len) if along_q else (cfg.q_len, bk)
+  return _MaskArrays(
+      mask=_pairwise_spec(m.mask, q_block, k_block, along_q),
+      q_segment_ids=_ids_spec(m.q_segment_ids, q_block, along_q),
+      kv_segment_ids=_ids_spec(m.kv_segment_ids, k_block, not along_q),
+      kv_lengths=None if m.kv_lengths is None else pl.BlockSpec((None,), lambda t, b, h: (b,)))
+
+
+def _row_stats_spec(block_len: int, blocked: bool):
+  """`[B, H, Tq']` -> `[block_len]` (lse, delta)."""
+  return pl.BlockSpec((None, None, block_len), lambda t, b, h: (b, h, t if blocked else 0))
+
+
+def _compiler_params(cfg: _Config, head_dim: int):
+  num_warps = cfg.num_warps if cfg.num_warps is not None else (4 if head_dim <= 64 else 8)
+  num_stages = cfg.num_stages if cfg.num_stages is not None else 2
+  return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+# ---------------------------------------------------------------------------
+# The three pallas_calls and their custom VJP.
+# ---------------------------------------------------------------------------
+
+
+def _forward(cfg: _Config, q, k, v, bias, m: _MaskArrays):
+  """out `[B, Tq', H, Dv']` (query dtype) and lse `[B, H, Tq']` float32."""
+  batch, _, num_heads, head_dim = q.shape
+  value_dim = v.shape[-1]
+  bq = cfg.block_q
+  in_specs = [
+      _head_spec(bq, head_dim, False, cfg.group, blocked=True),
+      _head_spec(cfg.kv_len, head_dim, True, cfg.group, blocked=False),
+      _head_spec(cfg.kv_len, value_dim, True, cfg.group, blocked=False),
+      _pairwise_spec(bias, bq, cfg.kv_len, along_q=True),
+      _mask_specs(cfg, m, bq, cfg.block_k, along_q=True),
+  ]
+  out_shape = [jax.ShapeDtypeStruct(q.shape[:3] + (value_dim,), q.dtype),
+               jax.ShapeDtypeStruct((batch, num_heads, cfg.q_len), jnp.float32)]
+  out_specs = [_head_spec(bq, value_dim, False, cfg.group, blocked=True),
+               _row_stats_spec(bq, blocked=True)]
+  return pl.pallas_call(
+      functools.partial(_forward_kernel, cfg=cfg),
+      grid=(cfg.q_len // bq, batch, num_heads),
+      in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
+      compiler_params=_compiler_params(cfg, max(head_dim, value_dim)),
+      interpret=cfg.interpret, name="flash_attention_forward",
+  )(q, k, v, bias, m)
+
+
+def _backward(cfg: _Config, q, k, v, bias, m: _MaskArrays, out, lse, d_out):
+  """Gradients of q, k, v and bias (shapes and dtypes of the padded inputs)."""
+  batch, _, num_heads, head_dim = q.shape
+  value_dim = v.shape[-1]
+  # Rows with nothing to attend have lse = -inf; +inf makes their probabilities 0.
+  lse = jnp.where(lse == -jnp.inf, jnp.inf, lse)
+  delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
+  delta = delta.transpose(0, 2, 1)  # [B, H, Tq']
+  params = _compiler_params(cfg, max(head_dim, value_dim))
+
+  # dq (and the bias gradient): grid over query blocks.
+  bq, bk = cfg.block_q, cfg.block_k
+  in_specs = [
+      _head_spec(bq, head_dim, False, cfg.group, blocked=True),
+      _head_spec(cfg.kv_len, head_dim, True, cfg.group, blocked=False),
+      _head_spec(cfg.kv_len, value_dim, True, cfg.group, blocked=False),
+      _pairwise_spec(bias, bq, cfg.kv_len, along_q=True),
+      _mask_specs(cfg, m, bq, bk, along_q=True),
+      _head_spec(bq, value_dim, False, cfg.group, blocked=True),
+      _row_stats_spec(bq, blocked=True),
+      _row_stats_spec(bq, blocked=True),
+  ]
+  out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype), None]
+  out_specs = [_head_spec(bq, head_dim, False, cfg.group, blocked=True), None]
+  if bias is not None:
+    # One [Tq', Tk'] gradient per (batch, head), summed over broadcast axes below.
+    out_shape[1] = jax.ShapeDtypeStruct((batch, num_heads, cfg.q_len, cfg.kv_len), jnp.float32)
+    out_specs[1] = pl.BlockSpec((None, None, bq, cfg.kv_len), lambda t, b, h: (b, h, t, 0))
+  dq, d_bias = pl.pallas_call(
+      functools.partial(_dq_kernel, cfg=cfg),
+      grid=(cfg.q_len // bq, batch, num_heads),
+      in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
+      compiler_params=params, interpret=cfg.interpret, name="flash_attention_dq",
+  )(q, k, v, bias, m, d_out, lse, delta)
+
+  # dk and dv per query head: grid over key blocks; grouped heads are summed after.
+  bq, bk = cfg.block_q_dkv, cfg.block_k_dkv
+  in_specs = [
+      _head_spec(cfg.q_len, head_dim, False, cfg.group, blocked=False),
+      _head_spec(bk, head_dim, True, cfg.group, blocked=True),
+      _head_spec(bk, value_dim, True, cfg.group, blocked=True),
+      _pairwise_spec(bias, cfg.q_len, bk, along_q=False),
+      _mask_specs(cfg, m, bq, bk, along_q=False),
+      _head_spec(cfg.q_len, value_dim, False, cfg.group, blocked=False),
+      _row_stats_spec(cfg.q_len, blocked=False),
+      _row_stats_spec(cfg.q_len, blocked=False),
+  ]
+  # Per-head partial sums stay float32 when several query heads share a K/V head.
+  grad_dtype = lambda x: x.dtype if cfg.group == 1 else jnp.float32
+  out_shape = [jax.ShapeDtypeStruct((batch, cfg.kv_len, num_heads, head_dim), grad_dtype(k)),
+               jax.ShapeDtypeStruct((batch, cfg.kv_len, num_heads, value_dim), grad_dtype(v))]
+  out_specs = [_head_spec(bk, head_dim, False, cfg.group, blocked=True),
+               _head_spec(bk, value_dim, False, cfg.group, blocked=True)]
+  dk, dv = pl.pallas_call(
+      functools.partial(_dkv_kernel, cfg=cfg),
+      grid=(cfg.kv_len // bk, batch, num_heads),
+      in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
+      compiler_params=params, interpret=cfg.interpret, name="flash_attention_dkv",
+  )(q, k, v, bias, m, d_out, lse, delta)
+
+  dk, dv = _sum_groups(dk, cfg.group, k.dtype), _sum_groups(dv, cfg.group, v.dtype)
+  if bias is not None:
+    d_bias = _sum_broadcast_axes(d_bias, bias.shape).astype(bias.dtype)
+  return dq, dk, dv, d_bias
+
+
+def _sum_groups(grad, group: int, dtype):
+  """`[B, T, H, D]` per query head -> `[B, T, H // group, D]` per K/V head."""
+  if group == 1:
+    return grad
+  batch, length, num_heads, dim = grad.shape
+  grad = grad.reshape(batch, length, num_heads // group, group, dim)
+  return grad.sum(axis=3).astype(dtype)
+
+
+def _sum_broadcast_axes(x, shape):
+  """Sums `x` over the axes where an array of `shape` broadcasts (size 1)."""
+  axes = tuple(a for a, (n, m) in enumerate(zip(x.shape, shape)) if m == 1 and n != 1)
+  return jnp.sum(x, axis=axes, keepdims=True) if axes else x
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _attention(cfg, q, k, v, bias, m):
+  return _forward(cfg, q, k, v, bias, m)[0]
+
+
+def _attention_fwd(cfg, q, k, v, bias, m):
+  out, lse = _forward(cfg, q, k, v, bias, m)
+  return out, (q, k, v, bias, m, out, lse)
+
+
+def _attention_bwd(cfg, residuals, d_out):
+  q, k, v, bias, m, out, lse = residuals
+  dq, dk, dv, d_bias = _backward(cfg, q, k, v, bias, m, out, lse, d_out)
+  return dq, dk, dv, d_bias, None
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+# ---------------------------------------------------------------------------
+# Public API.
+# ---------------------------------------------------------------------------
+
+
+def default_block_sizes_gpu(head_dim: int, dtype) -> common.BlockSizes:
+  """Block sizes for an H100 by (padded) head dim; not tuned on hardware.
+
+  The forward and dq passes use `block_q x block_k`: 128 x 64 keeps a query
+  block, its float32 accumulator and a K/V block in registers/shared memory for
+  head dims up to 128; at 256 the blocks halve. The dk/dv pass holds two
+  float32 accumulators of its key block, so it uses 64 x 64 (32 x 32 at 256).
+  float32 inputs take twice the shared memory per element, so their key blocks
+  halve above head dim 64.
+  """
+  padded = _padded_dim(head_dim)
+  if padded <= 64:
+    blocks = common.BlockSizes(block_q=128, block_k=64, block_q_dkv=64, block_k_dkv=64)
+  elif padded <= 128:
+    blocks = common.BlockSizes(block_q=128, block_k=64, block_q_dkv=64, block_k_dkv=64)
+  else:
+    blocks = common.BlockSizes(block_q=64, block_k=32, block_q_dkv=32, block_k_dkv=32)
+  if jnp.dtype(dtype).itemsize >= 4 and padded > 64:
+    blocks = dataclasses.replace(blocks, block_k=max(MIN_BLOCK, blocks.block_k // 2),
+                                 block_k_dkv=max(MIN_BLOCK, blocks.block_k_dkv // 2))
+  return blocks
+
+
+def flash_attention_gpu(inputs: AttentionInputs, block_sizes: Optional[common.BlockSizes] = None,
+                        *, interpret: Optional[bool] = None, num_warps: Optional[int] = None,
+                        num_stages: Optional[int] = None) -> Array:
+  """Exact attention over `inputs` with Pallas GPU kernels; `[B, Tq, H, Dv]`.
+
+  Args:
+    inputs: validated arguments of `attention_jax.dot_product_attention`.
+    block_sizes: powers of two, at least 16; `default_block_sizes_gpu()` when
+      None. Blocks longer than a (power-of-two rounded) sequence are shortened.
+    interpret: run the kernels in the Pallas interpreter; None means "unless the
+      default backend is a GPU".
+    num_warps, num_stages: Triton launch parameters (4/8 warps by head dim, 2
+      stages when None). Ignored by the interpreter.
+
+  Raises:
+    ValueError: for a dtype other than float32/bfloat16/float16, a head dim
+      outside [1, 256], or block sizes that are not powers of two >= 16.
+  """
+  query, key, value = inputs.query, inputs.key, inputs.value
+  _check_dtype(query.dtype)
+  batch, q_len, num_heads, head_dim = query.shape
+  kv_len, num_kv_heads, value_dim = key.shape[1], key.shape[2], value.shape[3]
+  _check_head_dim("head dim", head_dim)
+  _check_head_dim("value head dim", value_dim)
+  if block_sizes is None:
+    block_sizes = default_block_sizes_gpu(max(head_dim, value_dim), query.dtype)
+  _check_block_sizes(block_sizes)
+  if interpret is None:
+    interpret = jax.default_backend() != "gpu"
+
+  bq_dkv, bk_dkv = block_sizes.dkv
+  # Blocks longer than the sequence would only add padding.
+  bq, bq_dkv = (min(b, _bucket(q_len)) for b in (block_sizes.block_q, bq_dkv))
+  bk, bk_dkv = (min(b, _bucket(kv_len)) for b in (block_sizes.block_k, bk_dkv))
+  # Powers of two: the larger block is a multiple of the smaller.
+  q_multiple, kv_multiple = max(bq, bq_dkv), max(bk, bk_dkv)
+  cfg = _Config(block_q=bq, block_k=bk, block_q_dkv=bq_dkv, block_k_dkv=bk_dkv,
+                q_len=_round_up(q_len, q_multiple), kv_len=_round_up(kv_len, kv_multiple),
+                true_kv_len=kv_len, num_heads=num_heads, group=num_heads // num_kv_heads,
+                scale=float(inputs.scale),
+                reach=common.reach_of(inputs.is_causal, inputs.local_window_size),
+                interpret=bool(interpret), num_warps=num_warps, num_stages=num_stages)
+
+  # Zero padding: whole blocks along T, a power of two (>= 16) along D.
+  pad_dim = lambda x: _pad_to(x, 3, _padded_dim(x.shape[3]))
+  q = pad_dim(common.pad_axis(query, 1, q_multiple))
+  k = pad_dim(common.pad_axis(key.astype(query.dtype), 1, kv_multiple))
+  v = pad_dim(common.pad_axis(value.astype(query.dtype), 1, kv_multiple))
+  bias = _padded_pairwise(inputs.bias, q_len, kv_len, cfg)
+  mask = _padded_pairwise(inputs.mask, q_len, kv_len, cfg)
+  m = _MaskArrays(
+      mask=None if mask is None else mask.astype(jnp.int8),
+      q_segment_ids=_padded_ids(inputs.q_segment_ids, cfg.q_len),
+      kv_segment_ids=_padded_ids(inputs.kv_segment_ids, cfg.kv_len),
+      kv_lengths=(None if inputs.key_value_seq_lengths is None
+                  else jnp.asarray(inputs.key_value_seq_lengths, jnp.int32)))
+
+  out = _attention(cfg, q, k, v, bias, m)[:, :q_len, :, :value_dim]
+  if inputs.query_seq_lengths is not None:
+    # Queries past their length output zeros; their cotangents, hence gradients, vanish.
+    valid = mask_lib.length_predicate(jnp.arange(q_len)[None, :],
+                                      inputs.query_seq_lengths[:, None])
+    out = jnp.where(valid[:, :, None, None], out, jnp.zeros((), out.dtype))
+  return out
+
+
+def gpu_dot_product_attention(query, key, value, bias=None, mask=None, *,
+                              block_sizes: Optional[common.BlockSizes] = None,
+                              interpret: Optional[bool] = None,
+                              num_warps: Optional[int] = None,
+                              num_stages: Optional[int] = None, **kwargs) -> Array:
+  """`attention_jax.dot_product_attention` computed by the Pallas GPU kernels.
+
+  Takes every argument of `dot_product_attention` except `implementation`, plus
+  the kernel options of `flash_attention_gpu`.
+  """
+  inputs, unbatched = prepare_inputs(query, key, value, bias, mask, **kwargs)
+  out = flash_attention_gpu(inputs, block_sizes, interpret=interpret, num_warps=num_warps,
+                            num_stages=num_stages)
+  return out[0] if unbatched else out
+
+
+# ---------------------------------------------------------------------------
+# Validation and padding.
+# ---------------------------------------------------------------------------
+
+
+def _check_dtype(dtype) -> None:
+  if not any(jnp.dtype(dtype) == jnp.dtype(d) for d in SUPPORTED_DTYPES):
+    raise ValueError(f"the Pallas GPU kernel takes float32, bfloat16 or float16 inputs, "
+                     f"got {jnp.dtype(dtype)}.")
+
+
+def _check_head_dim(name: str, dim: int) -> None:
+  if not 1 <= dim <= MAX_HEAD_DIM:
+    raise ValueError(f"the Pallas GPU kernel supports a {name} of 1 to {MAX_HEAD_DIM} "
+                     f"(padded to a power of two >= {MIN_BLOCK}), got {dim}.")
+
+
+def _check_block_sizes(block_sizes: common.BlockSizes) -> None:
+  for field in dataclasses.fields(block_sizes):
+    value = getattr(block_sizes, field.name)
+    if value is not None and (value < MIN_BLOCK or value & (value - 1)):
+      raise ValueError(f"the Pallas GPU kernel needs block sizes that are powers of two and at "
+                       f"least {MIN_BLOCK} (Triton tiles), got BlockSizes.{field.name}={value}.")
+
+
+def _next_power_of_two(n: int) -> int:
+  return 1 << max(0, n - 1).bit_length()
+
+
+def _padded_dim(dim: int) -> int:
+  return max(MIN_BLOCK, _next_power_of_two(dim))
+
+
+def _bucket(length: int) -> int:
+  """The shortest useful block for a sequence: a power of two >= 16 covering it."""
+  return max(MIN_BLOCK, _next_power_of_two(length))
+
+
+def _round_up(n: int, multiple: int) -> int:
+  return common.cdiv(n, multiple) * multiple
+
+
+def _pad_to(x: Array, axis: int, size: int) -> Array:
+  """Zero-pads `axis` of `x` at the end up to `size`."""
+  if x.shape[axis] == size:
+    return x
+  widths = [(0, 0)] * x.ndim
+  widths[axis] = (0, size - x.shape[axis])
+  return jnp.pad(x, widths)
+
+
+def _padded_pairwise(x: Optional[Array], q_len: int, kv_len: int,
+                     cfg: _Config) -> Optional[Array]:
+  """A bias or mask `[B|1, H|1, Tq|1, Tk|1]` as `[B|1, H|1, Tq', Tk']`.
+
+  The Tq and Tk axes are materialised (the kernels read `[block, block]` tiles);
+  batch and head axes of size 1 stay broadcast through the index maps.
+  Padding is zero (False): padded keys are masked by position anyway.
+  """
+  if x is None:
+    return None
+  x = jnp.broadcast_to(x, x.shape[:2] + (q_len, kv_len))
+  return _pad_to(_pad_to(x, 2, cfg.q_len), 3, cfg.kv_len)
+
+
+def _padded_ids(ids: Optional[Array], length: int) -> Optional[Array]:
+  """Segment ids `[B, T]` padded to `length` by repeating the last id.
+
+  Repeating (rather than a sentinel) keeps each block's id range tight, so the
+  disjoint-segment skip still fires next to the padding; padded keys are masked
+  by position and padded queries sliced off, so their ids never matter.
+  """
+  if ids is None:
+    return None
+  ids = jnp.asarray(ids, jnp.int32)
+  return jnp.pad(ids, ((0, 0), (0, length - ids.shape[1])), mode="edge")
