@@ -11,6 +11,6 @@ from attention_jax.layers.attention import MultiHeadAttention
 from attention_jax.registry import get_variant, list_variants
 from attention_jax import kernels  # registers the blockwise and Pallas implementations
 from attention_jax.variants import (available_implementations, dot_product_attention,
-                                    multi_head_attention)
+                                    multi_head_attention, select_implementation)
 
 __version__ = "0.1.0"

@@ -1,9 +1,17 @@
-r"""Benchmark `attention_jax.dot_product_attention` against `jax.nn.dot_product_attention`.
+r"""Benchmark `attention_jax.dot_product_attention` against the peers on this backend.
 
 Every implementation that `attention_jax.available_implementations()` lists for
-the current backend is measured next to the peer `jax.nn.dot_product_attention`
-("xla", plus "cudnn" on GPU), in the same run and on the same inputs, for each
-sequence length, causal setting and mode:
+the current backend is measured next to every peer available there, in the same
+run and on the same inputs, for each sequence length, head dim, causal setting
+and mode. The peers:
+
+* ``jax.nn:xla``: `jax.nn.dot_product_attention(implementation="xla")`, everywhere;
+* ``jax.nn:cudnn``: its cuDNN fused kernel (GPU);
+* ``jax.pallas:gpu``: JAX's own Pallas attention, `jax.experimental.pallas.ops.gpu.attention.mha` (GPU);
+* ``jax.pallas:tpu``: JAX's own Pallas flash attention, `...ops.tpu.flash_attention` (TPU).
+
+Each record carries its ratio to every peer of the same shape and to the best
+(fastest) one, and the table prints the latter. The modes:
 
 * ``fwd``: the attention output;
 * ``fwd_bwd``: the gradient of ``sum(out)`` with respect to ``q``, ``k`` and ``v``.
@@ -18,7 +26,9 @@ just before the computation (inputs and executable already resident). On
 GPU/TPU cells run in-process and the device's ``peak_bytes_in_use`` is used; it
 cannot be reset, so a cell that does not raise it gets an upper bound only
 (marked '~' in the table, like any other inexact figure).
-XLA's compiled memory analysis is recorded on every backend as well.
+XLA's compiled memory analysis is recorded on every backend as well; on CPU a
+cell whose compiled program needs more memory than the machine has is recorded
+as failed with that figure instead of being run into swap or the OOM killer.
 
 This is a benchmark, not a test: it asserts nothing about speed.
 
@@ -27,6 +37,9 @@ Usage::
   python -m experiments.benchmark_attention
   python -m experiments.benchmark_attention --lengths 1024 4096 --dtype bfloat16 \
       --causal true --modes fwd_bwd --repeats 20
+  # The blockwise implementation where dense attention cannot run at all:
+  python -m experiments.benchmark_attention --lengths 65536 --modes fwd_bwd \
+      --causal false --impls attention_jax:blockwise attention_jax:xla --repeats 1
 """
 
 from __future__ import annotations
@@ -51,7 +64,14 @@ import jax.numpy as jnp
 import attention_jax
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
-PEER = "jax.nn:xla"
+PEER = "jax.nn:xla"  # The peer present on every backend.
+# label -> backends it runs on (None: every backend); the order is the table's.
+PEERS = {
+    PEER: None,
+    "jax.nn:cudnn": ("gpu",),  # cuDNN's fused attention exists for NVIDIA GPUs only.
+    "jax.pallas:gpu": ("gpu",),
+    "jax.pallas:tpu": ("tpu",),
+}
 MODES = ("fwd", "fwd_bwd")
 MB = 1024 * 1024
 
@@ -66,17 +86,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
       description=__doc__.split("\n\n")[0],
       formatter_class=argparse.ArgumentDefaultsHelpFormatter,
   )
-  parser.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048, 4096],
-                      help="sequence lengths T (queries and keys alike)")
+  parser.add_argument("--lengths", type=int, nargs="+", default=None,
+                      help="sequence lengths T (queries and keys alike); default "
+                           "512..4096 on CPU, 1024..16384 on accelerators")
   parser.add_argument("--batch", type=int, default=1)
   parser.add_argument("--heads", type=int, default=8)
-  parser.add_argument("--head-dim", type=int, default=64)
+  parser.add_argument("--head-dims", type=int, nargs="+", default=None,
+                      help="head dims D; default 64 on CPU, 64 and 128 on accelerators")
   parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
   parser.add_argument("--causal", choices=["both", "true", "false"], default="both")
   parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
   parser.add_argument("--impls", nargs="+", default=None,
                       help="labels to run, e.g. attention_jax:xla jax.nn:cudnn "
-                           "(default: all available; the peer %s is always added)" % PEER)
+                           "(default: all available; the available peers are always added)")
   parser.add_argument("--repeats", type=int, default=3, help="timed runs per cell")
   parser.add_argument("--out", type=pathlib.Path, default=None,
                       help="JSON output (default: benchmarks/attention_<backend>.json)")
@@ -87,6 +109,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
   args = parser.parse_args(argv)
   if args.repeats < 1:
     parser.error("--repeats must be at least 1")
+  accelerator = jax.default_backend() != "cpu"
+  if args.lengths is None:
+    args.lengths = [1024, 2048, 4096, 8192, 16384] if accelerator else [512, 1024, 2048, 4096]
+  if args.head_dims is None:
+    args.head_dims = [64, 128] if accelerator else [64]
   return args
 
 
@@ -107,31 +134,50 @@ def attention_jax_implementations() -> tuple[str, ...]:
   return tuple(getattr(attention_jax, "available_implementations", lambda: ("xla",))())
 
 
-def available_labels(backend: str | None = None) -> list[str]:
-  """All implementation labels that can be benchmarked on `backend`, peer last."""
+def available_peers(backend: str | None = None) -> list[str]:
+  """The peer labels that run on `backend`."""
   backend = backend or jax.default_backend()
+  return [label for label, backends in PEERS.items() if backends is None or backend in backends]
+
+
+def available_labels(backend: str | None = None) -> list[str]:
+  """All implementation labels that can be benchmarked on `backend`, peers last."""
   labels = [f"attention_jax:{name}" for name in attention_jax_implementations()]
-  if backend == "gpu":  # cuDNN's fused attention only exists for NVIDIA GPUs.
-    labels.append("jax.nn:cudnn")
-  labels.append(PEER)
-  return labels
+  return labels + available_peers(backend)
 
 
 def select_labels(requested: list[str] | None, backend: str) -> list[str]:
-  """Validates --impls against what is available and makes sure the peer is in."""
+  """Validates --impls against what is available and makes sure the peers are in."""
   available = available_labels(backend)
   if requested is None:
     return available
   unknown = [label for label in requested if label not in available]
   if unknown:
     raise SystemExit(f"unavailable implementation(s) {unknown}; choose from {available}")
-  # Speedups are defined against the peer, so it is always measured.
-  return list(dict.fromkeys(requested + [PEER]))
+  # Ratios are defined against the peers, so they are always measured.
+  return list(dict.fromkeys(requested + available_peers(backend)))
+
+
+def _jax_pallas_gpu(q, k, v, is_causal):
+  """JAX's Triton flash attention; same layout [B, T, H, D], scale passed explicitly."""
+  from jax.experimental.pallas.ops.gpu import attention  # pylint: disable=import-outside-toplevel
+  return attention.mha(q, k, v, None, sm_scale=q.shape[-1] ** -0.5, causal=is_causal)
+
+
+def _jax_pallas_tpu(q, k, v, is_causal):
+  """JAX's Mosaic TPU flash attention, which takes the layout [B, H, T, D]."""
+  from jax.experimental.pallas.ops.tpu import flash_attention  # pylint: disable=import-outside-toplevel
+  to_heads_first = lambda x: x.transpose(0, 2, 1, 3)
+  out = flash_attention.flash_attention(*map(to_heads_first, (q, k, v)), causal=is_causal,
+                                        sm_scale=q.shape[-1] ** -0.5)
+  return to_heads_first(out)
 
 
 def attention_function(label: str) -> Callable[..., jax.Array]:
   """Returns `f(q, k, v, is_causal)` for a label such as "attention_jax:xla"."""
   library, implementation = label.split(":", 1)
+  if library == "jax.pallas":
+    return {"gpu": _jax_pallas_gpu, "tpu": _jax_pallas_tpu}[implementation]
   attend = {
       "attention_jax": lambda: attention_jax.dot_product_attention,
       "jax.nn": lambda: jax.nn.dot_product_attention,
@@ -175,7 +221,7 @@ def make_step(label: str, mode: str, causal: bool) -> Callable[..., Any]:
 
 
 def attention_flops(cell: dict[str, Any]) -> float:
-  """Matmul FLOPs: 4*B*H*T*T*D forward, 2.5x more for backward, halved if causal."""
+  """Matmul FLOPs: 4*B*H*T*T*D forward, 2.5x that for the backward, halved if causal."""
   b, t, h, d = cell["batch"], cell["seq_len"], cell["heads"], cell["head_dim"]
   flops = 4.0 * b * h * t * t * d
   if cell["mode"] == "fwd_bwd":
@@ -311,16 +357,40 @@ class PeakMemory:
 
 
 def make_cells(args: argparse.Namespace, labels: list[str]) -> Iterator[dict[str, Any]]:
-  """One JSON-serialisable description per (length, causal, mode, impl)."""
+  """One JSON-serialisable description per (length, head dim, causal, mode, impl)."""
   for seq_len in args.lengths:
-    for causal in causal_settings(args.causal):
-      for mode in args.modes:
-        for label in labels:
-          yield {
-              "impl": label, "seq_len": seq_len, "causal": causal, "mode": mode,
-              "batch": args.batch, "heads": args.heads, "head_dim": args.head_dim,
-              "dtype": args.dtype, "repeats": args.repeats,
-          }
+    for head_dim in args.head_dims:
+      for causal in causal_settings(args.causal):
+        for mode in args.modes:
+          for label in labels:
+            yield {
+                "impl": label, "seq_len": seq_len, "causal": causal, "mode": mode,
+                "batch": args.batch, "heads": args.heads, "head_dim": head_dim,
+                "dtype": args.dtype, "repeats": args.repeats,
+            }
+
+
+def physical_memory_bytes() -> int | None:
+  """Total RAM of this machine, where the OS tells."""
+  try:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+  except (ValueError, OSError, AttributeError):
+    return None
+
+
+def check_fits_in_memory(memory: dict[str, int] | None, memory_method: str) -> None:
+  """On CPU, refuses to run a program that XLA says needs more than all the RAM.
+
+  Such a run would only thrash or be killed; the figure itself is the result.
+  """
+  total = physical_memory_bytes()
+  if memory_method != "process" or not memory or total is None:
+    return
+  needed = sum(memory.get(f, 0) for f in ("temp_size_in_bytes", "argument_size_in_bytes",
+                                          "output_size_in_bytes"))
+  if needed > total:
+    raise MemoryError(f"XLA's memory analysis says the program needs {needed / 2**30:.1f} GiB, "
+                      f"more than this machine's {total / 2**30:.1f} GiB")
 
 
 def measure_cell(cell: dict[str, Any], memory_method: str) -> dict[str, Any]:
@@ -333,9 +403,11 @@ def measure_cell(cell: dict[str, Any], memory_method: str) -> dict[str, Any]:
     start = time.perf_counter()
     compiled = step.lower(*inputs).compile()
     record["compile_s"] = time.perf_counter() - start
+    record["memory"]["compiled"] = compiled_memory(compiled)
+    check_fits_in_memory(record["memory"]["compiled"], memory_method)
     with PeakMemory(memory_method) as memory:
       times = time_runs(compiled, inputs, cell["repeats"])
-    record["memory"] = dict(memory.result, compiled=compiled_memory(compiled))
+    record["memory"] = dict(memory.result, compiled=record["memory"]["compiled"])
     record["times_ms"] = times
     record["ms"] = statistics.median(times)
     record["gflop_per_s"] = record["flops"] / (record["ms"] * 1e-3) / 1e9
@@ -380,23 +452,31 @@ def run_cells(cells: list[dict[str, Any]], args: argparse.Namespace,
       jax.clear_caches()  # Drop this cell's executables before the next one.
     records.append(record)
     outcome = f"{record['ms']:.2f} ms" if record.get("error") is None else "FAILED"
-    print(f"[{i}/{len(cells)}] {cell['impl']} T={cell['seq_len']} "
+    print(f"[{i}/{len(cells)}] {cell['impl']} T={cell['seq_len']} D={cell['head_dim']} "
           f"causal={cell['causal']} {cell['mode']}: {outcome}", flush=True)
   return records
 
 
 def add_speedups(records: list[dict[str, Any]]) -> None:
-  """Sets `speedup_vs_peer` = peer_ms / impl_ms, the peer from the same shape cell."""
-  def shape_key(r):
-    return (r["seq_len"], r["causal"], r["mode"])
+  """Adds each record's speed-up over every peer of the same shape, and the best peer.
 
-  peer_ms = {shape_key(r): r.get("ms") for r in records
-             if r["impl"] == PEER and r.get("error") is None}
+  `speedup_vs[peer]` = peer_ms / impl_ms; `best_peer` is the fastest peer that
+  ran on that shape and `speedup_vs_best_peer` the ratio to it (above 1: faster).
+  """
+  def shape_key(r):
+    return (r["seq_len"], r["head_dim"], r["causal"], r["mode"])
+
+  peer_ms: dict[tuple, dict[str, float]] = {}
+  for r in records:
+    if r["impl"] in PEERS and r.get("error") is None:
+      peer_ms.setdefault(shape_key(r), {})[r["impl"]] = r["ms"]
   for record in records:
-    reference = peer_ms.get(shape_key(record))
-    ok = record.get("error") is None and reference is not None
-    record["peer"] = PEER
-    record["speedup_vs_peer"] = reference / record["ms"] if ok else None
+    peers = peer_ms.get(shape_key(record), {})
+    ran = record.get("error") is None
+    record["speedup_vs"] = {p: ms / record["ms"] for p, ms in peers.items()} if ran else {}
+    record["best_peer"] = min(peers, key=peers.get) if peers else None
+    record["speedup_vs_best_peer"] = (
+        record["speedup_vs"][record["best_peer"]] if ran and peers else None)
 
 
 # ---------------------------------------------------------------------------
@@ -416,18 +496,20 @@ def format_table(records: list[dict[str, Any]], backend: str) -> str:
   """A fixed-width table of all records, one line each."""
   # TFLOP/s reads better on accelerators, GFLOP/s on CPU.
   unit, scale = ("GFLOP/s", 1.0) if backend == "cpu" else ("TFLOP/s", 1e-3)
-  header = (f"{'impl':<24} {'T':>6} {'causal':>6} {'mode':>8} {'ms':>10} "
-            f"{unit:>9} {'peak MB':>9} {'vs ' + PEER:>14}")
+  header = (f"{'impl':<24} {'T':>6} {'D':>4} {'causal':>6} {'mode':>8} {'ms':>10} "
+            f"{unit:>9} {'peak MB':>9} {'vs best peer':>13}  best peer")
   lines = [header, "-" * len(header)]
   for r in records:
-    prefix = f"{r['impl']:<24} {r['seq_len']:>6} {str(r['causal']):>6} {r['mode']:>8} "
+    prefix = (f"{r['impl']:<24} {r['seq_len']:>6} {r['head_dim']:>4} {str(r['causal']):>6} "
+              f"{r['mode']:>8} ")
     if r.get("error") is not None:
-      lines.append(prefix + f"{'failed:':>10} {r['error'].splitlines()[0][:60]}")
+      lines.append(prefix + f"{'failed:':>10} {r['error'].splitlines()[0][:80]}")
       continue
-    speedup = r["speedup_vs_peer"]
+    speedup = r["speedup_vs_best_peer"]
     lines.append(prefix + f"{r['ms']:>10.2f} {r['gflop_per_s'] * scale:>9.2f} "
                  f"{peak_mb_text(r['memory']):>9} "
-                 f"{(f'{speedup:.2f}x' if speedup is not None else '-'):>14}")
+                 f"{(f'{speedup:.2f}x' if speedup is not None else '-'):>13}  "
+                 f"{r['best_peer'] or '-'}")
   return "\n".join(lines)
 
 
@@ -484,7 +566,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
       "arguments": arguments,
       "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(),
       "wall_time_s": time.perf_counter() - start,
-      "peer": PEER,
+      "peers": available_peers(backend),
       "records": records,
   }
   write_json(out, payload)

@@ -1,7 +1,7 @@
 """Smoke test of experiments/benchmark_attention.py on tiny shapes.
 
 It checks the bookkeeping (one record per requested cell, finite numbers, a
-memory figure, speedups against the peer), never the speed itself.
+memory figure, ratios to the best peer), never the speed itself.
 """
 
 import json
@@ -19,7 +19,7 @@ from experiments import benchmark_attention  # pylint: disable=g-import-not-at-t
 
 LENGTHS = (64, 128)
 MODES = ("fwd", "fwd_bwd")
-# One attention_jax implementation; the peer must be added by the script itself.
+# One attention_jax implementation; the peers must be added by the script itself.
 # Each CPU cell costs a child process (~4 s), so the impl list is pinned rather
 # than growing with available_implementations().
 REQUESTED = ["attention_jax:xla"]
@@ -31,7 +31,7 @@ def payload(tmp_path_factory):
   out = tmp_path_factory.mktemp("bench") / "attention.json"
   # Causal only, for the same reason: the sweep stays well under a minute.
   benchmark_attention.main([
-      "--lengths", *map(str, LENGTHS), "--batch", "1", "--heads", "2", "--head-dim", "16",
+      "--lengths", *map(str, LENGTHS), "--batch", "1", "--heads", "2", "--head-dims", "16",
       "--causal", "true", "--modes", *MODES, "--impls", *REQUESTED, "--repeats", "1",
       "--out", str(out),
   ])
@@ -56,13 +56,45 @@ def test_records_hold_time_rate_and_memory(payload):
     assert record["memory"]["peak_delta_bytes"] >= 0
 
 
-def test_speedups_are_against_the_peer(payload):
+def test_ratios_are_against_the_best_peer_of_the_same_shape(payload):
   peer_ms = {(r["seq_len"], r["causal"], r["mode"]): r["ms"]
              for r in payload["records"] if r["impl"] == benchmark_attention.PEER}
   for record in payload["records"]:
-    assert record["peer"] == benchmark_attention.PEER
+    assert record["best_peer"] == benchmark_attention.PEER  # The only peer on CPU.
     expected = peer_ms[record["seq_len"], record["causal"], record["mode"]] / record["ms"]
-    assert record["speedup_vs_peer"] == pytest.approx(expected)
+    assert record["speedup_vs_best_peer"] == pytest.approx(expected)
+    assert record["speedup_vs"] == {benchmark_attention.PEER: pytest.approx(expected)}
+
+
+def test_best_peer_is_the_fastest_peer_that_ran():
+  shape = dict(seq_len=8, head_dim=4, causal=False, mode="fwd")
+  records = [dict(shape, impl="attention_jax:pallas", ms=2.0, error=None),
+             dict(shape, impl="jax.nn:xla", ms=8.0, error=None),
+             dict(shape, impl="jax.nn:cudnn", ms=4.0, error=None),
+             dict(shape, impl="jax.pallas:gpu", ms=None, error="failed"),
+             dict(shape, head_dim=8, impl="jax.nn:xla", ms=1.0, error=None)]
+  benchmark_attention.add_speedups(records)
+  ours = records[0]
+  assert ours["best_peer"] == "jax.nn:cudnn"
+  assert ours["speedup_vs_best_peer"] == pytest.approx(2.0)
+  assert ours["speedup_vs"] == {"jax.nn:xla": pytest.approx(4.0),
+                                "jax.nn:cudnn": pytest.approx(2.0)}
+  assert records[3]["speedup_vs_best_peer"] is None
+
+
+def test_peers_per_backend():
+  assert benchmark_attention.available_peers("cpu") == ["jax.nn:xla"]
+  assert benchmark_attention.available_peers("gpu") == ["jax.nn:xla", "jax.nn:cudnn",
+                                                        "jax.pallas:gpu"]
+  assert benchmark_attention.available_peers("tpu") == ["jax.nn:xla", "jax.pallas:tpu"]
+
+
+def test_a_program_larger_than_the_machine_is_refused_with_its_size():
+  total = benchmark_attention.physical_memory_bytes()
+  assert total is not None and total > 0
+  with pytest.raises(MemoryError, match="needs .* GiB, more than this machine"):
+    benchmark_attention.check_fits_in_memory({"temp_size_in_bytes": 2 * total}, "process")
+  benchmark_attention.check_fits_in_memory({"temp_size_in_bytes": total // 100}, "process")
 
 
 def test_environment_and_arguments_recorded(payload):
@@ -72,9 +104,9 @@ def test_environment_and_arguments_recorded(payload):
   assert payload["timestamp"]
 
 
-def test_default_impls_include_attention_jax_and_peer():
+def test_default_impls_include_attention_jax_and_the_peers():
   labels = benchmark_attention.available_labels()
-  assert "attention_jax:xla" in labels
+  assert {"attention_jax:xla", "attention_jax:blockwise"} <= set(labels)
   assert labels[-1] == benchmark_attention.PEER
 
 

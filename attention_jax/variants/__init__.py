@@ -4,5 +4,5 @@ Importing this package registers every variant in `attention_jax.registry`.
 """
 
 from attention_jax.variants.dense import (available_implementations, dot_product_attention,
-                                          register_implementation)
+                                          register_implementation, select_implementation)
 from attention_jax.variants.heads import multi_head_attention

@@ -5,11 +5,17 @@ same argument names and `[B, T, H, D]` layout, grouped K/V heads when K/V have
 fewer heads than the query, plus `segment_ids` for packed sequences, and an
 `implementation` switch. Implementations register themselves in
 `_IMPLEMENTATIONS`; the kernels add "blockwise" and "pallas" there.
+
+`implementation=None` takes the available implementation of highest priority
+for these inputs that accepts them (`select_implementation` says which, and
+why); when the preferred one declines (say a head dim the Pallas kernel cannot
+take) a warning names the reason and the implementation used instead.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Callable, Dict, Optional, Sequence, Tuple, Union
 
 import jax
@@ -60,11 +66,31 @@ class AttentionInputs:
         mask=self.mask)
 
 
+Priority = Union[int, Callable[[AttentionInputs], int]]
+
+
 @dataclasses.dataclass(frozen=True)
 class Implementation:
-  fn: Callable[..., Array]  # fn(inputs: AttentionInputs, **options) -> [B, Tq, H, Dv]
+  """One way to compute exact attention.
+
+  Attributes:
+    fn: `fn(inputs: AttentionInputs, **options) -> [B, Tq, H, Dv]`.
+    is_available: whether it runs on the default backend.
+    priority: `implementation=None` takes the highest; a function of the
+      inputs where the best choice depends on the shapes.
+    rejects: `rejects(inputs)` is None when `fn` takes these inputs, else the
+      reason it does not (an unsupported head dim or dtype, say).
+    takes_dropout: computes dropout on the attention weights itself.
+  """
+
+  fn: Callable[..., Array]
   is_available: Callable[[], bool]
-  priority: int  # `implementation=None` picks the available one with the highest.
+  priority: Priority
+  rejects: Callable[[AttentionInputs], Optional[str]]
+  takes_dropout: bool = False
+
+  def priority_for(self, inputs: AttentionInputs) -> int:
+    return self.priority(inputs) if callable(self.priority) else self.priority
 
 
 _IMPLEMENTATIONS: Dict[str, Implementation] = {}
@@ -72,15 +98,65 @@ _IMPLEMENTATIONS: Dict[str, Implementation] = {}
 
 def register_implementation(name: str, fn: Callable[..., Array], *,
                             is_available: Callable[[], bool] = lambda: True,
-                            priority: int = 0) -> None:
+                            priority: Priority = 0,
+                            rejects: Callable[[AttentionInputs], Optional[str]] = lambda _: None,
+                            takes_dropout: bool = False) -> None:
   """Makes `fn(inputs: AttentionInputs) -> out` selectable as `implementation=name`."""
-  _IMPLEMENTATIONS[name] = Implementation(fn, is_available, priority)
+  _IMPLEMENTATIONS[name] = Implementation(fn, is_available, priority, rejects, takes_dropout)
 
 
 def available_implementations() -> Tuple[str, ...]:
-  """Implementation names usable on the default backend, best first."""
-  usable = [(impl.priority, name) for name, impl in _IMPLEMENTATIONS.items() if impl.is_available()]
+  """Implementation names usable on the default backend, by their fixed priority
+  (shape-dependent priorities count as 0 here)."""
+  fixed = lambda impl: impl.priority if isinstance(impl.priority, int) else 0
+  usable = [(fixed(impl), name) for name, impl in _IMPLEMENTATIONS.items() if impl.is_available()]
   return tuple(name for _, name in sorted(usable, reverse=True))
+
+
+def select_implementation(inputs: AttentionInputs, implementation: Optional[str] = None,
+                          dropout: bool = False) -> Tuple[str, Optional[str]]:
+  """The implementation that computes `inputs`, and why a better one was passed over.
+
+  Args:
+    inputs: validated arguments.
+    implementation: a name asked for explicitly, or None to choose.
+    dropout: whether dropout on the attention weights is requested.
+
+  Returns:
+    `(name, note)`: `note` is None, or the reason the highest-priority
+    implementation declined these inputs when `implementation` is None.
+
+  Raises:
+    ValueError: an unknown or unavailable name, or one that cannot take these
+      inputs (the message gives the reason).
+  """
+  if implementation is not None:
+    if implementation not in _IMPLEMENTATIONS:
+      raise ValueError(f"implementation must be one of {sorted(_IMPLEMENTATIONS)} or None, "
+                       f"got {implementation!r}.")
+    impl = _IMPLEMENTATIONS[implementation]
+    if not impl.is_available():
+      raise ValueError(f"implementation {implementation!r} is not available on backend "
+                       f"{jax.default_backend()!r}; available: {list(available_implementations())}.")
+    if dropout and not impl.takes_dropout:
+      raise ValueError(f"dropout on attention weights needs implementation='xla', got "
+                       f"{implementation!r}.")
+    reason = impl.rejects(inputs)
+    if reason is not None:
+      raise ValueError(f"implementation {implementation!r} cannot take these inputs: {reason}")
+    return implementation, None
+
+  candidates = sorted(((impl.priority_for(inputs), name) for name, impl in _IMPLEMENTATIONS.items()
+                       if impl.is_available()), reverse=True)
+  declined = []
+  for _, name in candidates:
+    impl = _IMPLEMENTATIONS[name]
+    reason = "it takes no dropout" if dropout and not impl.takes_dropout else impl.rejects(inputs)
+    if reason is None:
+      note = "; ".join(declined) if declined and not dropout else None
+      return name, note
+    declined.append(f"{name!r} declined: {reason}")
+  raise ValueError(f"no implementation takes these inputs: {'; '.join(declined)}")
 
 
 def _check_broadcastable(name: str, array: Optional[Array], target: Sequence[int]) -> None:
@@ -213,7 +289,8 @@ def dot_product_attention(
     segment_ids: `[B, T]` for self-attention over packed sequences, or a pair
       `(q_segment_ids [B, Tq], kv_segment_ids [B, Tk])`; tokens only attend
       within their own segment.
-    implementation: one of `available_implementations()`, or None for the best.
+    implementation: one of `available_implementations()`, or None for the best
+      that takes these inputs (see `select_implementation`).
     dropout_rate: dropout on the attention weights (only with a `dropout_rng`).
     dropout_rng: PRNG key for the dropout; None disables dropout.
 
@@ -225,22 +302,14 @@ def dot_product_attention(
       query, key, value, bias, mask, scale=scale, is_causal=is_causal,
       query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
       local_window_size=local_window_size, segment_ids=segment_ids)
-  if implementation is None:
-    implementation = available_implementations()[0]
-  if implementation not in _IMPLEMENTATIONS:
-    raise ValueError(f"implementation must be one of {sorted(_IMPLEMENTATIONS)} or None, "
-                     f"got {implementation!r}.")
-  impl = _IMPLEMENTATIONS[implementation]
-  if not impl.is_available():
-    raise ValueError(f"implementation {implementation!r} is not available on backend "
-                     f"{jax.default_backend()!r}; available: {list(available_implementations())}.")
-  options = {}
-  if dropout_rng is not None and dropout_rate > 0.0:
-    if implementation != "xla":
-      raise ValueError(f"dropout on attention weights needs implementation='xla', got "
-                       f"{implementation!r}.")
-    options = dict(dropout_rate=dropout_rate, dropout_rng=dropout_rng)
-  out = impl.fn(inputs, **options)
+  dropout = dropout_rng is not None and dropout_rate > 0.0
+  implementation, note = select_implementation(inputs, implementation, dropout)
+  if note is not None:
+    # Seen once per call site (the warnings module's default), at trace time.
+    warnings.warn(f"dot_product_attention: using implementation {implementation!r}; {note}.",
+                  stacklevel=2)
+  options = dict(dropout_rate=dropout_rate, dropout_rng=dropout_rng) if dropout else {}
+  out = _IMPLEMENTATIONS[implementation].fn(inputs, **options)
   return out[0] if unbatched else out
 
 
@@ -269,8 +338,6 @@ def _xla_attention(inputs: AttentionInputs, dropout_rate: float = 0.0,
 
 def _cudnn_attention(inputs: AttentionInputs) -> Array:
   """cuDNN's fused kernel through jax.nn, for the masks it supports."""
-  if inputs.q_segment_ids is not None:
-    raise ValueError("implementation='cudnn' does not take segment_ids; use 'xla' or 'pallas'.")
   return jax.nn.dot_product_attention(
       inputs.query, inputs.key, inputs.value, inputs.bias, inputs.mask,
       scale=inputs.scale, is_causal=inputs.is_causal,
@@ -279,8 +346,17 @@ def _cudnn_attention(inputs: AttentionInputs) -> Array:
       local_window_size=inputs.local_window_size, implementation="cudnn")
 
 
-register_implementation("xla", _xla_attention, priority=0)
-register_implementation("cudnn", _cudnn_attention, priority=-1,
+def _cudnn_rejects(inputs: AttentionInputs) -> Optional[str]:
+  if inputs.q_segment_ids is not None:
+    return "cuDNN's attention through jax.nn takes no segment_ids."
+  if inputs.query.dtype not in (jnp.float16, jnp.bfloat16):
+    return f"cuDNN's attention takes float16 or bfloat16 inputs, got {inputs.query.dtype}."
+  return None
+
+
+register_implementation("xla", _xla_attention, priority=0, takes_dropout=True)
+# Chosen only when asked for: the Pallas kernel covers every argument.
+register_implementation("cudnn", _cudnn_attention, priority=-1, rejects=_cudnn_rejects,
                         is_available=lambda: jax.default_backend() == "gpu")
 
 

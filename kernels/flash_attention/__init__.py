@@ -5,14 +5,26 @@ Importing this package registers the implementations with
 `blockwise` and `flash` with the registry.
 """
 
+import jax
+
 from attention_jax import registry
 from attention_jax.variants.dense import register_implementation
 
 from .blockwise import blockwise_attention, blockwise_dot_product_attention, default_block_sizes
 from .common import BlockSizes
 
-# The portable fallback: never chosen by `implementation=None` over a faster one.
-register_implementation("blockwise", blockwise_attention, priority=-1)
+
+def _blockwise_priority(inputs) -> int:
+  """On CPU, blockwise beats dense XLA once the score matrix is large (see
+  benchmarks/attention_cpu.json); elsewhere it is the portable fallback."""
+  on_cpu = jax.default_backend() == "cpu"
+  large = inputs.query.shape[1] * inputs.key.shape[1] >= BLOCKWISE_MIN_SCORES_ON_CPU
+  return 1 if on_cpu and large else -1
+
+
+# Tq * Tk from which `implementation=None` prefers blockwise to dense on CPU.
+BLOCKWISE_MIN_SCORES_ON_CPU = 1024 * 1024
+register_implementation("blockwise", blockwise_attention, priority=_blockwise_priority)
 
 registry.register(registry.VariantSpec(
     name="blockwise", fn=blockwise_dot_product_attention, family="kernels",
