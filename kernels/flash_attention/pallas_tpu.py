@@ -1,0 +1,676 @@
+"""Flash attention as Pallas TPU kernels (Mosaic), forward and backward.
+
+The algorithm is the online softmax of `blockwise.py`, tiled for the TPU:
+every kernel runs over a grid whose last axis walks the blocks one side of the
+attention matrix (keys for the forward and dq passes, queries for the dk/dv
+pass) while the running statistics and accumulators live in float32 VMEM
+scratch, initialised at the first step and written out at the last.
+
+Layout: the wrapper transposes to `[B, H, T, D]` so that every block is a
+`(rows, D)` tile. Row statistics (the log-sum-exp, delta = rowsum(dO * O), the
+query segment ids) are kept replicated over the 128 lanes, `[.., T, 128]`, and
+key segment ids over 8 sublanes, `[B, 8, Tk]`, so that every block is a whole
+`(8, 128)` vreg tile.
+
+Masks, as in `blockwise.py`:
+  * causal / window: summarised by their reach (`common.reach_of`). The last
+    grid axis only has as many steps as the widest band of blocks any row
+    needs; step `s` of query block `i` visits key block `lo(i) + s`, and steps
+    past the band repeat the last block, so they neither compute nor DMA.
+  * key/value lengths and the padding of Tk up to a whole block: one per-batch
+    length, scalar-prefetched, that masks keys in-kernel and ends the band.
+  * query lengths: query blocks wholly past the length are skipped (their
+    output is 0); rows past it inside a block are zeroed by the wrapper, which
+    also zeroes their gradients.
+  * segment ids: masked in-kernel; a block pair whose query-id and key-id
+    ranges are disjoint is skipped.
+  * the boolean `mask` is passed as int8 blocks, the bias as blocks in its own
+    dtype; their batch and head axes may stay broadcast (size 1), their query
+    and key axes are broadcast to full length (a bias is quadratic anyway: its
+    gradient is a `[B, H, Tq, Tk]` float32 array summed by the wrapper).
+A row with nothing to attend outputs zeros, has lse = -inf, and passes zero
+gradients.
+
+The backward pass (a `jax.custom_vjp`) recomputes the probabilities from the
+saved lse: a dq kernel over (query block, key blocks) that also writes the
+logits gradient ds when there is a bias, and a dk/dv kernel over (key block,
+query heads of its group, query blocks).
+
+Block sizes (`common.BlockSizes`): `block_q` and `block_q_dkv` must be
+multiples of 32 (one sublane tile of the narrowest dtype loaded along queries,
+the int8 mask); `block_k` and `block_k_dkv` multiples of 128 (the lane width:
+keys are the lane axis of every logits block). Blocks longer than the
+(rounded-up) sequence are shortened to it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from attention_jax.core import masks as mask_lib
+from attention_jax.variants.dense import AttentionInputs, prepare_inputs
+
+from . import common
+
+Array = jnp.ndarray
+
+LANES = 128
+SUBLANES = 8
+# Queries are the sublane axis of every block; 32 rows are one tile of int8 (the mask),
+# and a whole number of tiles of bfloat16 (16) and float32 (8).
+QUERY_BLOCK_MULTIPLE = 32
+KEY_BLOCK_MULTIPLE = LANES
+MAX_HEAD_DIM = 256
+SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+
+# dot_general dimension numbers: a @ b^T, and a^T @ b.
+_NT = (((1,), (1,)), ((), ()))
+_TN = (((0,), (0,)), ((), ()))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+  """Everything about a call that is fixed at trace time."""
+
+  block_q: int
+  block_k: int
+  block_q_dkv: int
+  block_k_dkv: int
+  q_len: int  # padded Tq: a multiple of every query block
+  kv_len: int  # padded Tk
+  group: int  # query heads per K/V head
+  scale: float
+  reach: common.Reach
+  interpret: Any  # False, or pltpu.InterpretParams
+
+
+@dataclasses.dataclass
+class _MaskArrays:
+  """The non-differentiable inputs that decide which pairs attend (padded layouts)."""
+
+  q_lengths: Array  # [B] int32; Tq when not given
+  kv_lengths: Array  # [B] int32; the true Tk when not given
+  mask: Optional[Array]  # [B|1, H|1, Tq', Tk'] int8
+  q_segment_ids: Optional[Array]  # [B, Tq', 128] int32
+  kv_segment_ids: Optional[Array]  # [B, 8, Tk'] int32
+
+
+jax.tree_util.register_dataclass(
+    _MaskArrays,
+    data_fields=["q_lengths", "kv_lengths", "mask", "q_segment_ids", "kv_segment_ids"],
+    meta_fields=[])
+
+
+# ----------------------------------------------------------------------------
+# Which block a grid step visits.
+
+
+class _Coords(NamedTuple):
+  """The blocks one grid step works on, and whether it has work to do.
+
+  `fresh`: this step visits a block for the first time (steps past the band of
+  visible blocks repeat the previous one). `any_visit`: the band is not empty.
+  """
+
+  batch: Array
+  head: Array
+  kv_head: Array
+  q_block: Array
+  kv_block: Array
+  fresh: Array
+  any_visit: Array
+
+
+def _band_steps(count: int, block_range: Callable[[int], Tuple[Array, Array]]) -> int:
+  """The widest band `hi - lo` over the blocks `0..count-1` (at least 1: a grid axis)."""
+  with jax.ensure_compile_time_eval():  # concrete even while an outer jit traces
+    widest = max(int(hi) - int(lo) for lo, hi in map(block_range, range(count)))
+  return max(widest, 1)
+
+
+def _visit(lo, hi, step, num_blocks):
+  """Block visited at `step` of the band [lo, hi): lo + step, then held at hi - 1."""
+  target = lo + step
+  block = jnp.clip(jnp.minimum(target, hi - 1), 0, num_blocks - 1)
+  return block, target < hi, jnp.asarray(lo) < hi
+
+
+def _query_major_coords(cfg: _Static, block_q: int, block_k: int, batch, head, q_block, step,
+                        q_lengths_ref, kv_lengths_ref) -> _Coords:
+  """Grid (B, H, query blocks, key steps): step `step` of query block `q_block`."""
+  num_kv_blocks = cfg.kv_len // block_k
+  lo, hi = common.kv_block_range(q_block, block_q, block_k, num_kv_blocks, cfg.reach)
+  # Key blocks wholly past the valid length hold nothing to attend.
+  hi = jnp.minimum(hi, common.cdiv(kv_lengths_ref[batch], block_k))
+  # A query block wholly past the valid length outputs zeros: visit nothing.
+  hi = jnp.where(q_block * block_q < q_lengths_ref[batch], hi, lo)
+  kv_block, fresh, any_visit = _visit(lo, hi, step, num_kv_blocks)
+  return _Coords(batch, head, head // cfg.group, q_block, kv_block, fresh, any_visit)
+
+
+def _key_major_coords(cfg: _Static, block_q: int, block_k: int, batch, kv_head, kv_block,
+                      group_index, step, q_lengths_ref, kv_lengths_ref) -> _Coords:
+  """Grid (B, Hkv, key blocks, G, query steps): step `step` of key block `kv_block`."""
+  num_q_blocks = cfg.q_len // block_q
+  lo, hi = common.q_block_range(kv_block, block_q, block_k, num_q_blocks, cfg.reach)
+  hi = jnp.minimum(hi, common.cdiv(q_lengths_ref[batch], block_q))
+  hi = jnp.where(kv_block * block_k < kv_lengths_ref[batch], hi, lo)
+  q_block, fresh, any_visit = _visit(lo, hi, step, num_q_blocks)
+  head = kv_head * cfg.group + group_index
+  return _Coords(batch, head, kv_head, q_block, kv_block, fresh, any_visit)
+
+
+# ----------------------------------------------------------------------------
+# Block specs: every operand is one of a few kinds, indexed from _Coords.
+
+
+def _block_spec(kind: str, shape: Tuple[int, ...], block_q: int, block_k: int,
+                coords_of: Callable[..., _Coords]) -> pl.BlockSpec:
+  """The BlockSpec of an operand of `kind` and full `shape` under a grid's coords."""
+  if kind == "q":  # [B, H, Tq, D]: q, dO, out, dq
+    block = (None, None, block_q, shape[-1])
+    index = lambda c: (c.batch, c.head, c.q_block, 0)
+  elif kind == "row_stat":  # [B, H, Tq, 128]: lse, delta
+    block = (None, None, block_q, LANES)
+    index = lambda c: (c.batch, c.head, c.q_block, 0)
+  elif kind == "kv":  # [B, Hkv, Tk, D]: k, v, dk, dv
+    block = (None, None, block_k, shape[-1])
+    index = lambda c: (c.batch, c.kv_head, c.kv_block, 0)
+  elif kind == "pairwise":  # [B|1, H|1, Tq, Tk]: bias, mask, ds
+    block = (None, None, block_q, block_k)
+    index = lambda c: (c.batch if shape[0] > 1 else 0, c.head if shape[1] > 1 else 0,
+                       c.q_block, c.kv_block)
+  elif kind == "q_ids":  # [B, Tq, 128]
+    block = (None, block_q, LANES)
+    index = lambda c: (c.batch, c.q_block, 0)
+  elif kind == "kv_ids":  # [B, 8, Tk]
+    block = (None, SUBLANES, block_k)
+    index = lambda c: (c.batch, 0, c.kv_block)
+  else:
+    raise AssertionError(kind)
+  return pl.BlockSpec(block, lambda *grid_and_refs: index(coords_of(*grid_and_refs)))
+
+
+# ----------------------------------------------------------------------------
+# In-kernel helpers.
+
+
+def _lanes(stat: Array, width: int) -> Array:
+  """A lane-replicated `(rows, 128)` statistic widened to `(rows, width)`."""
+  widened = jnp.tile(stat, (1, common.cdiv(width, LANES)))
+  return widened if widened.shape[1] == width else widened[:, :width]
+
+
+def _as_lane_stat(row_values: Array) -> Array:
+  """`(rows,)` values replicated over 128 lanes: `(rows, 128)`."""
+  return jax.lax.broadcast_in_dim(row_values, (row_values.shape[0], LANES), (0,))
+
+
+def _precision(dtype):
+  # float32 inputs ask the MXU for full float32 products (bfloat16 passes otherwise).
+  return jax.lax.Precision.HIGHEST if dtype == jnp.float32 else None
+
+
+def _dot(a, b, dims):
+  return jax.lax.dot_general(a, b, dims, preferred_element_type=jnp.float32,
+                             precision=_precision(a.dtype))
+
+
+def _segments_overlap(refs: Dict[str, Any]) -> Array:
+  """False when the block's query and key segment-id ranges are disjoint (skip it).
+
+  The ranges are compared in float32: TPU reductions of int32 are not portable,
+  and the rounding is monotone, so overlapping ranges never look disjoint.
+  """
+  if "q_ids" not in refs:
+    return jnp.bool_(True)
+  q_ids = refs["q_ids"][...].astype(jnp.float32)
+  kv_ids = refs["kv_ids"][...].astype(jnp.float32)
+  return (jnp.max(q_ids) >= jnp.min(kv_ids)) & (jnp.max(kv_ids) >= jnp.min(q_ids))
+
+
+def _masked_logits(cfg: _Static, refs: Dict[str, Any], q: Array, k: Array, q_start, k_start,
+                   kv_length) -> Array:
+  """scale * q k^T + bias, with disallowed pairs at -inf: `(bq, bk)` float32."""
+  logits = _dot(q, k, _NT) * cfg.scale
+  if "bias" in refs:
+    logits += refs["bias"][...].astype(jnp.float32)
+  shape = logits.shape
+  q_pos = q_start + jax.lax.broadcasted_iota(jnp.int32, shape, 0)
+  k_pos = k_start + jax.lax.broadcasted_iota(jnp.int32, shape, 1)
+  # The length also masks the padding of Tk up to whole blocks (lengths <= true Tk).
+  allowed = mask_lib.and_masks(mask_lib.length_predicate(k_pos, kv_length),
+                               mask_lib.reach_predicate(q_pos, k_pos, cfg.reach))
+  if "q_ids" in refs:
+    q_ids = _lanes(refs["q_ids"][...], shape[1])
+    kv_ids = refs["kv_ids"][0:1, :]
+    allowed &= mask_lib.segment_predicate(q_ids, kv_ids)
+  if "mask" in refs:
+    allowed &= refs["mask"][...].astype(jnp.int32) != 0
+  return jnp.where(allowed, logits, -jnp.inf)
+
+
+def _probs_and_dlogits(cfg: _Static, refs: Dict[str, Any], c: _Coords, block_q: int,
+                       block_k: int, kv_length) -> Tuple[Array, Array]:
+  """Recomputed p = exp(logits - lse) and ds = p * (dO v^T - delta): `(bq, bk)` float32."""
+  logits = _masked_logits(cfg, refs, refs["q"][...], refs["k"][...], c.q_block * block_q,
+                          c.kv_block * block_k, kv_length)
+  # Rows with nothing to attend arrive with lse = +inf (see _backward): p = 0 there.
+  probs = jnp.exp(logits - _lanes(refs["lse"][...], block_k))
+  d_probs = _dot(refs["do"][...], refs["v"][...], _NT)
+  d_logits = probs * (d_probs - _lanes(refs["delta"][...], block_k))
+  return probs, d_logits
+
+
+# ----------------------------------------------------------------------------
+# Kernels. Each receives the scalar-prefetched lengths, then its operands (named by
+# `names`), then its outputs and scratch.
+
+
+def _forward_kernel(q_lengths_ref, kv_lengths_ref, *refs, cfg: _Static, names: Tuple[str, ...],
+                    num_steps: int):
+  refs = dict(zip(names, refs))
+  out_ref, lse_ref, max_ref, sum_ref, acc_ref = (
+      refs[n] for n in ("out", "lse", "row_max", "row_sum", "acc"))
+  step = pl.program_id(3)
+  c = _query_major_coords(cfg, cfg.block_q, cfg.block_k, *(pl.program_id(a) for a in range(3)),
+                          step, q_lengths_ref, kv_lengths_ref)
+
+  @pl.when(step == 0)
+  def _init():
+    max_ref[...] = jnp.full(max_ref.shape, -jnp.inf, jnp.float32)
+    sum_ref[...] = jnp.zeros(sum_ref.shape, jnp.float32)
+    acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+  @pl.when(c.fresh & _segments_overlap(refs))
+  def _accumulate():
+    v = refs["v"][...]
+    logits = _masked_logits(cfg, refs, refs["q"][...], refs["k"][...], c.q_block * cfg.block_q,
+                            c.kv_block * cfg.block_k, kv_lengths_ref[c.batch])
+    prev_max = max_ref[...]
+    new_max = jnp.maximum(prev_max, jnp.max(logits, axis=1)[:, None])
+    # A row with nothing allowed so far keeps max -inf; exponentiate against 0 then.
+    safe_max = jnp.where(new_max == -jnp.inf, 0.0, new_max)
+    probs = jnp.exp(logits - _lanes(safe_max, logits.shape[1]))
+    correction = jnp.exp(prev_max - safe_max)
+    max_ref[...] = new_max
+    sum_ref[...] = correction * sum_ref[...] + _as_lane_stat(jnp.sum(probs, axis=1))
+    acc_ref[...] = (_lanes(correction, acc_ref.shape[1]) * acc_ref[...]
+                    + _dot(probs.astype(v.dtype), v, (((1,), (0,)), ((), ()))))
+
+  @pl.when(step == num_steps - 1)
+  def _finish():
+    row_sum = sum_ref[...]
+    empty = row_sum == 0.0  # nothing attended: output 0, lse -inf
+    safe_sum = jnp.where(empty, 1.0, row_sum)
+    out_ref[...] = (acc_ref[...] * _lanes(1.0 / safe_sum, acc_ref.shape[1])).astype(out_ref.dtype)
+    lse_ref[...] = jnp.where(empty, -jnp.inf, max_ref[...] + jnp.log(safe_sum))
+
+
+def _dq_kernel(q_lengths_ref, kv_lengths_ref, *refs, cfg: _Static, names: Tuple[str, ...],
+               num_steps: int):
+  refs = dict(zip(names, refs))
+  dq_ref, dq_acc_ref, ds_ref = refs["dq"], refs["dq_acc"], refs.get("ds")
+  step = pl.program_id(3)
+  c = _query_major_coords(cfg, cfg.block_q, cfg.block_k, *(pl.program_id(a) for a in range(3)),
+                          step, q_lengths_ref, kv_lengths_ref)
+  overlap = _segments_overlap(refs)
+
+  @pl.when(step == 0)
+  def _init():
+    dq_acc_ref[...] = jnp.zeros(dq_acc_ref.shape, jnp.float32)
+
+  @pl.when(c.fresh & overlap)
+  def _accumulate():
+    k = refs["k"][...]
+    _, d_logits = _probs_and_dlogits(cfg, refs, c, cfg.block_q, cfg.block_k,
+                                     kv_lengths_ref[c.batch])
+    dq_acc_ref[...] += _dot(d_logits.astype(k.dtype), k, (((1,), (0,)), ((), ())))
+    if ds_ref is not None:
+      ds_ref[...] = d_logits
+
+  if ds_ref is not None:
+    # The ds block of this step is written back to HBM when the block index moves on,
+    # so a step that owns it must fill it: a skipped segment block, or the one block an
+    # empty band maps to, is zero. (Blocks never visited keep the zeros ds is aliased to.)
+    @pl.when((c.fresh & ~overlap) | ~c.any_visit)
+    def _zero_ds():
+      ds_ref[...] = jnp.zeros(ds_ref.shape, ds_ref.dtype)
+
+  @pl.when(step == num_steps - 1)
+  def _finish():
+    dq_ref[...] = (dq_acc_ref[...] * cfg.scale).astype(dq_ref.dtype)
+
+
+def _dkv_kernel(q_lengths_ref, kv_lengths_ref, *refs, cfg: _Static, names: Tuple[str, ...],
+                num_steps: int):
+  refs = dict(zip(names, refs))
+  dk_ref, dv_ref, dk_acc_ref, dv_acc_ref = (refs[n] for n in ("dk", "dv", "dk_acc", "dv_acc"))
+  group_index, step = pl.program_id(3), pl.program_id(4)
+  c = _key_major_coords(cfg, cfg.block_q_dkv, cfg.block_k_dkv,
+                        *(pl.program_id(a) for a in range(3)), group_index, step,
+                        q_lengths_ref, kv_lengths_ref)
+
+  # dk and dv of a key block sum over the query heads of its group and all query blocks.
+  @pl.when((group_index == 0) & (step == 0))
+  def _init():
+    dk_acc_ref[...] = jnp.zeros(dk_acc_ref.shape, jnp.float32)
+    dv_acc_ref[...] = jnp.zeros(dv_acc_ref.shape, jnp.float32)
+
+  @pl.when(c.fresh & _segments_overlap(refs))
+  def _accumulate():
+    q, d_out = refs["q"][...], refs["do"][...]
+    probs, d_logits = _probs_and_dlogits(cfg, refs, c, cfg.block_q_dkv, cfg.block_k_dkv,
+                                         kv_lengths_ref[c.batch])
+    dv_acc_ref[...] += _dot(probs.astype(d_out.dtype), d_out, _TN)
+    dk_acc_ref[...] += _dot(d_logits.astype(q.dtype), q, _TN)
+
+  @pl.when((group_index == cfg.group - 1) & (step == num_steps - 1))
+  def _finish():
+    dk_ref[...] = (dk_acc_ref[...] * cfg.scale).astype(dk_ref.dtype)
+    dv_ref[...] = dv_acc_ref[...].astype(dv_ref.dtype)
+
+
+# ----------------------------------------------------------------------------
+# pallas_call wrappers.
+
+
+def _mask_operands(bias: Optional[Array], masks: _MaskArrays) -> List[Tuple[str, str, Array]]:
+  """(name, kind, array) of the optional inputs every kernel reads."""
+  operands = []
+  if bias is not None:
+    operands.append(("bias", "pairwise", bias))
+  if masks.mask is not None:
+    operands.append(("mask", "pairwise", masks.mask))
+  if masks.q_segment_ids is not None:
+    operands += [("q_ids", "q_ids", masks.q_segment_ids),
+                 ("kv_ids", "kv_ids", masks.kv_segment_ids)]
+  return operands
+
+
+def _pallas(kernel, cfg: _Static, grid, semantics, coords_of, block_q, block_k,
+            inputs: List[Tuple[str, str, Array]], outputs: List[Tuple[str, str, jax.ShapeDtypeStruct]],
+            scratch: List[Tuple[str, Any]], masks: _MaskArrays, aliases=None):
+  """Runs `kernel` over `grid` with named, kind-specified inputs, outputs and scratch."""
+  spec = lambda kind, shape: _block_spec(kind, shape, block_q, block_k, coords_of)
+  names = tuple(n for n, _, _ in inputs) + tuple(n for n, _, _ in outputs) + tuple(
+      n for n, _ in scratch)
+  input_names = [n for n, _, _ in inputs]
+  # Flat input indices count the two scalar-prefetched length arrays first.
+  io_aliases = {} if aliases is None else {
+      2 + input_names.index(src): [n for n, _, _ in outputs].index(dst)
+      for src, dst in aliases.items()}
+  grid_spec = pltpu.PrefetchScalarGridSpec(
+      num_scalar_prefetch=2, grid=grid,
+      in_specs=[spec(kind, x.shape) for _, kind, x in inputs],
+      out_specs=[spec(kind, s.shape) for _, kind, s in outputs],
+      scratch_shapes=[shape for _, shape in scratch])
+  return pl.pallas_call(
+      functools.partial(kernel, cfg=cfg, names=names, num_steps=grid[-1]),
+      grid_spec=grid_spec,
+      out_shape=[s for _, _, s in outputs],
+      compiler_params=pltpu.CompilerParams(dimension_semantics=semantics),
+      input_output_aliases=io_aliases,
+      interpret=cfg.interpret,
+  )(masks.q_lengths, masks.kv_lengths, *(x for _, _, x in inputs))
+
+
+def _query_major_grid(cfg: _Static, batch: int, num_heads: int, block_q: int, block_k: int):
+  """Grid (B, H, query blocks, key steps) and its coords function."""
+  num_q_blocks, num_kv_blocks = cfg.q_len // block_q, cfg.kv_len // block_k
+  steps = _band_steps(num_q_blocks, lambda i: common.kv_block_range(
+      i, block_q, block_k, num_kv_blocks, cfg.reach))
+  coords_of = functools.partial(_query_major_coords, cfg, block_q, block_k)
+  grid = (batch, num_heads, num_q_blocks, steps)
+  return grid, ("parallel", "parallel", "parallel", "arbitrary"), coords_of
+
+
+def _forward(cfg: _Static, q, k, v, bias, masks: _MaskArrays):
+  """out `[B, H, Tq', Dv]` (query dtype) and lse `[B, H, Tq', 128]` float32 (lane-replicated)."""
+  batch, num_heads, _, _ = q.shape
+  value_dim = v.shape[-1]
+  bq, bk = cfg.block_q, cfg.block_k
+  grid, semantics, coords_of = _query_major_grid(cfg, batch, num_heads, bq, bk)
+  inputs = [("q", "q", q), ("k", "kv", k), ("v", "kv", v)] + _mask_operands(bias, masks)
+  outputs = [("out", "q", jax.ShapeDtypeStruct(q.shape[:3] + (value_dim,), q.dtype)),
+             ("lse", "row_stat", jax.ShapeDtypeStruct(q.shape[:3] + (LANES,), jnp.float32))]
+  scratch = [("row_max", pltpu.VMEM((bq, LANES), jnp.float32)),
+             ("row_sum", pltpu.VMEM((bq, LANES), jnp.float32)),
+             ("acc", pltpu.VMEM((bq, value_dim), jnp.float32))]
+  out, lse = _pallas(_forward_kernel, cfg, grid, semantics, coords_of, bq, bk, inputs, outputs,
+                     scratch, masks)
+  return out, lse
+
+
+def _backward(cfg: _Static, q, k, v, bias, masks: _MaskArrays, out, lse, d_out):
+  """Gradients of q, k, v and bias (None without one)."""
+  batch, num_heads, _, head_dim = q.shape
+  num_kv_heads, value_dim = k.shape[1], v.shape[-1]
+  # Rows with nothing to attend have lse = -inf; +inf makes their probabilities 0.
+  lse = jnp.where(lse == -jnp.inf, jnp.inf, lse)
+  delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
+  delta = jnp.broadcast_to(delta[..., None], delta.shape + (LANES,))
+  common_inputs = [("q", "q", q), ("k", "kv", k), ("v", "kv", v), ("do", "q", d_out),
+                   ("lse", "row_stat", lse), ("delta", "row_stat", delta)]
+  common_inputs += _mask_operands(bias, masks)
+
+  # dq (and ds for the bias): query blocks outer, key blocks along the last axis.
+  bq, bk = cfg.block_q, cfg.block_k
+  grid, semantics, coords_of = _query_major_grid(cfg, batch, num_heads, bq, bk)
+  inputs, outputs = list(common_inputs), [("dq", "q", jax.ShapeDtypeStruct(q.shape, q.dtype))]
+  aliases = None
+  if bias is not None:
+    ds_shape = (batch, num_heads, cfg.q_len, cfg.kv_len)
+    # Blocks outside every band are never written: they keep these zeros.
+    inputs.append(("ds_zeros", "pairwise", jnp.zeros(ds_shape, jnp.float32)))
+    outputs.append(("ds", "pairwise", jax.ShapeDtypeStruct(ds_shape, jnp.float32)))
+    aliases = {"ds_zeros": "ds"}
+  scratch = [("dq_acc", pltpu.VMEM((bq, head_dim), jnp.float32))]
+  dq, *ds = _pallas(_dq_kernel, cfg, grid, semantics, coords_of, bq, bk, inputs, outputs,
+                    scratch, masks, aliases)
+
+  # dk, dv: key blocks outer; the query heads of the group, then query blocks, inner.
+  bq, bk = cfg.block_q_dkv, cfg.block_k_dkv
+  num_q_blocks, num_kv_blocks = cfg.q_len // bq, cfg.kv_len // bk
+  steps = _band_steps(num_kv_blocks, lambda j: common.q_block_range(
+      j, bq, bk, num_q_blocks, cfg.reach))
+  grid = (batch, num_kv_heads, num_kv_blocks, cfg.group, steps)
+  semantics = ("parallel", "parallel", "parallel", "arbitrary", "arbitrary")
+  coords_of = functools.partial(_key_major_coords, cfg, bq, bk)
+  outputs = [("dk", "kv", jax.ShapeDtypeStruct(k.shape, k.dtype)),
+             ("dv", "kv", jax.ShapeDtypeStruct(v.shape, v.dtype))]
+  scratch = [("dk_acc", pltpu.VMEM((bk, head_dim), jnp.float32)),
+             ("dv_acc", pltpu.VMEM((bk, value_dim), jnp.float32))]
+  dk, dv = _pallas(_dkv_kernel, cfg, grid, semantics, coords_of, bq, bk, common_inputs, outputs,
+                   scratch, masks)
+
+  d_bias = None
+  if bias is not None:
+    d_bias = _sum_to_shape(ds[0], bias.shape).astype(bias.dtype)
+  return dq, dk, dv, d_bias
+
+
+def _sum_to_shape(x: Array, shape: Tuple[int, ...]) -> Array:
+  """Sums `x` over the axes where `shape` broadcasts (size 1)."""
+  axes = tuple(a for a, (n, m) in enumerate(zip(x.shape, shape)) if m == 1 and n != 1)
+  return jnp.sum(x, axis=axes, keepdims=True) if axes else x
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _attention(cfg, q, k, v, bias, masks):
+  return _forward(cfg, q, k, v, bias, masks)[0]
+
+
+def _attention_fwd(cfg, q, k, v, bias, masks):
+  out, lse = _forward(cfg, q, k, v, bias, masks)
+  return out, (q, k, v, bias, masks, out, lse)
+
+
+def _attention_bwd(cfg, residuals, d_out):
+  q, k, v, bias, masks, out, lse = residuals
+  dq, dk, dv, d_bias = _backward(cfg, q, k, v, bias, masks, out, lse, d_out)
+  return dq, dk, dv, d_bias, None
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+# ----------------------------------------------------------------------------
+# Public API.
+
+
+def default_block_sizes_tpu(head_dim: int, dtype) -> common.BlockSizes:
+  """Blocks that keep a kernel's working set well inside the default scoped VMEM.
+
+  The largest live values are the `(block_q, block_k)` float32 logits and their
+  gradients (4 of them in the backward pass) plus double-buffered `(block, D)`
+  tiles, so wide heads and float32 inputs get smaller blocks.
+  """
+  wide = head_dim > 128
+  narrow_dtype = jnp.dtype(dtype).itemsize <= 2
+  block_k = 256 if wide else 512
+  block_q = block_k if narrow_dtype else block_k // 2
+  return common.BlockSizes(block_q=block_q, block_k=block_k)
+
+
+def _check_inputs(inputs: AttentionInputs, block_sizes: common.BlockSizes) -> None:
+  """ValueError for what the kernel does not support, naming the limit."""
+  for name in ("query", "key", "value"):
+    dtype = getattr(inputs, name).dtype
+    if dtype not in SUPPORTED_DTYPES:
+      raise ValueError(f"pallas TPU flash attention supports float32 and bfloat16 inputs, got "
+                       f"{name} of dtype {dtype}.")
+  if not inputs.query.dtype == inputs.key.dtype == inputs.value.dtype:
+    raise ValueError(f"query, key and value must share one dtype, got {inputs.query.dtype}, "
+                     f"{inputs.key.dtype} and {inputs.value.dtype}.")
+  head_dim, value_dim = inputs.query.shape[-1], inputs.value.shape[-1]
+  if max(head_dim, value_dim) > MAX_HEAD_DIM:
+    raise ValueError(f"pallas TPU flash attention supports head dims up to {MAX_HEAD_DIM}, got "
+                     f"query/key head dim {head_dim} and value head dim {value_dim}.")
+  block_q_dkv, block_k_dkv = block_sizes.dkv
+  for name, value, multiple in (("block_q", block_sizes.block_q, QUERY_BLOCK_MULTIPLE),
+                                ("block_q_dkv", block_q_dkv, QUERY_BLOCK_MULTIPLE),
+                                ("block_k", block_sizes.block_k, KEY_BLOCK_MULTIPLE),
+                                ("block_k_dkv", block_k_dkv, KEY_BLOCK_MULTIPLE)):
+    if value % multiple:
+      raise ValueError(f"BlockSizes.{name} must be a multiple of {multiple} for the TPU kernel "
+                       f"(query blocks: multiples of {QUERY_BLOCK_MULTIPLE}, key blocks: of "
+                       f"{KEY_BLOCK_MULTIPLE}), got {value}.")
+
+
+def _interpret_mode(interpret):
+  """pallas_call's `interpret`: TPU interpret mode off a TPU unless told otherwise."""
+  if isinstance(interpret, pltpu.InterpretParams):
+    return interpret
+  if interpret is None:
+    interpret = jax.default_backend() != "tpu"
+  return pltpu.InterpretParams() if interpret else False
+
+
+def flash_attention_tpu(inputs: AttentionInputs,
+                        block_sizes: Optional[common.BlockSizes] = None, *,
+                        interpret: Optional[bool] = None) -> Array:
+  """Exact attention over `inputs` with the Pallas TPU kernels: `[B, Tq, H, Dv]`.
+
+  Args:
+    inputs: validated arguments of `attention_jax.dot_product_attention`.
+    block_sizes: `default_block_sizes_tpu(D, dtype)` when None; see the module
+      docstring for the rule they must follow.
+    interpret: run in TPU interpret mode (on CPU); None: when the default
+      backend is not a TPU.
+  """
+  query, key, value = inputs.query, inputs.key, inputs.value
+  batch, q_len, num_heads, head_dim = query.shape
+  kv_len, num_kv_heads = key.shape[1], key.shape[2]
+  if block_sizes is None:
+    block_sizes = default_block_sizes_tpu(head_dim, query.dtype)
+  _check_inputs(inputs, block_sizes)
+
+  fit = lambda block, length, multiple: min(block, _round_up(length, multiple))
+  bq_dkv, bk_dkv = block_sizes.dkv
+  bq, bq_dkv = (fit(b, q_len, QUERY_BLOCK_MULTIPLE) for b in (block_sizes.block_q, bq_dkv))
+  bk, bk_dkv = (fit(b, kv_len, KEY_BLOCK_MULTIPLE) for b in (block_sizes.block_k, bk_dkv))
+  q_multiple, kv_multiple = math.lcm(bq, bq_dkv), math.lcm(bk, bk_dkv)
+  cfg = _Static(block_q=bq, block_k=bk, block_q_dkv=bq_dkv, block_k_dkv=bk_dkv,
+                q_len=_round_up(q_len, q_multiple), kv_len=_round_up(kv_len, kv_multiple),
+                group=num_heads // num_kv_heads, scale=float(inputs.scale),
+                reach=common.reach_of(inputs.is_causal, inputs.local_window_size),
+                interpret=_interpret_mode(interpret))
+
+  # [B, T, H, D] -> [B, H, T, D], padded to whole blocks.
+  q = common.pad_axis(query.transpose(0, 2, 1, 3), 2, q_multiple)
+  k = common.pad_axis(key.transpose(0, 2, 1, 3), 2, kv_multiple)
+  v = common.pad_axis(value.transpose(0, 2, 1, 3), 2, kv_multiple)
+  bias = inputs.bias
+  if bias is not None:
+    if bias.dtype not in SUPPORTED_DTYPES:
+      bias = bias.astype(jnp.float32)
+    bias = _pad_pairwise(bias, q_len, kv_len, q_multiple, kv_multiple)
+  masks = _mask_arrays(inputs, q_multiple, kv_multiple)
+
+  out = _attention(cfg, q, k, v, bias, masks)  # [B, H, Tq', Dv]
+  out = out[:, :, :q_len].transpose(0, 2, 1, 3)
+  if inputs.query_seq_lengths is not None:
+    # Padded queries attend nothing: zero outputs, hence zero gradients, as in the reference.
+    valid = jnp.arange(q_len)[None, :] < inputs.query_seq_lengths[:, None]
+    out = jnp.where(valid[:, :, None, None], out, jnp.zeros((), out.dtype))
+  return out
+
+
+def _pad_pairwise(x: Array, q_len: int, kv_len: int, q_multiple: int, kv_multiple: int) -> Array:
+  """A bias or mask `[B|1, H|1, Tq|1, Tk|1]` as `[B|1, H|1, Tq', Tk']`.
+
+  Size-1 query/key axes are broadcast: every block is then a whole `(bq, bk)`
+  tile, the layout Mosaic handles for every dtype (batch and head axes stay
+  broadcast; they only select the block).
+  """
+  x = jnp.broadcast_to(x, x.shape[:2] + (q_len, kv_len))
+  return common.pad_axis(common.pad_axis(x, 2, q_multiple), 3, kv_multiple)
+
+
+def _mask_arrays(inputs: AttentionInputs, q_multiple: int, kv_multiple: int) -> _MaskArrays:
+  """The masking inputs in the kernels' layouts."""
+  batch, q_len = inputs.query.shape[:2]
+  kv_len = inputs.key.shape[1]
+  lengths = lambda given, full: (jnp.full((batch,), full, jnp.int32) if given is None
+                                 else jnp.minimum(jnp.asarray(given, jnp.int32), full))
+  mask = inputs.mask
+  if mask is not None:
+    mask = _pad_pairwise(mask.astype(jnp.int8), q_len, kv_len, q_multiple, kv_multiple)
+  q_ids = kv_ids = None
+  if inputs.q_segment_ids is not None:
+    # Edge padding keeps the id ranges of the last block tight (padding is masked anyway).
+    pad_ids = lambda ids, length, multiple: jnp.pad(
+        ids.astype(jnp.int32), ((0, 0), (0, _round_up(length, multiple) - length)), mode="edge")
+    q_ids = pad_ids(inputs.q_segment_ids, q_len, q_multiple)
+    kv_ids = pad_ids(inputs.kv_segment_ids, kv_len, kv_multiple)
+    q_ids = jnp.broadcast_to(q_ids[:, :, None], q_ids.shape + (LANES,))
+    kv_ids = jnp.broadcast_to(kv_ids[:, None, :], (batch, SUBLANES, kv_ids.shape[1]))
+  return _MaskArrays(q_lengths=lengths(inputs.query_seq_lengths, q_len),
+                     kv_lengths=lengths(inputs.key_value_seq_lengths, kv_len),
+                     mask=mask, q_segment_ids=q_ids, kv_segment_ids=kv_ids)
+
+
+def _round_up(n: int, multiple: int) -> int:
+  return common.cdiv(n, multiple) * multiple
+
+
+def tpu_dot_product_attention(query, key, value, bias=None, mask=None, *,
+                              block_sizes: Optional[common.BlockSizes] = None,
+                              interpret: Optional[bool] = None, **kwargs) -> Array:
+  """`attention_jax.dot_product_attention` with the Pallas TPU kernels.
+
+  Takes every argument of `dot_product_attention` except `implementation`, plus
+  `block_sizes` and `interpret` (see `flash_attention_tpu`).
+  """
+  inputs, unbatched = prepare_inputs(query, key, value, bias, mask, **kwargs)
+  out = flash_attention_tpu(inputs, block_sizes, interpret=interpret)
+  return out[0] if unbatched else out
