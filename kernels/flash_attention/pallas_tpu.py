@@ -541,29 +541,36 @@ def default_block_sizes_tpu(head_dim: int, dtype) -> common.BlockSizes:
   return common.BlockSizes(block_q=block_q, block_k=block_k)
 
 
-def _check_inputs(inputs: AttentionInputs, block_sizes: common.BlockSizes) -> None:
-  """ValueError for what the kernel does not support, naming the limit."""
+def unsupported_reason(inputs: AttentionInputs,
+                       block_sizes: Optional[common.BlockSizes] = None) -> Optional[str]:
+  """Why the kernel cannot take `inputs` (and `block_sizes`), or None when it can.
+
+  Usable as the `rejects` of `register_implementation`.
+  """
   for name in ("query", "key", "value"):
     dtype = getattr(inputs, name).dtype
     if dtype not in SUPPORTED_DTYPES:
-      raise ValueError(f"pallas TPU flash attention supports float32 and bfloat16 inputs, got "
-                       f"{name} of dtype {dtype}.")
+      return (f"pallas TPU flash attention supports float32 and bfloat16 inputs, got {name} of "
+              f"dtype {dtype}.")
   if not inputs.query.dtype == inputs.key.dtype == inputs.value.dtype:
-    raise ValueError(f"query, key and value must share one dtype, got {inputs.query.dtype}, "
-                     f"{inputs.key.dtype} and {inputs.value.dtype}.")
+    return (f"query, key and value must share one dtype, got {inputs.query.dtype}, "
+            f"{inputs.key.dtype} and {inputs.value.dtype}.")
   head_dim, value_dim = inputs.query.shape[-1], inputs.value.shape[-1]
   if max(head_dim, value_dim) > MAX_HEAD_DIM:
-    raise ValueError(f"pallas TPU flash attention supports head dims up to {MAX_HEAD_DIM}, got "
-                     f"query/key head dim {head_dim} and value head dim {value_dim}.")
+    return (f"pallas TPU flash attention supports head dims up to {MAX_HEAD_DIM}, got "
+            f"query/key head dim {head_dim} and value head dim {value_dim}.")
+  if block_sizes is None:
+    return None
   block_q_dkv, block_k_dkv = block_sizes.dkv
   for name, value, multiple in (("block_q", block_sizes.block_q, QUERY_BLOCK_MULTIPLE),
                                 ("block_q_dkv", block_q_dkv, QUERY_BLOCK_MULTIPLE),
                                 ("block_k", block_sizes.block_k, KEY_BLOCK_MULTIPLE),
                                 ("block_k_dkv", block_k_dkv, KEY_BLOCK_MULTIPLE)):
     if value % multiple:
-      raise ValueError(f"BlockSizes.{name} must be a multiple of {multiple} for the TPU kernel "
-                       f"(query blocks: multiples of {QUERY_BLOCK_MULTIPLE}, key blocks: of "
-                       f"{KEY_BLOCK_MULTIPLE}), got {value}.")
+      return (f"BlockSizes.{name} must be a multiple of {multiple} for the TPU kernel (query "
+              f"blocks: multiples of {QUERY_BLOCK_MULTIPLE}, key blocks: of "
+              f"{KEY_BLOCK_MULTIPLE}), got {value}.")
+  return None
 
 
 def _interpret_mode(interpret):
@@ -592,7 +599,9 @@ def flash_attention_tpu(inputs: AttentionInputs,
   kv_len, num_kv_heads = key.shape[1], key.shape[2]
   if block_sizes is None:
     block_sizes = default_block_sizes_tpu(head_dim, query.dtype)
-  _check_inputs(inputs, block_sizes)
+  reason = unsupported_reason(inputs, block_sizes)
+  if reason is not None:
+    raise ValueError(reason)
 
   fit = lambda block, length, multiple: min(block, _round_up(length, multiple))
   bq_dkv, bk_dkv = block_sizes.dkv
