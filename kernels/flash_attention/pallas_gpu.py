@@ -67,7 +67,6 @@ class _Config:
   q_len: int  # padded Tq (a multiple of every query block)
   kv_len: int  # padded Tk (a multiple of every key block)
   true_kv_len: int
-  num_heads: int
   group: int  # query heads per K/V head
   scale: float
   reach: common.Reach
@@ -483,25 +482,24 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
 def default_block_sizes_gpu(head_dim: int, dtype) -> common.BlockSizes:
-  """Block sizes for an H100 by (padded) head dim; not tuned on hardware.
+  """Block sizes for an H100 by (padded) head dim and dtype; not tuned on hardware.
 
-  The forward and dq passes use `block_q x block_k`: 128 x 64 keeps a query
-  block, its float32 accumulator and a K/V block in registers/shared memory for
-  head dims up to 128; at 256 the blocks halve. The dk/dv pass holds two
-  float32 accumulators of its key block, so it uses 64 x 64 (32 x 32 at 256).
-  float32 inputs take twice the shared memory per element, so their key blocks
-  halve above head dim 64.
+  The forward and dq passes tile `block_q x block_k`: 128 x 64 keeps a 16-bit
+  query block, its float32 accumulator and a K/V block on chip for head dims up
+  to 128; at 256 the blocks halve. The dk/dv pass keeps two float32
+  accumulators of its key block, so it uses 64 x 64 (32 x 32 at 256). float32
+  inputs take twice the registers and shared memory per element, so above head
+  dim 64 all their blocks halve again (never below 16).
   """
   padded = _padded_dim(head_dim)
-  if padded <= 64:
-    blocks = common.BlockSizes(block_q=128, block_k=64, block_q_dkv=64, block_k_dkv=64)
-  elif padded <= 128:
+  if padded <= 128:
     blocks = common.BlockSizes(block_q=128, block_k=64, block_q_dkv=64, block_k_dkv=64)
   else:
     blocks = common.BlockSizes(block_q=64, block_k=32, block_q_dkv=32, block_k_dkv=32)
   if jnp.dtype(dtype).itemsize >= 4 and padded > 64:
-    blocks = dataclasses.replace(blocks, block_k=max(MIN_BLOCK, blocks.block_k // 2),
-                                 block_k_dkv=max(MIN_BLOCK, blocks.block_k_dkv // 2))
+    halve = lambda block: max(MIN_BLOCK, block // 2)
+    blocks = common.BlockSizes(*(halve(getattr(blocks, f.name))
+                                 for f in dataclasses.fields(blocks)))
   return blocks
 
 
@@ -523,38 +521,25 @@ def flash_attention_gpu(inputs: AttentionInputs, block_sizes: Optional[common.Bl
     ValueError: for a dtype other than float32/bfloat16/float16, a head dim
       outside [1, 256], or block sizes that are not powers of two >= 16.
   """
-  query, key, value = inputs.query, inputs.key, inputs.value
-  _check_dtype(query.dtype)
-  batch, q_len, num_heads, head_dim = query.shape
-  kv_len, num_kv_heads, value_dim = key.shape[1], key.shape[2], value.shape[3]
-  _check_head_dim("head dim", head_dim)
-  _check_head_dim("value head dim", value_dim)
+  reason = gpu_rejects(inputs)
+  if reason is not None:
+    raise ValueError(reason)
   if block_sizes is None:
-    block_sizes = default_block_sizes_gpu(max(head_dim, value_dim), query.dtype)
+    block_sizes = default_block_sizes_gpu(
+        max(inputs.query.shape[-1], inputs.value.shape[-1]), inputs.query.dtype)
   _check_block_sizes(block_sizes)
   if interpret is None:
     interpret = jax.default_backend() != "gpu"
-
-  bq_dkv, bk_dkv = block_sizes.dkv
-  # Blocks longer than the sequence would only add padding.
-  bq, bq_dkv = (min(b, _bucket(q_len)) for b in (block_sizes.block_q, bq_dkv))
-  bk, bk_dkv = (min(b, _bucket(kv_len)) for b in (block_sizes.block_k, bk_dkv))
-  # Powers of two: the larger block is a multiple of the smaller.
-  q_multiple, kv_multiple = max(bq, bq_dkv), max(bk, bk_dkv)
-  cfg = _Config(block_q=bq, block_k=bk, block_q_dkv=bq_dkv, block_k_dkv=bk_dkv,
-                q_len=_round_up(q_len, q_multiple), kv_len=_round_up(kv_len, kv_multiple),
-                true_kv_len=kv_len, num_heads=num_heads, group=num_heads // num_kv_heads,
-                scale=float(inputs.scale),
-                reach=common.reach_of(inputs.is_causal, inputs.local_window_size),
-                interpret=bool(interpret), num_warps=num_warps, num_stages=num_stages)
+  cfg = _config(inputs, block_sizes, bool(interpret), num_warps, num_stages)
 
   # Zero padding: whole blocks along T, a power of two (>= 16) along D.
-  pad_dim = lambda x: _pad_to(x, 3, _padded_dim(x.shape[3]))
-  q = pad_dim(common.pad_axis(query, 1, q_multiple))
-  k = pad_dim(common.pad_axis(key.astype(query.dtype), 1, kv_multiple))
-  v = pad_dim(common.pad_axis(value.astype(query.dtype), 1, kv_multiple))
-  bias = _padded_pairwise(inputs.bias, q_len, kv_len, cfg)
-  mask = _padded_pairwise(inputs.mask, q_len, kv_len, cfg)
+  query, key, value = inputs.query, inputs.key, inputs.value
+  pad = lambda x, length: _pad_to(_pad_to(x, 1, length), 3, _padded_dim(x.shape[3]))
+  q = pad(query, cfg.q_len)
+  k = pad(key.astype(query.dtype), cfg.kv_len)
+  v = pad(value.astype(query.dtype), cfg.kv_len)
+  bias = _padded_pairwise(inputs.bias, cfg)
+  mask = _padded_pairwise(inputs.mask, cfg)
   m = _MaskArrays(
       mask=None if mask is None else mask.astype(jnp.int8),
       q_segment_ids=_padded_ids(inputs.q_segment_ids, cfg.q_len),
@@ -562,13 +547,33 @@ def flash_attention_gpu(inputs: AttentionInputs, block_sizes: Optional[common.Bl
       kv_lengths=(None if inputs.key_value_seq_lengths is None
                   else jnp.asarray(inputs.key_value_seq_lengths, jnp.int32)))
 
-  out = _attention(cfg, q, k, v, bias, m)[:, :q_len, :, :value_dim]
+  q_len = query.shape[1]
+  out = _attention(cfg, q, k, v, bias, m)[:, :q_len, :, :value.shape[-1]]
   if inputs.query_seq_lengths is not None:
     # Queries past their length output zeros; their cotangents, hence gradients, vanish.
     valid = mask_lib.length_predicate(jnp.arange(q_len)[None, :],
                                       inputs.query_seq_lengths[:, None])
     out = jnp.where(valid[:, :, None, None], out, jnp.zeros((), out.dtype))
   return out
+
+
+def _config(inputs: AttentionInputs, block_sizes: common.BlockSizes, interpret: bool,
+            num_warps: Optional[int], num_stages: Optional[int]) -> _Config:
+  """Block sizes fitted to the sequences, and the padded lengths they tile."""
+  q_len, num_heads = inputs.query.shape[1:3]
+  kv_len, num_kv_heads = inputs.key.shape[1:3]
+  bq_dkv, bk_dkv = block_sizes.dkv
+  # Blocks longer than the sequence would only add padding.
+  bq, bq_dkv = (min(b, _bucket(q_len)) for b in (block_sizes.block_q, bq_dkv))
+  bk, bk_dkv = (min(b, _bucket(kv_len)) for b in (block_sizes.block_k, bk_dkv))
+  # Powers of two: the larger block is a multiple of the smaller.
+  return _Config(block_q=bq, block_k=bk, block_q_dkv=bq_dkv, block_k_dkv=bk_dkv,
+                 q_len=_round_up(q_len, max(bq, bq_dkv)),
+                 kv_len=_round_up(kv_len, max(bk, bk_dkv)),
+                 true_kv_len=kv_len, group=num_heads // num_kv_heads,
+                 scale=float(inputs.scale),
+                 reach=common.reach_of(inputs.is_causal, inputs.local_window_size),
+                 interpret=interpret, num_warps=num_warps, num_stages=num_stages)
 
 
 def gpu_dot_product_attention(query, key, value, bias=None, mask=None, *,
@@ -592,16 +597,21 @@ def gpu_dot_product_attention(query, key, value, bias=None, mask=None, *,
 # ---------------------------------------------------------------------------
 
 
-def _check_dtype(dtype) -> None:
-  if not any(jnp.dtype(dtype) == jnp.dtype(d) for d in SUPPORTED_DTYPES):
-    raise ValueError(f"the Pallas GPU kernel takes float32, bfloat16 or float16 inputs, "
-                     f"got {jnp.dtype(dtype)}.")
+def gpu_rejects(inputs: AttentionInputs) -> Optional[str]:
+  """None when `flash_attention_gpu` takes `inputs`, else the reason it does not.
 
-
-def _check_head_dim(name: str, dim: int) -> None:
-  if not 1 <= dim <= MAX_HEAD_DIM:
-    raise ValueError(f"the Pallas GPU kernel supports a {name} of 1 to {MAX_HEAD_DIM} "
-                     f"(padded to a power of two >= {MIN_BLOCK}), got {dim}.")
+  (The `rejects` hook of `register_implementation`; block sizes are checked
+  separately, since they are not part of the inputs.)
+  """
+  dtype = jnp.dtype(inputs.query.dtype)
+  if not any(dtype == jnp.dtype(d) for d in SUPPORTED_DTYPES):
+    return f"the Pallas GPU kernel takes float32, bfloat16 or float16 inputs, got {dtype}."
+  for name, dim in (("head dim", inputs.query.shape[-1]),
+                    ("value head dim", inputs.value.shape[-1])):
+    if not 1 <= dim <= MAX_HEAD_DIM:
+      return (f"the Pallas GPU kernel supports a {name} of 1 to {MAX_HEAD_DIM} "
+              f"(padded to a power of two >= {MIN_BLOCK}), got {dim}.")
+  return None
 
 
 def _check_block_sizes(block_sizes: common.BlockSizes) -> None:
@@ -638,17 +648,19 @@ def _pad_to(x: Array, axis: int, size: int) -> Array:
   return jnp.pad(x, widths)
 
 
-def _padded_pairwise(x: Optional[Array], q_len: int, kv_len: int,
-                     cfg: _Config) -> Optional[Array]:
+def _padded_pairwise(x: Optional[Array], cfg: _Config) -> Optional[Array]:
   """A bias or mask `[B|1, H|1, Tq|1, Tk|1]` as `[B|1, H|1, Tq', Tk']`.
 
-  The Tq and Tk axes are materialised (the kernels read `[block, block]` tiles);
-  batch and head axes of size 1 stay broadcast through the index maps.
-  Padding is zero (False): padded keys are masked by position anyway.
+  The Tq and Tk axes are materialised (the kernels read `[block, block]` tiles):
+  a broadcast axis straight to its padded length, a full one by zero (False)
+  padding. Padded keys are masked by position and padded queries sliced off,
+  so what lies in the padding never matters. Batch and head axes of size 1
+  stay broadcast through the index maps.
   """
   if x is None:
     return None
-  x = jnp.broadcast_to(x, x.shape[:2] + (q_len, kv_len))
+  x = jnp.broadcast_to(x, x.shape[:2] + (cfg.q_len if x.shape[2] == 1 else x.shape[2],
+                                         cfg.kv_len if x.shape[3] == 1 else x.shape[3]))
   return _pad_to(_pad_to(x, 2, cfg.q_len), 3, cfg.kv_len)
 
 
