@@ -125,14 +125,19 @@ def _long_bias_and_mask(heads):
   return bias, mask
 
 
-@pytest.mark.parity("flash")
-@pytest.mark.parametrize("case", sorted(LONG_CASES))
-def test_long_sequences_match_reference(case, block_sizes=MIXED_BLOCKS):
+def _check_long_case(case, block_sizes):
+  """A long case without bias or mask (the kernels' no-bias path), grouped heads."""
   kwargs, mask_args = LONG_CASES[case]
   query, key, value = random_qkv(seed=1, batch=LONG_B, q_len=LONG_TQ, kv_len=LONG_TK,
                                  num_heads=4, num_kv_heads=2, head_dim=16, value_dim=24)
   _compare_with_reference(query, key, value, None, None, kwargs, mask_args,
                           block_sizes=block_sizes)
+
+
+@pytest.mark.parity("flash")
+@pytest.mark.parametrize("case", sorted(LONG_CASES))
+def test_long_sequences_match_reference(case):
+  _check_long_case(case, MIXED_BLOCKS)
 
 
 @pytest.mark.parity("flash")
@@ -376,7 +381,7 @@ def test_slow_bfloat16_every_case(case):
 @pytest.mark.parity("flash")
 @pytest.mark.parametrize("case", sorted(LONG_CASES))
 def test_slow_long_sequences_with_16x16_blocks(case):
-  test_long_sequences_match_reference(case, block_sizes=SMALL_BLOCKS)
+  _check_long_case(case, SMALL_BLOCKS)
 
 
 @pytest.mark.slow
