@@ -34,6 +34,11 @@ class VariantSpec:
     qkv: True when it is Q/K/V attention that `MultiHeadAttention(attention=name)` runs.
     mixer: the Flax module class for variants that are not Q/K/V attention.
     module_defaults: fields preset on the module (e.g. `num_kv_heads=1` for MQA).
+    extras: for Q/K/V variants with arrays of their own (Linformer's
+      projections, Performer's features, Synthesizer's scores): a Flax module
+      class that `MultiHeadAttention` builds with the options that name its
+      fields and calls as `extras(query, key, value, deterministic=...)`; the
+      dict it returns is passed to `fn` as keyword arguments.
   """
 
   name: str
@@ -48,6 +53,7 @@ class VariantSpec:
   qkv: bool = True
   mixer: Optional[Callable[..., Any]] = None
   module_defaults: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+  extras: Optional[Callable[..., Any]] = None
 
   @property
   def module(self) -> Callable[..., Any]:

@@ -130,3 +130,24 @@ def check_against_reference(attention_fn, case, num_kv_heads, with_bias_and_mask
   for name, got, want in zip("qkvb", grads, expected_grads):
     assert got.dtype == dtype
     assert_close(got, want, rtol=rtol, atol=atol, err_msg=f"gradient of {name}")
+
+
+def largest_intermediate(fn, *args):
+  """Size of the largest array any equation of `fn`'s jaxpr produces (sub-jaxprs included).
+
+  Tracing only, no compilation: cheap even at lengths where a T x T array
+  would not fit in memory.
+  """
+  import jax.extend  # pylint: disable=import-outside-toplevel
+  largest = 0
+
+  def visit(jaxpr):
+    nonlocal largest
+    for eqn in jaxpr.eqns:
+      for var in eqn.outvars:
+        largest = max(largest, int(np.prod(getattr(var.aval, "shape", ()))))
+      for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+        visit(sub)
+
+  visit(jax.make_jaxpr(fn)(*args).jaxpr)
+  return largest

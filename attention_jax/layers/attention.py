@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, Mapping, Optional
 
 import flax.linen as nn
@@ -166,6 +167,8 @@ class MultiHeadAttention(nn.Module):
     value = nn.with_logical_constraint(value, ACTIVATION_AXES)
 
     options = dict(self.attention_options)
+    if spec.extras is not None:
+      options.update(self._variant_arrays(spec, options, query, key, value, deterministic))
     if self.dropout_rate > 0.0 and not deterministic:
       options.update(dropout_rate=self.dropout_rate, dropout_rng=self.make_rng("dropout"))
     out = spec.fn(query, key, value, bias, mask, is_causal=is_causal,
@@ -180,6 +183,15 @@ class MultiHeadAttention(nn.Module):
         kernel_init=nn.with_logical_partitioning(self.kernel_init, (HEADS, KV, EMBED)),
         bias_init=nn.with_logical_partitioning(self.bias_init, (EMBED,)),
         name="out")(out)
+
+  def _variant_arrays(self, spec: registry.VariantSpec, options: dict, query: Array, key: Array,
+                      value: Array, deterministic: bool) -> dict:
+    """Builds the variant's `extras` module from the options naming its fields
+    (removed from `options`) and returns the arrays it makes for `spec.fn`."""
+    fields = {f.name for f in dataclasses.fields(spec.extras)} - {"parent", "name"}
+    module_options = {name: options.pop(name) for name in list(options) if name in fields}
+    return spec.extras(**module_options, name="variant")(query, key, value,
+                                                         deterministic=deterministic)
 
   def _position_bias(self, q_positions: Array, k_positions: Array) -> Array:
     """ALiBi or T5 bias, `[B|1, H, Tq, Tk]`."""

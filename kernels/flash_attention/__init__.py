@@ -1,32 +1,84 @@
-"""Blockwise-softmax (flash) attention: pure-JAX `blockwise`, and Pallas kernels.
+"""Blockwise-softmax (flash) attention: the pure-JAX `blockwise` and the Pallas kernels.
 
-Importing this package registers the implementations with
-`attention_jax.dot_product_attention(..., implementation=...)` and the variants
-`blockwise` and `flash` with the registry.
+One algorithm (Rabe & Staats 2021; Dao et al. 2022): queries in blocks, a loop
+over the key blocks each can see keeping a running maximum and sum, the
+log-sum-exp saved for a backward pass that recomputes the probabilities.
+
+  blockwise.py   pure JAX (lax loops), every backend; the portable fallback
+  pallas_gpu.py  Pallas on Triton (NVIDIA/AMD GPUs)
+  pallas_tpu.py  Pallas on Mosaic (TPUs)
+
+Importing this package registers `implementation="blockwise"` and
+`implementation="pallas"` with `attention_jax.dot_product_attention`, and the
+variants `blockwise` and `flash` with the registry.
 """
+
+from typing import Optional
 
 import jax
 
 from attention_jax import registry
-from attention_jax.variants.dense import register_implementation
+from attention_jax.variants.dense import AttentionInputs, prepare_inputs, register_implementation
 
+from . import pallas_gpu, pallas_tpu
 from .blockwise import blockwise_attention, blockwise_dot_product_attention, default_block_sizes
 from .common import BlockSizes
+from .pallas_gpu import default_block_sizes_gpu, flash_attention_gpu, gpu_dot_product_attention
+from .pallas_tpu import default_block_sizes_tpu, flash_attention_tpu, tpu_dot_product_attention
+
+# Tq * Tk from which `implementation=None` prefers blockwise to dense on CPU
+# (measured: benchmarks/attention_cpu.json).
+BLOCKWISE_MIN_SCORES_ON_CPU = 1024 * 1024
 
 
-def _blockwise_priority(inputs) -> int:
-  """On CPU, blockwise beats dense XLA once the score matrix is large (see
-  benchmarks/attention_cpu.json); elsewhere it is the portable fallback."""
+def _blockwise_priority(inputs: AttentionInputs) -> int:
+  """Above dense XLA on CPU for long sequences; elsewhere the portable fallback."""
   on_cpu = jax.default_backend() == "cpu"
   large = inputs.query.shape[1] * inputs.key.shape[1] >= BLOCKWISE_MIN_SCORES_ON_CPU
   return 1 if on_cpu and large else -1
 
 
-# Tq * Tk from which `implementation=None` prefers blockwise to dense on CPU.
-BLOCKWISE_MIN_SCORES_ON_CPU = 1024 * 1024
-register_implementation("blockwise", blockwise_attention, priority=_blockwise_priority)
+def pallas_attention(inputs: AttentionInputs, block_sizes: Optional[BlockSizes] = None, *,
+                     interpret: Optional[bool] = None) -> jax.Array:
+  """The Pallas kernel of the default backend: Mosaic on TPU, Triton elsewhere.
 
+  Off an accelerator the Triton kernel runs in the Pallas interpreter
+  (`interpret=None`): exact, and slow; it exists for testing.
+  """
+  if jax.default_backend() == "tpu":
+    return flash_attention_tpu(inputs, block_sizes, interpret=interpret)
+  return flash_attention_gpu(inputs, block_sizes, interpret=interpret)
+
+
+def _pallas_rejects(inputs: AttentionInputs) -> Optional[str]:
+  if jax.default_backend() == "tpu":
+    return pallas_tpu.tpu_rejects(inputs)
+  return pallas_gpu.gpu_rejects(inputs)
+
+
+def flash_dot_product_attention(query, key, value, bias=None, mask=None, *,
+                                block_sizes: Optional[BlockSizes] = None,
+                                interpret: Optional[bool] = None, **kwargs) -> jax.Array:
+  """`attention_jax.dot_product_attention` computed by the Pallas flash kernel.
+
+  Takes every argument of `dot_product_attention` except `implementation`,
+  plus the kernel's `block_sizes`. On CPU the kernel is interpreted (slow).
+  """
+  inputs, unbatched = prepare_inputs(query, key, value, bias, mask, **kwargs)
+  out = pallas_attention(inputs, block_sizes, interpret=interpret)
+  return out[0] if unbatched else out
+
+
+register_implementation("blockwise", blockwise_attention, priority=_blockwise_priority)
+# The best on GPU and TPU whenever it takes the inputs (every mask, bias and
+# head layout; head dims up to 256; float32 and bfloat16).
+register_implementation("pallas", pallas_attention, priority=2, rejects=_pallas_rejects,
+                        is_available=lambda: jax.default_backend() in ("gpu", "tpu"))
+
+_EXACT_KERNEL = dict(family="kernels", complexity="O(T^2)", subquadratic=False, exact=True,
+                     causal=True, cross=True)
 registry.register(registry.VariantSpec(
-    name="blockwise", fn=blockwise_dot_product_attention, family="kernels",
-    complexity="O(T^2)", subquadratic=False, exact=True, causal=True, cross=True,
-    paper="Rabe & Staats 2021; Dao et al. 2022"))
+    name="blockwise", fn=blockwise_dot_product_attention,
+    paper="Rabe & Staats 2021; Dao et al. 2022", **_EXACT_KERNEL))
+registry.register(registry.VariantSpec(
+    name="flash", fn=flash_dot_product_attention, paper="Dao et al. 2022", **_EXACT_KERNEL))

@@ -3,7 +3,6 @@
 import itertools
 
 import jax
-import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -12,7 +11,8 @@ import attention_jax
 from attention_jax.core import reach_of
 from attention_jax.kernels.flash_attention import (BlockSizes, blockwise_dot_product_attention,
                                                    common)
-from attention_testing import MASK_CASES, check_against_reference, loop_mask, random_qkv
+from attention_testing import (MASK_CASES, check_against_reference, largest_intermediate,
+                               loop_mask, random_qkv)
 
 # Blocks that do not divide Tq = 7 or Tk = 9, and differ between the two backward sweeps.
 SMALL_BLOCKS = BlockSizes(block_q=4, block_k=4, block_q_dkv=2, block_k_dkv=8)
@@ -64,22 +64,6 @@ def test_block_ranges_cover_exactly_the_blocks_with_allowed_pairs(reach_args, bl
   assert by_key == needed
 
 
-def _largest_intermediate(fn, *args):
-  """Size of the largest array any equation of `fn`'s jaxpr produces (sub-jaxprs included)."""
-  largest = 0
-
-  def visit(jaxpr):
-    nonlocal largest
-    for eqn in jaxpr.eqns:
-      for var in eqn.outvars:
-        largest = max(largest, int(np.prod(getattr(var.aval, "shape", ()))))
-      for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-        visit(sub)
-
-  visit(jax.make_jaxpr(fn)(*args).jaxpr)
-  return largest
-
-
 def test_forward_and_backward_never_build_a_length_squared_array():
   length, heads, dim = 2048, 2, 16
   query, key, value = random_qkv(batch=1, q_len=length, num_heads=heads, head_dim=dim)
@@ -89,12 +73,12 @@ def test_forward_and_backward_never_build_a_length_squared_array():
     out = blockwise_dot_product_attention(q, k, v, is_causal=True, block_sizes=blocks)
     return jnp.sum(out ** 2)
 
-  largest = _largest_intermediate(jax.grad(loss, argnums=(0, 1, 2)), query, key, value)
+  largest = largest_intermediate(jax.grad(loss, argnums=(0, 1, 2)), query, key, value)
   # O(T) residuals (q, k, v, out: T * H * D) and one block of logits at a time.
   assert largest <= max(length * heads * dim, heads * 128 * 128)
   dense_loss = lambda q, k, v: jnp.sum(
       attention_jax.dot_product_attention(q, k, v, implementation="xla") ** 2)
-  dense_largest = _largest_intermediate(jax.grad(dense_loss, argnums=(0, 1, 2)),
+  dense_largest = largest_intermediate(jax.grad(dense_loss, argnums=(0, 1, 2)),
                                         query, key, value)
   assert dense_largest >= length * length  # the check would catch a T x T array
 

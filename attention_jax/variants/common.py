@@ -1,0 +1,109 @@
+"""What the variant families share: the call contract, argument checks, key padding.
+
+Every Q/K/V variant's pure function has the signature
+
+    fn(query [B, Tq, H, D], key [B, Tk, Hkv, D], value [B, Tk, Hkv, Dv],
+       bias=None, mask=None, *, is_causal=False, query_seq_lengths=None,
+       key_value_seq_lengths=None, segment_ids=None, <its own options and arrays>)
+    -> [B, Tq, H, Dv]
+
+because `MultiHeadAttention` calls every variant the same way. A variant takes
+the masks it can apply at its claimed cost and refuses the others with a
+ValueError (`reject_unsupported`), never by silently ignoring them. Padding is
+always supported: as key/value lengths, or as a boolean mask that only masks
+keys (`[B|1, 1, 1, Tk]`, what `Encoder` passes for padding anywhere).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import jax.numpy as jnp
+
+from attention_jax.core import masks as mask_lib
+
+Array = jnp.ndarray
+
+
+def reject_unsupported(variant: str, **arguments) -> None:
+  """Raises a ValueError naming the first argument given (not None/False) to
+  `variant` that it does not support, e.g. `reject_unsupported("linformer",
+  is_causal=is_causal, segment_ids=segment_ids)`."""
+  for name, value in arguments.items():
+    if value is None or value is False:
+      continue
+    shown = f"shape {list(jnp.shape(value))}" if hasattr(value, "shape") else repr(value)
+    raise ValueError(f"attention variant {variant!r} does not support {name} (got {shown}); "
+                     f"use a variant that does (see attention_jax.list_variants()).")
+
+
+def key_padding(variant: str, mask: Optional[Array], key_value_seq_lengths: Optional[Array],
+                batch: int, kv_len: int) -> Optional[Array]:
+  """The keys each sequence may attend to, `[B, Tk]` bool, or None when all.
+
+  Combines `key_value_seq_lengths` `[B]` with a boolean `mask` that masks keys
+  only (shape `[B|1, 1, 1, Tk]`). Any other mask needs the dense pairwise
+  pattern, which a sub-quadratic variant cannot apply: a ValueError says so.
+  """
+  valid = None
+  if key_value_seq_lengths is not None:
+    valid = mask_lib.length_predicate(jnp.arange(kv_len)[None, :],
+                                      jnp.asarray(key_value_seq_lengths)[:, None])
+  if mask is not None:
+    shape = tuple(jnp.shape(mask))
+    if len(shape) != 4 or shape[1:3] != (1, 1) or shape[0] not in (1, batch) or \
+        shape[3] not in (1, kv_len):
+      raise ValueError(
+          f"attention variant {variant!r} takes only a key-padding mask of shape "
+          f"[B|1, 1, 1, Tk] = [{batch}|1, 1, 1, {kv_len}], got shape {list(shape)}; pairwise "
+          f"masks need a dense variant such as 'dot_product'.")
+    valid = mask_lib.and_masks(valid, jnp.broadcast_to(jnp.asarray(mask, bool)[:, 0, 0, :],
+                                                       (batch, kv_len)))
+  return valid
+
+
+def zero_padded_queries(out: Array, query_seq_lengths: Optional[Array]) -> Array:
+  """Zeros the outputs `[B, Tq, H, Dv]` of queries past `query_seq_lengths` `[B]`.
+
+  Such queries attend to nothing, as in `dot_product_attention`; the `where`
+  also zeroes their gradients.
+  """
+  if query_seq_lengths is None:
+    return out
+  valid = mask_lib.length_predicate(jnp.arange(out.shape[1])[None, :],
+                                    jnp.asarray(query_seq_lengths)[:, None])
+  return jnp.where(valid[:, :, None, None], out, jnp.zeros((), out.dtype))
+
+
+def check_size(name: str, value: int, *, length: Optional[int] = None, divides: bool = False,
+               minimum: int = 1) -> int:
+  """Validates a window/block/bucket/feature size; returns it.
+
+  Args:
+    name: the argument's name, for the message.
+    value: the size given.
+    length: the sequence length it must fit (at most `length`, or dividing it
+      when `divides`).
+    divides: `length` must be a multiple of `value`.
+    minimum: the smallest valid value.
+  """
+  if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+    raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}.")
+  if length is not None and divides and length % value:
+    raise ValueError(f"{name}={value} must divide the sequence length {length} "
+                     f"(pad the sequence to a multiple of {value}).")
+  if length is not None and not divides and value > length:
+    raise ValueError(f"{name}={value} must be at most the sequence length {length}.")
+  return value
+
+
+def repeat_kv_heads(key: Array, num_heads: int) -> Array:
+  """`[B, T, Hkv, D]` -> `[B, T, H, D]`: query head h uses K/V head h // (H // Hkv).
+
+  For variants whose per-head work is O(T): repeating costs O(T) memory.
+  """
+  num_kv_heads = key.shape[2]
+  if num_heads % num_kv_heads:
+    raise ValueError(f"the number of query heads ({num_heads}) must be a multiple of the "
+                     f"number of key/value heads ({num_kv_heads}).")
+  return jnp.repeat(key, num_heads // num_kv_heads, axis=2)

@@ -1,0 +1,1 @@
+"""hashing family (filled in by issue 4)."""

@@ -1,0 +1,1 @@
+"""linear family (filled in by issue 4)."""

@@ -1,0 +1,1 @@
+"""low_rank family (filled in by issue 4)."""

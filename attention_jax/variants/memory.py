@@ -1,0 +1,1 @@
+"""memory family (filled in by issue 4)."""

@@ -1,0 +1,1 @@
+"""prior family (filled in by issue 4)."""

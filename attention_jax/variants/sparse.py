@@ -1,0 +1,1 @@
+"""sparse family (filled in by issue 4)."""
