@@ -418,10 +418,17 @@ def measure_cell(cell: dict[str, Any], memory_method: str) -> dict[str, Any]:
   return record
 
 
-def measure_in_child(cell: dict[str, Any], timeout: float) -> dict[str, Any]:
-  """Runs one cell in a fresh Python process so that its peak RSS is its own."""
-  command = [sys.executable, "-m", "experiments.benchmark_attention", "--cell", json.dumps(cell)]
-  failed = dict(cell, flops=attention_flops(cell), memory={"method": "process"})
+def measure_in_child(cell: dict[str, Any], timeout: float,
+                     module: str = "experiments.benchmark_attention",
+                     failed: dict[str, Any] | None = None) -> dict[str, Any]:
+  """Runs one cell in a fresh Python process so that its peak RSS is its own.
+
+  The child is `python -m <module> --cell <json>`, which prints the record as
+  its last JSON line; `failed` is the record to complete when the child dies.
+  """
+  command = [sys.executable, "-m", module, "--cell", json.dumps(cell)]
+  if failed is None:
+    failed = dict(cell, flops=attention_flops(cell), memory={"method": "process"})
   try:
     child = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True,
                            timeout=timeout, check=False)

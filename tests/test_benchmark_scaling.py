@@ -1,0 +1,72 @@
+"""Smoke test of experiments/benchmark_scaling.py on tiny shapes: bookkeeping, not speed."""
+
+import json
+import math
+import pathlib
+import sys
+
+import pytest
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:  # experiments/ is a script folder, not installed.
+  sys.path.insert(0, str(REPO_ROOT))
+
+from experiments import benchmark_scaling  # pylint: disable=g-import-not-at-top
+
+LENGTHS = (64, 128)
+
+
+@pytest.fixture(scope="module")
+def payload(tmp_path_factory):
+  out = tmp_path_factory.mktemp("scaling") / "scaling.json"
+  benchmark_scaling.main([
+      "--variants", "multi_query", "--lengths", *map(str, LENGTHS), "--heads", "2",
+      "--head-dim", "8", "--modes", "fwd", "fwd_bwd", "--repeats", "1", "--out", str(out)])
+  return json.loads(out.read_text()), out
+
+
+def test_dense_is_always_measured_and_every_cell_ran(payload):
+  data, _ = payload
+  assert data["arguments"]["variants"] == ["dot_product", "multi_query"]
+  cells = {(r["variant"], r["seq_len"], r["mode"]) for r in data["records"]}
+  assert cells == {(v, t, m) for v in ("dot_product", "multi_query") for t in LENGTHS
+                   for m in ("fwd", "fwd_bwd")}
+  for record in data["records"]:
+    assert record["error"] is None, record["error"]
+    assert record["ms"] > 0 and record["memory"]["peak_delta_bytes"] >= 0
+
+
+def test_summary_has_slopes_and_ratios_to_dense(payload):
+  data, _ = payload
+  rows = {(row["variant"], row["mode"]): row for row in data["summary"]}
+  assert set(rows) == {(v, m) for v in ("dot_product", "multi_query") for m in ("fwd", "fwd_bwd")}
+  for (variant, mode), row in rows.items():
+    assert row["lengths"] == list(LENGTHS)
+    assert math.isfinite(row["time_slope"])
+    ms = {r["seq_len"]: r["ms"] for r in data["records"]
+          if r["variant"] == variant and r["mode"] == mode}
+    dense = {r["seq_len"]: r["ms"] for r in data["records"]
+             if r["variant"] == "dot_product" and r["mode"] == mode}
+    assert row["speedup_vs_dense"] == pytest.approx([dense[t] / ms[t] for t in LENGTHS])
+  assert rows["dot_product", "fwd"]["speedup_vs_dense"] == [1.0, 1.0]
+
+
+def test_plot_is_written_next_to_the_json(payload):
+  _, out = payload
+  png = out.with_suffix(".png")
+  assert png.exists() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_log_log_slope():
+  lengths = [1000, 2000, 4000, 8000]
+  assert benchmark_scaling.log_log_slope(lengths, [3 * t ** 2 for t in lengths]) == (
+      pytest.approx(2.0))
+  assert benchmark_scaling.log_log_slope(lengths, [5 * t for t in lengths]) == pytest.approx(1.0)
+  # Failed cells (None) are left out; fewer than two points give no slope.
+  assert benchmark_scaling.log_log_slope(lengths, [None, 4.0, None, 16.0]) == pytest.approx(1.0)
+  assert benchmark_scaling.log_log_slope(lengths, [None, None, None, 1.0]) is None
+
+
+def test_unknown_variant_lists_the_valid_names():
+  with pytest.raises(ValueError, match="unknown attention variant 'nope'; valid names are"):
+    benchmark_scaling.main(["--variants", "nope"])
