@@ -27,7 +27,8 @@ Masks, as in `blockwise.py`:
   * the boolean `mask` is passed as int8 blocks, the bias as blocks in its own
     dtype; their batch and head axes may stay broadcast (size 1), their query
     and key axes are broadcast to full length (a bias is quadratic anyway: its
-    gradient is a `[B, H, Tq, Tk]` float32 array summed by the wrapper).
+    gradient is a `[B, H, Tq, Tk]` float32 array, summed over the broadcast
+    axes in float32).
 A row with nothing to attend outputs zeros, has lse = -inf, and passes zero
 gradients.
 
@@ -71,7 +72,8 @@ KEY_BLOCK_MULTIPLE = LANES
 MAX_HEAD_DIM = 256
 SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
-# dot_general dimension numbers: a @ b^T, and a^T @ b.
+# dot_general dimension numbers: a @ b, a @ b^T, and a^T @ b.
+_NN = (((1,), (0,)), ((), ()))
 _NT = (((1,), (1,)), ((), ()))
 _TN = (((0,), (0,)), ((), ()))
 
@@ -98,7 +100,7 @@ class _MaskArrays:
 
   q_lengths: Array  # [B] int32; Tq when not given
   kv_lengths: Array  # [B] int32; the true Tk when not given
-  mask: Optional[Array]  # [B|1, H|1, Tq', Tk'] int8
+  mask: Optional[Array]  # [B|1, H|1, Tq'|1, Tk'|1] int8
   q_segment_ids: Optional[Array]  # [B, Tq', 128] int32
   kv_segment_ids: Optional[Array]  # [B, 8, Tk'] int32
 
@@ -194,6 +196,8 @@ def _block_spec(kind: str, shape: Tuple[int, ...], block_q: int, block_k: int,
   elif kind == "kv_ids":  # [B, 8, Tk]
     block = (None, SUBLANES, block_k)
     index = lambda c: (c.batch, 0, c.kv_block)
+  elif kind == "untouched":  # stays in HBM, never copied in: the zeros an output aliases
+    return pl.BlockSpec(memory_space=pl.ANY)
   else:
     raise AssertionError(kind)
   return pl.BlockSpec(block, lambda *grid_and_refs: index(coords_of(*grid_and_refs)))
@@ -304,7 +308,7 @@ def _forward_kernel(q_lengths_ref, kv_lengths_ref, *refs, cfg: _Static, names: T
     max_ref[...] = new_max
     sum_ref[...] = correction * sum_ref[...] + _as_lane_stat(jnp.sum(probs, axis=1))
     acc_ref[...] = (_lanes(correction, acc_ref.shape[1]) * acc_ref[...]
-                    + _dot(probs.astype(v.dtype), v, (((1,), (0,)), ((), ()))))
+                    + _dot(probs.astype(v.dtype), v, _NN))
 
   @pl.when(step == num_steps - 1)
   def _finish():
@@ -333,7 +337,7 @@ def _dq_kernel(q_lengths_ref, kv_lengths_ref, *refs, cfg: _Static, names: Tuple[
     k = refs["k"][...]
     _, d_logits = _probs_and_dlogits(cfg, refs, c, cfg.block_q, cfg.block_k,
                                      kv_lengths_ref[c.batch])
-    dq_acc_ref[...] += _dot(d_logits.astype(k.dtype), k, (((1,), (0,)), ((), ())))
+    dq_acc_ref[...] += _dot(d_logits.astype(k.dtype), k, _NN)
     if ds_ref is not None:
       ds_ref[...] = d_logits
 
@@ -383,13 +387,18 @@ def _dkv_kernel(q_lengths_ref, kv_lengths_ref, *refs, cfg: _Static, names: Tuple
 # pallas_call wrappers.
 
 
-def _mask_operands(bias: Optional[Array], masks: _MaskArrays) -> List[Tuple[str, str, Array]]:
+def _mask_operands(cfg: _Static, bias: Optional[Array],
+                   masks: _MaskArrays) -> List[Tuple[str, str, Array]]:
   """(name, kind, array) of the optional inputs every kernel reads."""
+  # Size-1 query/key axes of a bias or mask are broadcast here, inside the custom VJP, so
+  # that the bias gradient is summed over them in float32 before it takes the bias dtype.
+  # Every block is then a whole (bq, bk) tile, which Mosaic lays out for any dtype.
+  full = lambda x: jnp.broadcast_to(x, x.shape[:2] + (cfg.q_len, cfg.kv_len))
   operands = []
   if bias is not None:
-    operands.append(("bias", "pairwise", bias))
+    operands.append(("bias", "pairwise", full(bias)))
   if masks.mask is not None:
-    operands.append(("mask", "pairwise", masks.mask))
+    operands.append(("mask", "pairwise", full(masks.mask)))
   if masks.q_segment_ids is not None:
     operands += [("q_ids", "q_ids", masks.q_segment_ids),
                  ("kv_ids", "kv_ids", masks.kv_segment_ids)]
@@ -397,7 +406,8 @@ def _mask_operands(bias: Optional[Array], masks: _MaskArrays) -> List[Tuple[str,
 
 
 def _pallas(kernel, cfg: _Static, grid, semantics, coords_of, block_q, block_k,
-            inputs: List[Tuple[str, str, Array]], outputs: List[Tuple[str, str, jax.ShapeDtypeStruct]],
+            inputs: List[Tuple[str, str, Array]],
+            outputs: List[Tuple[str, str, jax.ShapeDtypeStruct]],
             scratch: List[Tuple[str, Any]], masks: _MaskArrays, aliases=None):
   """Runs `kernel` over `grid` with named, kind-specified inputs, outputs and scratch."""
   spec = lambda kind, shape: _block_spec(kind, shape, block_q, block_k, coords_of)
@@ -439,7 +449,7 @@ def _forward(cfg: _Static, q, k, v, bias, masks: _MaskArrays):
   value_dim = v.shape[-1]
   bq, bk = cfg.block_q, cfg.block_k
   grid, semantics, coords_of = _query_major_grid(cfg, batch, num_heads, bq, bk)
-  inputs = [("q", "q", q), ("k", "kv", k), ("v", "kv", v)] + _mask_operands(bias, masks)
+  inputs = [("q", "q", q), ("k", "kv", k), ("v", "kv", v)] + _mask_operands(cfg, bias, masks)
   outputs = [("out", "q", jax.ShapeDtypeStruct(q.shape[:3] + (value_dim,), q.dtype)),
              ("lse", "row_stat", jax.ShapeDtypeStruct(q.shape[:3] + (LANES,), jnp.float32))]
   scratch = [("row_max", pltpu.VMEM((bq, LANES), jnp.float32)),
@@ -451,16 +461,15 @@ def _forward(cfg: _Static, q, k, v, bias, masks: _MaskArrays):
 
 
 def _backward(cfg: _Static, q, k, v, bias, masks: _MaskArrays, out, lse, d_out):
-  """Gradients of q, k, v and bias (None without one)."""
+  """Gradients of q, k, v and bias (None without one); lse: `[B, H, Tq']`."""
   batch, num_heads, _, head_dim = q.shape
   num_kv_heads, value_dim = k.shape[1], v.shape[-1]
   # Rows with nothing to attend have lse = -inf; +inf makes their probabilities 0.
-  lse = jnp.where(lse == -jnp.inf, jnp.inf, lse)
-  delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
-  delta = jnp.broadcast_to(delta[..., None], delta.shape + (LANES,))
+  lse = _lane_replicated(jnp.where(lse == -jnp.inf, jnp.inf, lse))
+  delta = _lane_replicated(jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1))
   common_inputs = [("q", "q", q), ("k", "kv", k), ("v", "kv", v), ("do", "q", d_out),
                    ("lse", "row_stat", lse), ("delta", "row_stat", delta)]
-  common_inputs += _mask_operands(bias, masks)
+  common_inputs += _mask_operands(cfg, bias, masks)
 
   # dq (and ds for the bias): query blocks outer, key blocks along the last axis.
   bq, bk = cfg.block_q, cfg.block_k
@@ -470,7 +479,7 @@ def _backward(cfg: _Static, q, k, v, bias, masks: _MaskArrays, out, lse, d_out):
   if bias is not None:
     ds_shape = (batch, num_heads, cfg.q_len, cfg.kv_len)
     # Blocks outside every band are never written: they keep these zeros.
-    inputs.append(("ds_zeros", "pairwise", jnp.zeros(ds_shape, jnp.float32)))
+    inputs.append(("ds_zeros", "untouched", jnp.zeros(ds_shape, jnp.float32)))
     outputs.append(("ds", "pairwise", jax.ShapeDtypeStruct(ds_shape, jnp.float32)))
     aliases = {"ds_zeros": "ds"}
   scratch = [("dq_acc", pltpu.VMEM((bq, head_dim), jnp.float32))]
@@ -498,6 +507,11 @@ def _backward(cfg: _Static, q, k, v, bias, masks: _MaskArrays, out, lse, d_out):
   return dq, dk, dv, d_bias
 
 
+def _lane_replicated(x: Array) -> Array:
+  """`[.., T]` as `[.., T, 128]`: the layout of the kernels' row statistics."""
+  return jnp.broadcast_to(x[..., None], x.shape + (LANES,))
+
+
 def _sum_to_shape(x: Array, shape: Tuple[int, ...]) -> Array:
   """Sums `x` over the axes where `shape` broadcasts (size 1)."""
   axes = tuple(a for a, (n, m) in enumerate(zip(x.shape, shape)) if m == 1 and n != 1)
@@ -511,7 +525,8 @@ def _attention(cfg, q, k, v, bias, masks):
 
 def _attention_fwd(cfg, q, k, v, bias, masks):
   out, lse = _forward(cfg, q, k, v, bias, masks)
-  return out, (q, k, v, bias, masks, out, lse)
+  # Save one lane of the lse: the backward pass replicates it again for its kernels.
+  return out, (q, k, v, bias, masks, out, lse[..., 0])
 
 
 def _attention_bwd(cfg, residuals, d_out):
@@ -528,11 +543,13 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
 def default_block_sizes_tpu(head_dim: int, dtype) -> common.BlockSizes:
-  """Blocks that keep a kernel's working set well inside the default scoped VMEM.
+  """Blocks that keep a kernel's working set inside the default scoped VMEM (16 MiB).
 
   The largest live values are the `(block_q, block_k)` float32 logits and their
   gradients (4 of them in the backward pass) plus double-buffered `(block, D)`
-  tiles, so wide heads and float32 inputs get smaller blocks.
+  tiles, so wide heads and float32 inputs get smaller blocks: 512 x 512 for
+  bfloat16 with D <= 128, down to 128 x 256 for float32 with D > 128. These are
+  estimates, not measurements on a TPU. The dk/dv pass uses the same blocks.
   """
   wide = head_dim > 128
   narrow_dtype = jnp.dtype(dtype).itemsize <= 2
@@ -592,7 +609,8 @@ def flash_attention_tpu(inputs: AttentionInputs,
     block_sizes: `default_block_sizes_tpu(D, dtype)` when None; see the module
       docstring for the rule they must follow.
     interpret: run in TPU interpret mode (on CPU); None: when the default
-      backend is not a TPU.
+      backend is not a TPU. A `pltpu.InterpretParams` is passed on as is (to
+      shuffle the parallel grid axes, say).
   """
   query, key, value = inputs.query, inputs.key, inputs.value
   batch, q_len, num_heads, head_dim = query.shape
@@ -622,7 +640,7 @@ def flash_attention_tpu(inputs: AttentionInputs,
   if bias is not None:
     if bias.dtype not in SUPPORTED_DTYPES:
       bias = bias.astype(jnp.float32)
-    bias = _pad_pairwise(bias, q_len, kv_len, q_multiple, kv_multiple)
+    bias = _pad_pairwise(bias, q_multiple, kv_multiple)
   masks = _mask_arrays(inputs, q_multiple, kv_multiple)
 
   out = _attention(cfg, q, k, v, bias, masks)  # [B, H, Tq', Dv]
@@ -634,14 +652,8 @@ def flash_attention_tpu(inputs: AttentionInputs,
   return out
 
 
-def _pad_pairwise(x: Array, q_len: int, kv_len: int, q_multiple: int, kv_multiple: int) -> Array:
-  """A bias or mask `[B|1, H|1, Tq|1, Tk|1]` as `[B|1, H|1, Tq', Tk']`.
-
-  Size-1 query/key axes are broadcast: every block is then a whole `(bq, bk)`
-  tile, the layout Mosaic handles for every dtype (batch and head axes stay
-  broadcast; they only select the block).
-  """
-  x = jnp.broadcast_to(x, x.shape[:2] + (q_len, kv_len))
+def _pad_pairwise(x: Array, q_multiple: int, kv_multiple: int) -> Array:
+  """A bias or mask `[B|1, H|1, Tq|1, Tk|1]` padded to whole blocks (size-1 axes stay)."""
   return common.pad_axis(common.pad_axis(x, 2, q_multiple), 3, kv_multiple)
 
 
@@ -653,7 +665,7 @@ def _mask_arrays(inputs: AttentionInputs, q_multiple: int, kv_multiple: int) -> 
                                  else jnp.minimum(jnp.asarray(given, jnp.int32), full))
   mask = inputs.mask
   if mask is not None:
-    mask = _pad_pairwise(mask.astype(jnp.int8), q_len, kv_len, q_multiple, kv_multiple)
+    mask = _pad_pairwise(mask.astype(jnp.int8), q_multiple, kv_multiple)
   q_ids = kv_ids = None
   if inputs.q_segment_ids is not None:
     # Edge padding keeps the id ranges of the last block tight (padding is masked anyway).
