@@ -1,1 +1,283 @@
-"""hashing family (filled in by issue 4)."""
+"""Content-based sparsity: each query attends to the keys its content selects.
+
+* `lsh`: Reformer's shared-QK attention over locality-sensitive hash buckets
+  (Kitaev et al. 2020).
+* `routing`: Routing Transformer, attention within online k-means clusters
+  (Roy et al. 2021).
+* `sinkhorn`: Sparse Sinkhorn attention, each block attends to itself and to a
+  learned soft permutation of the key blocks (Tay et al. 2020).
+* `clustered`: queries grouped by k-means share their centroid's attention
+  (Vyas et al. 2020).
+
+All four select keys by sorting, top-k or clustering and then attend over
+fixed-size groups that are gathered and reshaped into blocks, so no `T x T`
+array is ever built. They are approximations of softmax attention; each
+docstring names the special case in which it is exact.
+
+Shared conventions: the work is done in the layout `[B, H, T, D]`; grouped
+K/V heads are repeated (O(T) memory); padding comes from
+`common.key_padding` and `common.zero_padded_queries`; sorting and clustering
+decisions are integer indices, so no gradient flows through them.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from attention_jax import registry
+from attention_jax.core.softmax import masked_softmax
+from attention_jax.variants import common
+
+Array = jnp.ndarray
+
+# Reformer's penalty on a token attending to itself: large enough to remove
+# self-attention whenever another key is allowed, finite so that a token with no
+# other key (the first token under a causal mask) still attends to itself.
+SELF_ATTENTION_PENALTY = 1e5
+
+
+def _heads_first(x: Array) -> Array:
+  """`[B, T, H, D]` -> `[B, H, T, D]`."""
+  return jnp.swapaxes(x, 1, 2)
+
+
+def _normalize(x: Array, eps: float = 1e-6) -> Array:
+  """Unit vectors along the last axis (zero vectors stay zero)."""
+  norm = jnp.sqrt(jnp.sum(jnp.square(x), axis=-1, keepdims=True))
+  return x / jnp.maximum(norm, eps)
+
+
+def _attend(query: Array, key: Array, value: Array, allowed: Optional[Array], scale: float,
+            logit_bias: Optional[Array] = None) -> Tuple[Array, Array]:
+  """Softmax attention over one gathered group of keys, with its log-normaliser.
+
+  Args:
+    query: `[..., n, D]`.
+    key: `[..., m, D]`.
+    value: `[..., m, Dv]`.
+    allowed: boolean broadcastable to `[..., n, m]`, or None.
+    scale: logit scale.
+    logit_bias: added to the logits, broadcastable to `[..., n, m]`.
+
+  Returns:
+    `(out [..., n, Dv], lse [..., n])`: the normalised output and the
+    log-sum-exp of the allowed logits, so that groups can be merged later
+    (`-inf` and a zero output for a query with no allowed key; never NaN).
+  """
+  logits = jnp.einsum("...nd,...md->...nm", query, key) * scale
+  if logit_bias is not None:
+    logits = logits + logit_bias
+  if allowed is not None:
+    logits = jnp.where(allowed, logits, -jnp.inf)
+  row_max = jnp.max(logits, axis=-1, keepdims=True)
+  row_max = jax.lax.stop_gradient(jnp.where(jnp.isfinite(row_max), row_max, 0.0))
+  unnormalized = jnp.exp(logits - row_max)
+  normalizer = jnp.sum(unnormalized, axis=-1)
+  attended = normalizer > 0.0
+  safe_normalizer = jnp.where(attended, normalizer, 1.0)
+  out = jnp.einsum("...nm,...mv->...nv", unnormalized, value) / safe_normalizer[..., None]
+  lse = jnp.where(attended, jnp.log(safe_normalizer) + row_max[..., 0], -jnp.inf)
+  return out, lse
+
+
+def _merge_by_lse(outputs: Array, lse: Array, axis: int = 0) -> Array:
+  """Merges attention outputs over key groups into attention over their union.
+
+  outputs: `[..., Dv]` with the groups along `axis`; lse: the same without the
+  last axis. Each group's output is weighted by its share of the total
+  normaliser, exp(lse_r) / sum_r exp(lse_r); groups with nothing attended
+  (lse = -inf) get weight 0.
+  """
+  weights = masked_softmax(lse, jnp.isfinite(lse), axis=axis)
+  return jnp.sum(weights[..., None] * outputs, axis=axis)
+
+
+def _check_self_attention(variant: str, query: Array, key: Array) -> None:
+  if query.shape[1] != key.shape[1]:
+    raise ValueError(f"attention variant {variant!r} is self-attention only: the key length "
+                     f"({key.shape[1]}) must equal the query length ({query.shape[1]}).")
+
+
+def _valid_keys(variant: str, mask, key_value_seq_lengths, batch: int, length: int) -> Array:
+  """`[B, T]` bool: the keys that may be attended (all when no padding is given)."""
+  valid = common.key_padding(variant, mask, key_value_seq_lengths, batch, length)
+  return jnp.ones((batch, length), bool) if valid is None else valid
+
+
+def _gather(x: Array, indices: Array) -> Array:
+  """x `[..., T, D]`, indices `[..., n]` (same or broadcastable leading axes) -> `[..., n, D]`."""
+  indices = jnp.broadcast_to(indices, jnp.broadcast_shapes(indices.shape, x.shape[:-2] + (1,)))
+  x = jnp.broadcast_to(x, indices.shape[:-1] + x.shape[-2:])
+  return jnp.take_along_axis(x, indices[..., None], axis=-2)
+
+
+# ---------------------------------------------------------------------------
+# LSH attention (Reformer).
+# ---------------------------------------------------------------------------
+
+
+def _hash_buckets(vectors: Array, rng: jax.Array, n_buckets: int, n_hashes: int) -> Array:
+  """Angular LSH: bucket = argmax([x R, -x R]) for a random rotation R per round.
+
+  vectors: `[B, H, T, D]` -> `[n_hashes, B, H, T]` int32 in [0, n_buckets).
+  One rotation `[D, n_buckets / 2]` per round and head, drawn from `rng`.
+  """
+  batch, heads, length, dim = vectors.shape
+  if n_buckets == 1:
+    return jnp.zeros((n_hashes, batch, heads, length), jnp.int32)
+  rotations = jax.random.normal(rng, (n_hashes, heads, dim, n_buckets // 2), vectors.dtype)
+  rotated = jnp.einsum("bhtd,rhdn->rbhtn", vectors, rotations)
+  return jnp.argmax(jnp.concatenate([rotated, -rotated], axis=-1), axis=-1).astype(jnp.int32)
+
+
+def _chunks(x: Array, chunk_size: int, axis: int) -> Array:
+  """Splits `axis` (length T) into `[T / chunk_size, chunk_size]`."""
+  axis = axis % x.ndim
+  return x.reshape(x.shape[:axis] + (-1, chunk_size) + x.shape[axis + 1:])
+
+
+def _with_previous_chunk(x: Array, chunk_axis: int) -> Array:
+  """Appends chunk i - 1 (cyclically) to chunk i: the chunk's axis after
+  `chunk_axis` doubles. With a single chunk there is no other chunk to add."""
+  chunk_axis = chunk_axis % x.ndim
+  if x.shape[chunk_axis] == 1:
+    return x
+  return jnp.concatenate([x, jnp.roll(x, 1, axis=chunk_axis)], axis=chunk_axis + 1)
+
+
+def lsh_attention(
+    query: Array,
+    key: Array,
+    value: Array,
+    bias: Optional[Array] = None,
+    mask: Optional[Array] = None,
+    *,
+    is_causal: bool = False,
+    query_seq_lengths: Optional[Array] = None,
+    key_value_seq_lengths: Optional[Array] = None,
+    segment_ids: Optional[Array] = None,
+    hash_rng: Optional[jax.Array] = None,
+    n_buckets: Optional[int] = None,
+    n_hashes: int = 2,
+    chunk_size: int = 64,
+    scale: Optional[float] = None,
+) -> Array:
+  """Reformer LSH attention with shared queries and keys (Kitaev et al. 2020).
+
+  Keys are the unit-normalised queries, k_j = q_j / |q_j|; `key` only fixes
+  the shapes (MultiHeadAttention's key projection is unused, Reformer shares
+  it with the query's). In each of `n_hashes` rounds the queries are hashed by
+  a random rotation into `n_buckets` buckets, sorted by (bucket, position) and
+  split into chunks of `chunk_size`; each chunk attends to itself and to the
+  previous chunk (cyclically), only to keys of the same bucket. A token
+  attends to itself only when nothing else is allowed (its logit is lowered by
+  `SELF_ATTENTION_PENALTY`). The rounds are merged by their log-sum-exp
+  weights, with each logit lowered by log N_ij (N_ij: the rounds in which i
+  and j share a bucket) so that a key found by several rounds is counted once.
+  Cost O(n_hashes T chunk_size) time and memory.
+
+  With `n_buckets=1` and `chunk_size=T` this is exactly dense shared-QK
+  attention with the self penalty.
+
+  Args:
+    query: `[B, T, H, D]`; also the keys (shared QK).
+    key: `[B, T, Hkv, D]`; ignored except for its length, which must be T.
+    value: `[B, T, Hkv, Dv]`, Hkv dividing H.
+    bias, segment_ids: not supported (ValueError).
+    mask: only a key-padding mask `[B|1, 1, 1, T]`.
+    is_causal: token i attends to tokens j <= i.
+    query_seq_lengths: `[B]`; later queries output zeros.
+    key_value_seq_lengths: `[B]`; later tokens are not attended. Padded tokens
+      (by lengths or mask) are sorted after every valid token, so they never
+      change the chunks of valid ones; their own outputs are zero.
+    hash_rng: PRNG key of the random rotations (required).
+    n_buckets: 1 or an even number; by default 2 T / chunk_size, Reformer's
+      choice: a chunk then holds about two buckets' worth of tokens.
+    n_hashes: hashing rounds; more rounds miss fewer keys.
+    chunk_size: must divide T.
+    scale: logit scale, 1/sqrt(D) by default.
+
+  Returns:
+    `[B, T, H, Dv]` in the query dtype.
+  """
+  common.reject_unsupported("lsh", bias=bias, segment_ids=segment_ids)
+  _check_self_attention("lsh", query, key)
+  if hash_rng is None:
+    raise ValueError("attention variant 'lsh' needs hash_rng, a PRNG key for its random "
+                     "rotations (MultiHeadAttention's extras module supplies one).")
+  batch, length, num_heads, head_dim = query.shape
+  common.check_size("chunk_size", chunk_size, length=length, divides=True)
+  common.check_size("n_hashes", n_hashes)
+  if n_buckets is None:
+    n_buckets = 2 * length // chunk_size
+  common.check_size("n_buckets", n_buckets)
+  if n_buckets != 1 and n_buckets % 2:
+    raise ValueError(f"n_buckets must be 1 or even (hashing takes the argmax over a rotation "
+                     f"and its negation), got {n_buckets}.")
+  scale = head_dim ** -0.5 if scale is None else scale
+
+  valid = _valid_keys("lsh", mask, key_value_seq_lengths, batch, length)  # [B, T]
+  q = _heads_first(query)  # [B, H, T, D]
+  k = _normalize(q)
+  v = _heads_first(common.repeat_kv_heads(value, num_heads))
+  positions = jnp.arange(length)
+
+  # Padded tokens get bucket n_buckets, after every real bucket.
+  buckets = _hash_buckets(jax.lax.stop_gradient(q), hash_rng, n_buckets, n_hashes)
+  buckets = jnp.where(valid[None, :, None, :], buckets, n_buckets)  # [R, B, H, T]
+  order = jnp.argsort(buckets * length + positions, axis=-1)  # [R, B, H, T]
+
+  sorted_q = _chunks(_gather(q, order), chunk_size, -2)  # [R, B, H, n, c, D]
+  sorted_k = _with_previous_chunk(_chunks(_gather(k, order), chunk_size, -2), -3)
+  sorted_v = _with_previous_chunk(_chunks(_gather(v, order), chunk_size, -2), -3)
+  q_pos = _chunks(order, chunk_size, -1)  # [R, B, H, n, c]
+  k_pos = _with_previous_chunk(q_pos, -2)  # [R, B, H, n, c'] with c' = c or 2c
+  k_valid = jnp.take_along_axis(jnp.broadcast_to(valid[None, :, None, :], order.shape), order,
+                                axis=-1)
+  k_valid = _with_previous_chunk(_chunks(k_valid, chunk_size, -1), -2)
+
+  # Sorted buckets of every round at each round's sorted positions: [R, R', B, H, T].
+  buckets_at = jnp.take_along_axis(buckets[None], order[:, None], axis=-1)
+  q_buckets = _chunks(buckets_at, chunk_size, -1)  # [R, R', B, H, n, c]
+  k_buckets = _with_previous_chunk(q_buckets, -2)
+  own = jnp.arange(n_hashes)
+  q_bucket = q_buckets[own, own][..., :, None]  # this round's buckets, [R, B, H, n, c, 1]
+  k_bucket = k_buckets[own, own][..., None, :]
+  allowed = (q_bucket == k_bucket) & k_valid[..., None, :]
+  if is_causal:
+    allowed &= k_pos[..., None, :] <= q_pos[..., :, None]
+  is_self = q_pos[..., :, None] == k_pos[..., None, :]
+  logit_bias = jnp.where(is_self, -SELF_ATTENTION_PENALTY, 0.0)
+  if n_hashes > 1:
+    shared_rounds = sum((q_buckets[:, r, ..., :, None] == k_buckets[:, r, ..., None, :])
+                        .astype(q.dtype) for r in range(n_hashes))
+    logit_bias = logit_bias - jnp.log(jnp.maximum(shared_rounds, 1.0))
+
+  out, lse = _attend(sorted_q, sorted_k, sorted_v, allowed, scale, logit_bias)
+  undo = jnp.argsort(order, axis=-1)  # [R, B, H, T]
+  out = _gather(out.reshape(order.shape + out.shape[-1:]), undo)  # [R, B, H, T, Dv]
+  lse = jnp.take_along_axis(lse.reshape(order.shape), undo, axis=-1)
+  out = jnp.swapaxes(_merge_by_lse(out, lse, axis=0), 1, 2)  # [B, T, H, Dv]
+  return common.zero_padded_queries(out.astype(query.dtype), query_seq_lengths)
+
+
+class LSHHashKey(nn.Module):
+  """Supplies `hash_rng`: a fresh key per call from the `attention` RNG stream
+  when the caller provides one (Reformer redraws its hashes), else a fixed key."""
+
+  seed: int = 0
+
+  @nn.compact
+  def __call__(self, query, key, value, deterministic: bool = True) -> dict:
+    del query, key, value, deterministic  # The rotations do not depend on the inputs.
+    rng = self.make_rng("attention") if self.has_rng("attention") else jax.random.PRNGKey(self.seed)
+    return {"hash_rng": rng}
+
+
+registry.register(registry.VariantSpec(
+    name="lsh", fn=lsh_attention, family="hashing", complexity="O(T c)", subquadratic=True,
+    exact=False, causal=True, cross=False, paper="Kitaev et al. 2020", extras=LSHHashKey))

@@ -1,0 +1,166 @@
+"""Content-based sparse attention (lsh, routing, sinkhorn, clustered).
+
+Each variant is checked in the special case where it is exact against the dense
+reference under a loop-built mask (outputs and gradients), and for the
+property that makes it a good approximation otherwise.
+"""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from attention_jax.core import reference_attention
+from attention_jax.layers.attention import MultiHeadAttention
+from attention_jax.variants import hashing
+from attention_testing import assert_close, loop_mask, random_qkv
+
+RNG = jax.random.PRNGKey(3)
+
+
+def _output_and_grads(fn, *arrays):
+  """fn's output and the gradients of a fixed random projection of it w.r.t. `arrays`
+  (one compilation: eager execution of many small ops is the slower path on CPU)."""
+  out_shape = jax.eval_shape(fn, *arrays).shape
+  cotangent = jax.random.normal(jax.random.PRNGKey(42), out_shape)
+  loss = lambda *args: jnp.sum(fn(*args) * cotangent)
+  grad_fn = jax.grad(loss, argnums=tuple(range(len(arrays))))
+  return jax.jit(lambda *args: (fn(*args), grad_fn(*args)))(*arrays)
+
+
+def _assert_same_outputs_and_grads(ours, oracle, *arrays, rows=None, atol=1e-5):
+  """`rows`: boolean [B, T] of the query rows compared (all when None)."""
+  out, grads = _output_and_grads(ours, *arrays)
+  want, want_grads = _output_and_grads(oracle, *arrays)
+  if rows is not None:
+    out, want = np.asarray(out)[rows], np.asarray(want)[rows]
+  assert_close(out, want, atol=atol)
+  for index, (got, expected) in enumerate(zip(grads, want_grads)):
+    assert_close(got, expected, atol=atol, err_msg=f"gradient of argument {index}")
+
+
+def _jit_module_output(module, x, **apply_kwargs):
+  variables = module.init(jax.random.PRNGKey(0), x)
+  out = jax.jit(lambda v, x: module.apply(v, x, **apply_kwargs))(variables, x)
+  assert out.shape == x.shape
+  assert np.isfinite(np.asarray(out)).all()
+  return variables, out
+
+
+# ---------------------------------------------------------------------------
+# lsh
+# ---------------------------------------------------------------------------
+
+
+def _shared_qk_oracle(query, value, allowed, scale=None):
+  """Dense shared-QK attention: keys are the unit queries, self penalised by 1e5."""
+  keys = query / jnp.linalg.norm(query, axis=-1, keepdims=True)
+  length = query.shape[1]
+  self_penalty = jnp.asarray(-1e5 * np.eye(length, dtype=np.float32))[None, None]
+  # Query head h reads value head h // (H // Hkv).
+  value = jnp.repeat(value, query.shape[2] // value.shape[2], axis=2)
+  return reference_attention(query, keys, value, self_penalty, jnp.asarray(allowed), scale=scale)
+
+
+@pytest.mark.property("lsh")
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("n_hashes", [1, 3])
+def test_lsh_with_one_bucket_and_one_chunk_is_dense_shared_qk_attention(is_causal, n_hashes):
+  batch, length = 2, 12
+  query, key, value = random_qkv(batch=batch, q_len=length, num_heads=4, num_kv_heads=2)
+  allowed = loop_mask(batch, length, length, is_causal=is_causal)
+  ours = lambda q, v: hashing.lsh_attention(q, key, v, is_causal=is_causal, hash_rng=RNG,
+                                            n_buckets=1, n_hashes=n_hashes, chunk_size=length)
+  _assert_same_outputs_and_grads(ours, lambda q, v: _shared_qk_oracle(q, v, allowed),
+                                 query, value)
+
+
+@pytest.mark.property("lsh")
+def test_lsh_causal_first_token_attends_to_itself():
+  query, key, value = random_qkv(batch=1, q_len=8, num_heads=2)
+  out = jax.jit(lambda q, v: hashing.lsh_attention(
+      q, key, v, is_causal=True, hash_rng=RNG, n_buckets=4, chunk_size=4))(query, value)
+  # Nothing but itself is allowed, so it takes its own value despite the penalty.
+  assert_close(out[:, 0], value[:, 0])
+
+
+@pytest.mark.property("lsh")
+def test_lsh_more_hash_rounds_reduce_the_error():
+  batch, length = 2, 64
+  query, key, value = random_qkv(seed=5, batch=batch, q_len=length, num_heads=2, head_dim=4)
+  query = 3.0 * query  # Peaked attention, where hashing finds the keys that matter.
+  exact = _shared_qk_oracle(query, value, loop_mask(batch, length, length))
+
+  def mean_error(n_hashes):
+    error = jax.jit(lambda rng: jnp.mean(jnp.abs(hashing.lsh_attention(
+        query, key, value, hash_rng=rng, n_buckets=8, n_hashes=n_hashes, chunk_size=8) - exact)))
+    return float(np.mean([error(jax.random.PRNGKey(seed)) for seed in range(3)]))
+
+  errors = [mean_error(n) for n in (1, 2, 4, 8)]
+  assert all(a > b for a, b in zip(errors, errors[1:])), errors
+  assert errors[-1] < 0.5 * errors[0], errors
+
+
+@pytest.mark.property("lsh")
+def test_lsh_padding():
+  batch, length = 2, 16
+  lengths = np.array([11, 16])
+  query, key, value = random_qkv(seed=1, batch=batch, q_len=length, num_heads=2)
+  padded = ~loop_mask(batch, 1, length, kv_lengths=lengths)[:, 0, 0]  # [B, T]
+  lsh = lambda q, v, **kw: hashing.lsh_attention(
+      q, key, v, key_value_seq_lengths=jnp.array(lengths), hash_rng=RNG, n_buckets=4,
+      n_hashes=2, chunk_size=4, **kw)
+  out = lsh(query, value)
+  # Whatever the padded tokens hold, the valid ones see the same chunks and keys.
+  noise_q, _, noise_v = random_qkv(seed=9, batch=batch, q_len=length, num_heads=2)
+  where_padded = jnp.asarray(padded)[:, :, None, None]
+  other = lsh(jnp.where(where_padded, noise_q, query), jnp.where(where_padded, noise_v, value))
+  assert_close(np.asarray(other)[~padded], np.asarray(out)[~padded])
+  assert np.abs(np.asarray(out)[padded]).max() == 0.0
+  # The same padding as a key mask, and padded queries by length.
+  by_mask = hashing.lsh_attention(query, key, value, mask=jnp.asarray(~padded)[:, None, None, :],
+                                  query_seq_lengths=jnp.array(lengths), hash_rng=RNG,
+                                  n_buckets=4, n_hashes=2, chunk_size=4)
+  assert_close(by_mask, out)
+  # With one bucket and chunk the valid rows are dense attention over valid keys.
+  allowed = loop_mask(batch, length, length, q_lengths=lengths, kv_lengths=lengths)
+  ours = lambda q, v: hashing.lsh_attention(
+      q, key, v, query_seq_lengths=jnp.array(lengths), key_value_seq_lengths=jnp.array(lengths),
+      hash_rng=RNG, n_buckets=1, chunk_size=length)
+  _assert_same_outputs_and_grads(ours, lambda q, v: _shared_qk_oracle(q, v, allowed),
+                                 query, value, rows=~padded)
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(chunk_size=5), "chunk_size=5 must divide the sequence length 16"),
+    (dict(chunk_size=32), "chunk_size=32 must divide the sequence length 16"),
+    (dict(n_buckets=3), "n_buckets must be 1 or even"),
+    (dict(n_hashes=0), "n_hashes must be an int >= 1"),
+    (dict(hash_rng=None), "needs hash_rng"),
+    (dict(bias=jnp.zeros((1, 1, 16, 16))), "does not support bias"),
+    (dict(is_causal=True, mask=jnp.ones((1, 1, 16, 16), bool)), "key-padding mask"),
+])
+def test_lsh_rejects_bad_arguments(options, message):
+  query, key, value = random_qkv(batch=1, q_len=16, num_heads=2)
+  options = {"hash_rng": RNG, "chunk_size": 4, **options}
+  with pytest.raises(ValueError, match=message):
+    hashing.lsh_attention(query, key, value, **options)
+
+
+def test_lsh_rejects_cross_attention():
+  query, key, value = random_qkv(batch=1, q_len=8, kv_len=16, num_heads=2)
+  with pytest.raises(ValueError, match="self-attention only"):
+    hashing.lsh_attention(query, key, value, hash_rng=RNG, chunk_size=4)
+
+
+def test_lsh_module_runs_under_jit_and_redraws_hashes_from_the_attention_stream():
+  x = jax.random.normal(jax.random.PRNGKey(1), (2, 32, 16))
+  module = MultiHeadAttention(num_heads=2, attention="lsh",
+                              attention_options={"chunk_size": 8, "n_hashes": 2})
+  variables, fixed = _jit_module_output(module, x)
+  _, again = _jit_module_output(module, x)
+  assert_close(again, fixed)  # No stream: the module's fixed seed.
+  apply = jax.jit(lambda rng: module.apply(variables, x, rngs={"attention": rng}))
+  redrawn = [apply(jax.random.PRNGKey(seed)) for seed in (1, 2)]
+  assert not np.allclose(redrawn[0], redrawn[1])
