@@ -161,3 +161,240 @@ registry.register(registry.VariantSpec(
     name="persistent_memory", fn=persistent_memory_attention, family="memory",
     complexity="O(T^2 + T N)", subquadratic=False, exact=True, causal=True, cross=True,
     paper="Sukhbaatar et al. 2019", extras=PersistentMemory))
+
+
+# --------------------------------------------------------------------------------------
+# A few learned vectors between the sequence and itself: ISAB and Perceiver.
+
+# block(queries [B, M, E], inputs [B, T, E] or None for self-attention,
+#       inputs_valid [B, T] bool or None) -> [B, M, E]
+Block = Callable[[Array, Optional[Array], Optional[Array]], Array]
+
+
+def latent_bottleneck_attention(
+    x: Array,
+    latents: Array,
+    encode: Block,
+    decode: Block,
+    *,
+    context: Optional[Array] = None,
+    process: Sequence[Block] = (),
+    inputs_valid: Optional[Array] = None,
+    query_valid: Optional[Array] = None,
+) -> Array:
+  """decode(x, process(encode(latents, inputs))): the sequence talks to itself
+  through M learned vectors, O(T M) instead of O(T^2).
+
+  * `inducing_points` (ISAB, Lee et al. 2019): `latents` are the inducing
+    points I, `encode` and `decode` are MABs: H = MAB(I, X), out = MAB(X, H).
+  * `perceiver` (Jaegle et al. 2021): `latents` cross-attend to the input,
+    `process` is L latent self-attention blocks, and `decode` lets the input
+    positions query the latents (Perceiver IO's decoder, with the mixer's own
+    inputs as output queries) so that the layer returns one vector per token.
+
+  The blocks are functions rather than parameter arrays because each is a
+  whole attention + feed-forward sub-layer; the Flax modules pass their bound
+  sub-modules, and a purely functional caller passes
+  `functools.partial(block.apply, variables)`. Nothing here owns parameters.
+
+  Args:
+    x: `[B, Tq, E]` the sequence (and the decoder's queries).
+    latents: `[M, E]` learned vectors, shared by the batch.
+    encode: block with the latents as queries and the inputs as keys/values.
+    decode: block with `x` as queries and the latents as keys/values.
+    context: `[B, Tk, E]` inputs for cross-attention; `x` when None.
+    process: blocks of latent self-attention (called with inputs None).
+    inputs_valid: `[B, Tk]` bool, the inputs that exist (key padding). Padded
+      inputs are masked in `encode`, the only place the latents read them, so
+      they cannot change the outputs of the other positions.
+    query_valid: `[B, Tq]` bool; outputs of other positions are zeroed.
+
+  Returns:
+    `[B, Tq, E]`.
+  """
+  inputs = x if context is None else context
+  batch = inputs.shape[0]
+  z = encode(jnp.broadcast_to(latents.astype(inputs.dtype), (batch,) + latents.shape), inputs,
+             inputs_valid)
+  for block in process:
+    z = block(z, None, None)
+  out = decode(x, z, None)
+  if query_valid is not None:
+    out = jnp.where(query_valid[:, :, None], out, jnp.zeros((), out.dtype))
+  return out
+
+
+class AttentionBlock(nn.Module):
+  """Multi-head attention from `queries` to `inputs`, then a feed-forward layer.
+
+  post-norm (the Set Transformer's MAB): h = LN(q + MHA(q, c)); LN(h + FFN(h)).
+  pre-norm (Perceiver): h = q + MHA(LN(q), LN(c)); h + FFN(LN(h)); without
+  `query_residual` the first sum drops q (Perceiver IO's decoder, whose output
+  goes into the encoder block's residual branch already).
+
+  Attributes:
+    num_heads, num_kv_heads, dropout_rate, attention_options, dtype,
+      param_dtype: of the inner `MultiHeadAttention`.
+    mlp_ratio: feed-forward hidden size as a multiple of the features.
+    pre_norm: Perceiver's pre-norm order instead of MAB's post-norm.
+    query_residual: add the queries to the attention output.
+  """
+
+  num_heads: int
+  num_kv_heads: Optional[int] = None
+  mlp_ratio: int = 2
+  pre_norm: bool = False
+  query_residual: bool = True
+  dropout_rate: float = 0.0
+  attention_options: Mapping[str, Any] = FrozenDict()
+  dtype: Optional[Dtype] = None
+  param_dtype: Dtype = jnp.float32
+
+  @nn.compact
+  def __call__(self, queries: Array, inputs: Optional[Array], inputs_valid: Optional[Array],
+               *, deterministic: bool = True) -> Array:
+    """queries `[B, M, E]`, inputs `[B, T, E]` (None: self-attention) -> `[B, M, E]`."""
+    norm = lambda name: nn.LayerNorm(dtype=self.dtype, param_dtype=self.param_dtype, name=name)
+    attention = MultiHeadAttention(
+        num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
+        dropout_rate=self.dropout_rate, attention_options=self.attention_options,
+        dtype=self.dtype, param_dtype=self.param_dtype, name="attention")
+    feed_forward = FeedForward(self.mlp_ratio * queries.shape[-1], activation="relu",
+                               dtype=self.dtype, param_dtype=self.param_dtype, name="mlp")
+    mask = None if inputs_valid is None else inputs_valid[:, None, None, :]
+    if self.pre_norm:
+      context = None if inputs is None else norm("inputs_norm")(inputs)
+      h = attention(norm("queries_norm")(queries), context, mask=mask,
+                    deterministic=deterministic)
+      h = queries + h if self.query_residual else h
+      return h + feed_forward(norm("mlp_norm")(h), deterministic=deterministic)
+    h = attention(queries, inputs, mask=mask, deterministic=deterministic)
+    h = norm("attention_norm")(queries + h if self.query_residual else h)
+    return norm("mlp_norm")(h + feed_forward(h, deterministic=deterministic))
+
+
+class _LatentMixer(nn.Module):
+  """What `InducingPointAttention` and `Perceiver` share: the mixer call contract.
+
+  Attributes:
+    num_heads, num_kv_heads, dropout_rate, dtype, param_dtype: of every inner
+      `MultiHeadAttention` (dropout on its attention weights).
+    mlp_ratio: feed-forward hidden size of each block, times the features.
+    attention_options: options of the inner Q/K/V attention (`dot_product`).
+    position, position_options: relative positions are meaningless between
+      tokens and latents; only None / empty is accepted (absolute embeddings
+      belong to the model's input layer).
+  """
+
+  num_heads: int
+  num_kv_heads: Optional[int] = None
+  mlp_ratio: int = 2
+  dropout_rate: float = 0.0
+  attention_options: Mapping[str, Any] = FrozenDict()
+  position: Optional[str] = None
+  position_options: Mapping[str, Any] = FrozenDict()
+  dtype: Optional[Dtype] = None
+  param_dtype: Dtype = jnp.float32
+
+  variant = ""
+
+  def _block(self, name: str, deterministic: bool, **options) -> Block:
+    block = AttentionBlock(
+        num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, mlp_ratio=self.mlp_ratio,
+        dropout_rate=self.dropout_rate, attention_options=self.attention_options,
+        dtype=self.dtype, param_dtype=self.param_dtype, name=name, **options)
+    return lambda queries, inputs, valid: block(queries, inputs, valid,
+                                                deterministic=deterministic)
+
+  def _padding(self, x: Array, context: Optional[Array], mask, is_causal, query_seq_lengths,
+               key_value_seq_lengths, segment_ids, positions):
+    """Validates the call; returns `(inputs_valid [B, Tk] | None, query_valid [B, Tq] | None)`."""
+    # Every latent reads every token, so there is no causal form; segments would
+    # need latents per segment.
+    common.reject_unsupported(self.variant, is_causal=is_causal, segment_ids=segment_ids,
+                              positions=positions, position=self.position,
+                              position_options=dict(self.position_options) or None)
+    inputs = x if context is None else context
+    inputs_valid = common.key_padding(self.variant, mask, key_value_seq_lengths,
+                                      inputs.shape[0], inputs.shape[1])
+    query_valid = None
+    if query_seq_lengths is not None:
+      query_valid = jnp.arange(x.shape[1])[None, :] < jnp.asarray(query_seq_lengths)[:, None]
+    return inputs_valid, query_valid
+
+
+class InducingPointAttention(_LatentMixer):
+  """Set Transformer's induced set attention block ISAB_m(X) = MAB(X, MAB(I, X)).
+
+  A token mixer `[B, T, E] -> [B, T, E]` (or `x` attending to `context`
+  through the inducing points). Cost O(T m).
+
+  Attributes:
+    num_inducing_points: m learned inducing points I `[m, E]`.
+  """
+
+  num_inducing_points: int = 32
+
+  variant = "inducing_points"
+
+  @nn.compact
+  def __call__(self, x: Array, context: Optional[Array] = None, *, mask=None,
+               is_causal: bool = False, query_seq_lengths=None, key_value_seq_lengths=None,
+               segment_ids=None, positions=None, deterministic: bool = True) -> Array:
+    """x: `[B, Tq, E]`; context: `[B, Tk, E]` or None; mask: key padding `[B|1, 1, 1, Tk]`;
+    key_value_seq_lengths / query_seq_lengths: `[B]`. Returns `[B, Tq, E]`."""
+    num_points = common.check_size("num_inducing_points", self.num_inducing_points)
+    inputs_valid, query_valid = self._padding(x, context, mask, is_causal, query_seq_lengths,
+                                              key_value_seq_lengths, segment_ids, positions)
+    inducing_points = self.param("inducing_points", nn.initializers.xavier_uniform(),
+                                 (num_points, x.shape[-1]), self.param_dtype)
+    return latent_bottleneck_attention(
+        x, inducing_points, self._block("induce", deterministic),
+        self._block("attend", deterministic), context=context, inputs_valid=inputs_valid,
+        query_valid=query_valid)
+
+
+class Perceiver(_LatentMixer):
+  """Perceiver: M latents cross-attend to the input, then self-attend L times;
+  the input positions then query the latents (Perceiver IO decoding), so it is
+  a token mixer `[B, T, E] -> [B, T, E]`. Cost O(T M + L M^2).
+
+  Pre-norm blocks as in the paper; the decoder has no query residual because
+  the encoder block around the mixer adds its input already.
+
+  Attributes:
+    num_latents: M learned latent vectors `[M, E]`.
+    num_latent_layers: L latent self-attention blocks.
+  """
+
+  num_latents: int = 64
+  num_latent_layers: int = 1
+
+  variant = "perceiver"
+
+  @nn.compact
+  def __call__(self, x: Array, context: Optional[Array] = None, *, mask=None,
+               is_causal: bool = False, query_seq_lengths=None, key_value_seq_lengths=None,
+               segment_ids=None, positions=None, deterministic: bool = True) -> Array:
+    """As `InducingPointAttention.__call__`."""
+    num_latents = common.check_size("num_latents", self.num_latents)
+    num_layers = common.check_size("num_latent_layers", self.num_latent_layers, minimum=0)
+    inputs_valid, query_valid = self._padding(x, context, mask, is_causal, query_seq_lengths,
+                                              key_value_seq_lengths, segment_ids, positions)
+    latents = self.param("latents", nn.initializers.truncated_normal(0.02),
+                         (num_latents, x.shape[-1]), self.param_dtype)
+    process = [self._block(f"latent_{i}", deterministic, pre_norm=True) for i in range(num_layers)]
+    return latent_bottleneck_attention(
+        x, latents, self._block("encode", deterministic, pre_norm=True),
+        self._block("decode", deterministic, pre_norm=True, query_residual=False),
+        context=context, process=process, inputs_valid=inputs_valid, query_valid=query_valid)
+
+
+_LATENT = dict(fn=latent_bottleneck_attention, family="memory", subquadratic=True, exact=False,
+               causal=False, cross=True, qkv=False)
+registry.register(registry.VariantSpec(
+    name="inducing_points", complexity="O(T m)", paper="Lee et al. 2019",
+    mixer=InducingPointAttention, **_LATENT))
+registry.register(registry.VariantSpec(
+    name="perceiver", complexity="O(T M)", paper="Jaegle et al. 2021", mixer=Perceiver,
+    **_LATENT))

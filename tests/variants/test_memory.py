@@ -142,3 +142,144 @@ def test_persistent_memory_rejects_bad_sizes():
     memory.persistent_memory_attention(query, key, value, mask=jnp.ones((1, 1, 4, 3), bool),
                                        memory_key=jnp.ones((3, 2, 4)),
                                        memory_value=jnp.ones((3, 2, 4)))
+
+
+# --------------------------------------------------------------------------------------
+# inducing_points and perceiver.
+
+LATENT_VARIANTS = [pytest.param("inducing_points", marks=pytest.mark.property("inducing_points")),
+                   pytest.param("perceiver", marks=pytest.mark.property("perceiver"))]
+SIZES = {"inducing_points": dict(num_inducing_points=4), "perceiver": dict(num_latents=4)}
+LEARNED = {"inducing_points": "inducing_points", "perceiver": "latents"}  # Parameter names.
+
+
+def _plain_block(queries, inputs, valid):
+  """Parameter-free attention softmax(q c^T) c, so the composition can be written out."""
+  inputs = queries if inputs is None else inputs
+  logits = jnp.einsum("bme,bte->bmt", queries, inputs)
+  weights = attention_jax.masked_softmax(logits, None if valid is None else valid[:, None, :])
+  return jnp.einsum("bmt,bte->bme", weights, inputs)
+
+
+def _np_attend(queries, inputs, valid):
+  logits = queries @ inputs.T
+  weights = np.where(valid[None, :], np.exp(logits - logits.max()), 0.0)
+  return (weights / weights.sum(-1, keepdims=True)) @ inputs
+
+
+@pytest.mark.property("inducing_points")
+@pytest.mark.property("perceiver")
+@pytest.mark.parametrize("num_process", [0, 2])
+def test_latent_bottleneck_composes_its_blocks(num_process):
+  x = np.asarray(jax.random.normal(jax.random.PRNGKey(0), (2, 6, 3)), np.float64)
+  latents = np.asarray(jax.random.normal(jax.random.PRNGKey(1), (4, 3)), np.float64)
+  lengths = [6, 4]
+  inputs_valid = np.arange(6)[None, :] < np.array(lengths)[:, None]
+  query_valid = np.arange(6)[None, :] < np.array([5, 6])[:, None]
+  out = memory.latent_bottleneck_attention(
+      jnp.asarray(x, jnp.float32), jnp.asarray(latents, jnp.float32), _plain_block, _plain_block,
+      process=[_plain_block] * num_process, inputs_valid=jnp.array(inputs_valid),
+      query_valid=jnp.array(query_valid))
+  for b in range(2):
+    z = _np_attend(latents, x[b], inputs_valid[b])  # The latents read the valid inputs only.
+    for _ in range(num_process):
+      z = _np_attend(z, z, np.ones(4, bool))
+    want = _np_attend(x[b], z, np.ones(4, bool)) * query_valid[b][:, None]
+    assert_close(out[b], want, rtol=1e-4, atol=1e-5)
+
+
+def _latent_module(name, **options):
+  return attention_jax.get_variant(name).module(num_heads=2, **{**SIZES[name], **options})
+
+
+def _init_apply(module, x, **kwargs):
+  variables = module.init(jax.random.PRNGKey(0), x, **kwargs)
+  return variables, jax.jit(lambda v, x: module.apply(v, x, **kwargs))
+
+
+@pytest.mark.parametrize("name", LATENT_VARIANTS)
+def test_latent_mixer_is_permutation_equivariant(name):
+  x = jax.random.normal(jax.random.PRNGKey(2), (2, 12, 16))
+  variables, apply = _init_apply(_latent_module(name), x)
+  perm = np.random.default_rng(0).permutation(12)
+  assert_close(apply(variables, x[:, perm]), apply(variables, x)[:, perm], atol=2e-5)
+
+
+@pytest.mark.parametrize("name", LATENT_VARIANTS)
+def test_latent_mixer_ignores_padded_tokens(name):
+  x = jax.random.normal(jax.random.PRNGKey(3), (2, 12, 16))
+  lengths = jnp.array([12, 7])
+  module = _latent_module(name)
+  variables, apply = _init_apply(module, x, key_value_seq_lengths=lengths)
+  out = apply(variables, x)
+  garbage = x.at[1, 7:].set(100.0 * jax.random.normal(jax.random.PRNGKey(4), (5, 16)))
+  assert_close(apply(variables, garbage)[1, :7], out[1, :7], atol=2e-5)
+  # The same padding as a key-padding mask, as the encoder passes it.
+  mask = (jnp.arange(12)[None, :] < lengths[:, None])[:, None, None, :]
+  assert_close(module.apply(variables, x, mask=mask), out, atol=2e-5)
+  # Padded queries output zeros.
+  q_padded = module.apply(variables, x, query_seq_lengths=lengths, key_value_seq_lengths=lengths)
+  assert np.all(np.asarray(q_padded[1, 7:]) == 0)
+  assert_close(q_padded[:, :7], out[:, :7], atol=2e-5)
+
+
+@pytest.mark.parametrize("name", LATENT_VARIANTS)
+def test_latent_mixer_carries_information_from_far_tokens(name):
+  x = jax.random.normal(jax.random.PRNGKey(5), (1, 40, 16))
+  module = _latent_module(name)
+  variables = module.init(jax.random.PRNGKey(0), x)
+
+  def first_output(last_token, lengths):
+    return module.apply(variables, x.at[0, -1].set(last_token),
+                        key_value_seq_lengths=lengths)[0, 0]
+
+  jacobian = jax.jit(jax.jacobian(first_output))
+  assert np.abs(np.asarray(jacobian(x[0, -1], jnp.array([40])))).max() > 1e-4  # [E, E]
+  # ... and nothing from a padded one.
+  assert np.abs(np.asarray(jacobian(x[0, -1], jnp.array([39])))).max() == 0
+
+
+@pytest.mark.parametrize("name", LATENT_VARIANTS)
+def test_latent_mixer_cross_attends_and_trains(name):
+  x = jax.random.normal(jax.random.PRNGKey(6), (2, 5, 16))
+  context = jax.random.normal(jax.random.PRNGKey(7), (2, 11, 16))
+  module = _latent_module(name, dropout_rate=0.1)
+  variables = module.init(jax.random.PRNGKey(0), x, context)
+  assert variables["params"][LEARNED[name]].shape == (4, 16)
+
+  def loss(variables, rng):
+    out = module.apply(variables, x, context, deterministic=False, rngs={"dropout": rng})
+    return jnp.sum(out ** 2)
+
+  grads = jax.jit(jax.grad(loss))(variables, jax.random.PRNGKey(8))["params"]
+  assert np.abs(np.asarray(grads[LEARNED[name]])).max() > 0
+  # The module also runs as an encoder block's mixer, by name.
+  block = attention_jax.layers.blocks.EncoderBlock(num_heads=2, mlp_dim=32, attention=name,
+                                                   attention_dropout_rate=0.1)
+  shapes = jax.eval_shape(block.init, jax.random.PRNGKey(0), context)
+  assert LEARNED[name] in shapes["params"]["attention"]
+
+
+@pytest.mark.parametrize("name", LATENT_VARIANTS)
+def test_latent_mixer_rejects_what_it_cannot_do(name):
+  x = jnp.ones((1, 6, 8))
+  module = _latent_module(name)
+  for kwargs, argument in [(dict(is_causal=True), "is_causal"),
+                           (dict(segment_ids=jnp.ones((1, 6), int)), "segment_ids"),
+                           (dict(mask=jnp.ones((1, 1, 6, 6), bool)), "key-padding mask")]:
+    with pytest.raises(ValueError, match=argument):
+      module.init(jax.random.PRNGKey(0), x, **kwargs)
+  with pytest.raises(ValueError, match="does not support position"):
+    _latent_module(name, position="rope").init(jax.random.PRNGKey(0), x)
+  size_name = "num_inducing_points" if name == "inducing_points" else "num_latents"
+  with pytest.raises(ValueError, match=f"{size_name} must be an int >= 1, got 0"):
+    _latent_module(name, **{size_name: 0}).init(jax.random.PRNGKey(0), x)
+
+
+@pytest.mark.property("perceiver")
+def test_perceiver_latent_layers():
+  x = jax.random.normal(jax.random.PRNGKey(9), (1, 6, 8))
+  variables = _latent_module("perceiver", num_latent_layers=3).init(jax.random.PRNGKey(0), x)
+  assert {"latent_0", "latent_1", "latent_2", "encode", "decode"} <= set(variables["params"])
+  with pytest.raises(ValueError, match="num_latent_layers must be an int >= 0, got -1"):
+    _latent_module("perceiver", num_latent_layers=-1).init(jax.random.PRNGKey(0), x)
