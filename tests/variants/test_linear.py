@@ -1,0 +1,301 @@
+"""Linearised attention: linear (exact w.r.t. its quadratic form), performer and rfa
+(random-feature estimates of softmax attention)."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import attention_jax
+from attention_jax.core import reference_attention
+from attention_jax.variants import linear
+from attention_testing import assert_close, loop_mask, random_qkv
+
+B, T, H = 2, 13, 4
+
+
+def _phi(x):
+  x = np.asarray(x, np.float64)
+  return np.where(x > 0, x + 1.0, np.exp(x))  # elu(x) + 1, written out
+
+
+def quadratic_linear_attention(query, key, value, allowed):
+  """phi(Q) phi(K)^T, masked by `allowed` [B, 1, Tq, Tk], row-normalised, times V;
+  built densely, with grouped K/V heads repeated."""
+  group = query.shape[2] // key.shape[2]
+  key = jnp.repeat(key, group, axis=2)
+  value = jnp.repeat(value, group, axis=2)
+  phi = lambda x: jnp.where(x > 0, x + 1.0, jnp.exp(jnp.minimum(x, 0.0)))
+  kernel = jnp.einsum("bqhd,bkhd->bhqk", phi(query), phi(key),
+                      precision=jax.lax.Precision.HIGHEST)
+  kernel = jnp.where(jnp.asarray(allowed), kernel, 0.0)
+  normaliser = kernel.sum(-1, keepdims=True)
+  weights = kernel / jnp.where(normaliser == 0, 1.0, normaliser)
+  return jnp.einsum("bhqk,bkhd->bqhd", weights, value, precision=jax.lax.Precision.HIGHEST)
+
+
+def _outputs_and_grads(fn, query, key, value):
+  cotangent = jax.random.normal(jax.random.PRNGKey(7), query.shape[:3] + value.shape[-1:])
+  loss = lambda q, k, v: jnp.sum(fn(q, k, v) * cotangent)
+  return fn(query, key, value), jax.grad(loss, argnums=(0, 1, 2))(query, key, value)
+
+
+def _check_against(ours, theirs, query, key, value, tol=2e-5):
+  out, grads = _outputs_and_grads(ours, query, key, value)
+  want, want_grads = _outputs_and_grads(theirs, query, key, value)
+  assert_close(out, want, rtol=tol, atol=tol)
+  for name, got, expected in zip("qkv", grads, want_grads):
+    assert_close(got, expected, rtol=tol, atol=tol, err_msg=f"gradient of {name}")
+
+
+def test_elu_feature_map_is_elu_plus_one():
+  x = np.linspace(-3, 3, 13, dtype=np.float32)
+  assert_close(linear.elu_feature_map(jnp.array(x)), _phi(x))
+
+
+@pytest.mark.property("linear")
+@pytest.mark.parametrize("num_kv_heads", [4, 2])
+@pytest.mark.parametrize("kv_len", [13, 6])
+def test_linear_non_causal_equals_its_quadratic_form(num_kv_heads, kv_len):
+  query, key, value = random_qkv(batch=B, q_len=T, kv_len=kv_len, num_heads=H,
+                                 num_kv_heads=num_kv_heads, value_dim=5)
+  allowed = loop_mask(B, T, kv_len)
+  _check_against(lambda q, k, v: linear.linear_attention(q, k, v),
+                 lambda q, k, v: quadratic_linear_attention(q, k, v, allowed),
+                 query, key, value)
+
+
+@pytest.mark.property("linear")
+@pytest.mark.parametrize("chunk_size", [4, 13, 64])
+def test_linear_causal_equals_the_masked_quadratic_form(chunk_size):
+  # Chunks of 4 over 13 tokens: several chunks and a padded last one.
+  query, key, value = random_qkv(seed=1, batch=B, q_len=T, num_heads=H, num_kv_heads=2,
+                                 value_dim=5)
+  allowed = loop_mask(B, T, T, is_causal=True)
+  _check_against(
+      lambda q, k, v: jax.jit(lambda *a: linear.linear_attention(
+          *a, is_causal=True, chunk_size=chunk_size))(q, k, v),
+      lambda q, k, v: quadratic_linear_attention(q, k, v, allowed), query, key, value)
+
+
+@pytest.mark.property("linear")
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_linear_padding(is_causal):
+  q_lengths, kv_lengths = np.array([9, 13]), np.array([9, 5])
+  query, key, value = random_qkv(seed=2, batch=B, q_len=T, num_heads=H)
+  fn = lambda k, v: linear.linear_attention(
+      query, k, v, is_causal=is_causal, chunk_size=4, query_seq_lengths=jnp.array(q_lengths),
+      key_value_seq_lengths=jnp.array(kv_lengths))
+  out = fn(key, value)
+  # Padded keys' content does not matter.
+  noise = jax.random.normal(jax.random.PRNGKey(3), key.shape) * 10
+  padded = ~loop_mask(B, T, T, kv_lengths=kv_lengths)[:, 0, 0, :, None, None]
+  assert_close(fn(jnp.where(padded, noise, key), jnp.where(padded, noise, value)), out)
+  # Equal to the quadratic form under the padding mask; padded queries are zero.
+  allowed = loop_mask(B, T, T, is_causal=is_causal, q_lengths=q_lengths, kv_lengths=kv_lengths)
+  assert_close(out, quadratic_linear_attention(query, key, value, allowed))
+  assert np.all(np.asarray(out[0, 9:]) == 0)
+  # A key-padding mask [B, 1, 1, Tk] is the same padding.
+  key_mask = jnp.array(loop_mask(B, 1, T, kv_lengths=kv_lengths))
+  by_mask = linear.linear_attention(query, key, value, None, key_mask, is_causal=is_causal,
+                                    query_seq_lengths=jnp.array(q_lengths))
+  assert_close(by_mask, out)
+
+
+@pytest.mark.parametrize("name", ["linear", "performer", "rfa"])
+def test_refuses_what_it_cannot_do(name):
+  query, key, value = random_qkv(batch=B, q_len=8, kv_len=6, num_heads=H)
+  fn = attention_jax.get_variant(name).fn
+  extra = {} if name == "linear" else {"projection": jnp.ones((4, 8))}
+  with pytest.raises(ValueError, match="bias"):
+    fn(query, key, value, jnp.zeros((1, H, 8, 6)), **extra)
+  with pytest.raises(ValueError, match="segment_ids"):
+    fn(query, key, value, segment_ids=jnp.zeros((B, 8), int), **extra)
+  with pytest.raises(ValueError, match=r"key-padding mask of shape \[B\|1, 1, 1, Tk\]"):
+    fn(query, key, value, None, jnp.ones((B, 1, 8, 6), bool), **extra)
+  with pytest.raises(ValueError, match="is_causal needs Tq == Tk"):
+    fn(query, key, value, is_causal=True, **extra)
+  with pytest.raises(ValueError, match="chunk_size must be an int >= 1"):
+    fn(query, query, query, is_causal=True, chunk_size=0, **extra)
+
+
+def test_gaussian_projection_sizes_and_orthogonality():
+  rng = jax.random.PRNGKey(0)
+  w = np.asarray(linear.gaussian_projection(rng, 20, 8, orthogonal=True))
+  assert w.shape == (20, 8)
+  unit = w / np.linalg.norm(w, axis=1, keepdims=True)
+  gram = unit[:8] @ unit[:8].T  # one block of D rows is orthogonal
+  assert_close(gram, np.eye(8), atol=1e-5)
+  with pytest.raises(ValueError, match="num_features must be an int >= 1"):
+    linear.gaussian_projection(rng, 0, 8)
+
+
+def _softmax_error(name, num_features, seed, is_causal, **options):
+  query, key, value = random_qkv(seed=seed, batch=1, q_len=32, num_heads=2, head_dim=8)
+  if name == "rfa":
+    # The paper's setting: unit-norm q and k; here softmax(q^ . k^ * 2).
+    unit = lambda x: x / jnp.linalg.norm(x, axis=-1, keepdims=True)
+    query, key, options = unit(query), unit(key), dict(options, scale=2.0)
+    scale = 2.0
+  else:
+    # Positive features' variance grows like exp(|q + k|^2): moderate logits.
+    query, key, scale = query * 0.5, key * 0.5, 8 ** -0.5
+  projection = linear.gaussian_projection(jax.random.PRNGKey(100 + seed), num_features, 8,
+                                          orthogonal=options.pop("orthogonal", True))
+  fn = attention_jax.get_variant(name).fn
+  out = fn(query, key, value, is_causal=is_causal, projection=projection, chunk_size=8,
+           **options)
+  exact = reference_attention(query, key, value, None,
+                              jnp.array(loop_mask(1, 32, 32, is_causal=is_causal)), scale=scale)
+  return float(jnp.sqrt(jnp.mean((out - exact) ** 2)))
+
+
+@pytest.mark.property("performer")
+@pytest.mark.property("rfa")
+@pytest.mark.parametrize("name", ["performer", "rfa"])
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_error_against_softmax_falls_as_features_grow(name, is_causal):
+  errors = [np.mean([_softmax_error(name, m, seed, is_causal) for seed in range(6)])
+            for m in (16, 64, 256)]
+  assert errors[0] > errors[1] > errors[2], errors
+  assert errors[2] < 0.5 * errors[0], errors
+
+
+@pytest.mark.property("performer")
+def test_orthogonal_features_beat_iid_on_average():
+  errors = {orthogonal: np.mean([_softmax_error("performer", 16, seed, False,
+                                                orthogonal=orthogonal) for seed in range(12)])
+            for orthogonal in (True, False)}
+  assert errors[True] < errors[False], errors
+
+
+@pytest.mark.property("performer")
+def test_positive_features_estimate_the_exponential_kernel_without_bias():
+  rng = np.random.default_rng(0)
+  q, k = (jnp.array(rng.normal(size=(8,)) * 0.4, jnp.float32) for _ in range(2))
+  draws = 2000
+  projections = jax.random.normal(jax.random.PRNGKey(1), (draws, 16, 8))
+  estimate = jax.vmap(lambda w: jnp.sum(
+      jnp.exp(linear.positive_feature_logits(q, w) + linear.positive_feature_logits(k, w))))(
+          projections)
+  assert np.all(np.asarray(estimate) > 0)  # positive features: positive estimates
+  exact = float(jnp.exp(q @ k))
+  assert abs(float(estimate.mean()) - exact) < 0.02 * exact
+
+
+@pytest.mark.property("rfa")
+def test_fourier_features_estimate_the_gaussian_kernel_without_bias():
+  rng = np.random.default_rng(1)
+  x, y = (jnp.array(rng.normal(size=(8,)) * 0.3, jnp.float32) for _ in range(2))
+  projections = jax.random.normal(jax.random.PRNGKey(2), (2000, 16, 8))
+  estimate = jax.vmap(lambda w: linear.random_fourier_features(x, w)
+                      @ linear.random_fourier_features(y, w))(projections)
+  exact = float(jnp.exp(-jnp.sum((x - y) ** 2) / 2))
+  assert abs(float(estimate.mean()) - exact) < 0.02 * exact
+
+
+@pytest.mark.property("rfa")
+@pytest.mark.parametrize("normalize", [True, False])
+def test_rfa_gated_recurrence_equals_a_python_loop(normalize):
+  query, key, value = random_qkv(seed=4, batch=B, q_len=11, num_heads=H, num_kv_heads=2,
+                                 head_dim=8, value_dim=3)
+  key_lengths = np.array([11, 7])
+  projection = linear.gaussian_projection(jax.random.PRNGKey(5), 32, 8, orthogonal=False)
+  gate_kernel = jax.random.normal(jax.random.PRNGKey(6), (2, 8))
+  gate_bias = jnp.array([0.5, -0.5])
+  out = linear.rfa_attention(query, key, value, is_causal=True, projection=projection,
+                             gate_kernel=gate_kernel, gate_bias=gate_bias, chunk_size=4,
+                             normalize=normalize, scale=0.5 if normalize else 0.1,
+                             key_value_seq_lengths=jnp.array(key_lengths))
+
+  # The recurrence of the paper, token by token, in float64 numpy.
+  q, k, v = (np.asarray(x, np.float64) for x in (query, key, value))
+  w = np.asarray(projection, np.float64)
+  s = 0.5 if normalize else 0.1
+  expected = np.zeros(out.shape)
+  for b in range(B):
+    for h in range(H):
+      kv_head = h // 2
+      state, normaliser = np.zeros((64, 3)), np.zeros(64)
+      for t in range(11):
+        if t < key_lengths[b]:
+          kt = k[b, t, kv_head]
+          gate = 1 / (1 + np.exp(-(kt @ np.asarray(gate_kernel[kv_head]) + gate_bias[kv_head])))
+          if normalize:
+            kt = kt / np.linalg.norm(kt)
+          kt = kt * np.sqrt(s)
+          phi_k = np.concatenate([np.sin(w @ kt), np.cos(w @ kt)]) / np.sqrt(32)
+          phi_k = phi_k * np.exp(kt @ kt / 2)  # exp(|k|^2/2): constant when normalised
+          state = gate * state + (1 - gate) * np.outer(phi_k, v[b, t, kv_head])
+          normaliser = gate * normaliser + (1 - gate) * phi_k
+        qt = q[b, t, h] / (np.linalg.norm(q[b, t, h]) if normalize else 1.0) * np.sqrt(s)
+        phi_q = np.concatenate([np.sin(w @ qt), np.cos(w @ qt)]) / np.sqrt(32)
+        expected[b, t, h] = phi_q @ state / (phi_q @ normaliser)
+  assert_close(out, expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.property("performer")
+@pytest.mark.property("rfa")
+@pytest.mark.parametrize("name", ["performer", "rfa"])
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_random_feature_padding(name, is_causal):
+  kv_lengths, q_lengths = np.array([13, 6]), np.array([13, 10])
+  query, key, value = random_qkv(seed=8, batch=B, q_len=T, num_heads=H, num_kv_heads=1)
+  projection = linear.gaussian_projection(jax.random.PRNGKey(9), 16, 8)
+  fn = lambda k, v: attention_jax.get_variant(name).fn(
+      query, k, v, is_causal=is_causal, projection=projection, chunk_size=4,
+      query_seq_lengths=jnp.array(q_lengths), key_value_seq_lengths=jnp.array(kv_lengths))
+  out = fn(key, value)
+  noise = jax.random.normal(jax.random.PRNGKey(3), key.shape) * 3
+  padded = ~loop_mask(B, 1, T, kv_lengths=kv_lengths)[:, 0, 0, :, None, None]
+  assert_close(fn(jnp.where(padded, noise, key), jnp.where(padded, noise, value)), out,
+               rtol=1e-4, atol=1e-5)
+  assert np.all(np.asarray(out[1, 10:]) == 0) and np.any(np.asarray(out[1, :10]) != 0)
+
+
+def _run_module(name, options, is_causal, rngs=None):
+  x = jax.random.normal(jax.random.PRNGKey(1), (2, 24, 16))
+  module = attention_jax.MultiHeadAttention(num_heads=2, num_kv_heads=1, attention=name,
+                                            attention_options=options)
+  variables = module.init(jax.random.PRNGKey(0), x, is_causal=is_causal)
+  apply = jax.jit(lambda variables, x, rngs: module.apply(variables, x, is_causal=is_causal,
+                                                          rngs=rngs))
+  return variables, apply(variables, x, rngs or {})
+
+
+@pytest.mark.parametrize("name,options,is_causal", [
+    ("linear", {"chunk_size": 8}, True),
+    ("linear", {}, False),
+    ("performer", {"num_features": 32}, True),
+    ("rfa", {"num_features": 16, "orthogonal": True}, False),
+    ("rfa", {"num_features": 16, "gated": True}, True),
+])
+def test_runs_through_multi_head_attention_under_jit(name, options, is_causal):
+  variables, out = _run_module(name, options, is_causal)
+  assert out.shape == (2, 24, 16) and np.isfinite(np.asarray(out)).all()
+  has_gate = "gate_kernel" in variables["params"].get("variant", {})
+  assert has_gate == bool(options.get("gated"))
+
+
+def test_random_features_are_fixed_without_an_attention_rng_and_redrawn_with_one():
+  options = {"num_features": 8}
+  _, fixed = _run_module("performer", options, False)
+  _, again = _run_module("performer", options, False)
+  assert_close(fixed, again, rtol=0, atol=0)
+  _, redraw_a = _run_module("performer", options, False, {"attention": jax.random.PRNGKey(1)})
+  _, redraw_b = _run_module("performer", options, False, {"attention": jax.random.PRNGKey(2)})
+  assert np.abs(np.asarray(redraw_a) - np.asarray(redraw_b)).max() > 1e-4
+  features = linear.PerformerFeatures(num_features=8, seed=3)
+  q = jnp.zeros((1, 4, 2, 8))
+  fixed = features.apply({}, q, q, q)["projection"]
+  drawn = features.apply({}, q, q, q, rngs={"attention": jax.random.PRNGKey(0)})["projection"]
+  assert_close(fixed, linear.gaussian_projection(jax.random.PRNGKey(3), 8, 8), rtol=0, atol=0)
+  assert not np.allclose(fixed, drawn)
+
+
+def test_gates_need_causal():
+  query, key, value = random_qkv(batch=1, q_len=4, num_heads=2)
+  with pytest.raises(ValueError, match="is_causal=True"):
+    linear.rfa_attention(query, key, value, projection=jnp.ones((4, 8)),
+                         gate_kernel=jnp.ones((2, 8)), gate_bias=jnp.ones((2,)))
