@@ -281,3 +281,193 @@ class LSHHashKey(nn.Module):
 registry.register(registry.VariantSpec(
     name="lsh", fn=lsh_attention, family="hashing", complexity="O(T c)", subquadratic=True,
     exact=False, causal=True, cross=False, paper="Kitaev et al. 2020", extras=LSHHashKey))
+
+
+# ---------------------------------------------------------------------------
+# Routing attention (Routing Transformer).
+# ---------------------------------------------------------------------------
+
+
+def _gather_rows(x: Array, indices: Array) -> Array:
+  """x `[B, H, T, D]`, indices `[B, H, *S]` -> `[B, H, *S, D]`, without broadcasting x."""
+  flat = indices.reshape(indices.shape[:2] + (-1,))
+  rows = jnp.take_along_axis(x, flat[..., None], axis=-2)
+  return rows.reshape(indices.shape + x.shape[-1:])
+
+
+def _centroid_affinity(unit_vectors: Array, centroids: Array) -> Array:
+  """-|x - mu|^2 + |x|^2 for unit x: larger means closer; `[B, H, T, D]`, `[H, C, D]` ->
+  `[B, H, C, T]`."""
+  dots = jnp.einsum("bhtd,hcd->bhct", unit_vectors, centroids)
+  return 2.0 * dots - jnp.sum(jnp.square(centroids), axis=-1)[None, :, :, None]
+
+
+def _nearest_members(unit_vectors: Array, centroids: Array, valid: Array, window: int) -> Array:
+  """The `window` positions closest to each centroid, `[B, H, C, window]`; invalid
+  (padded) positions rank after every valid one."""
+  affinity = _centroid_affinity(jax.lax.stop_gradient(unit_vectors), centroids)
+  affinity = jnp.where(valid[:, None, None, :], affinity, -jnp.inf)
+  return jax.lax.top_k(affinity, window)[1]
+
+
+def _scatter_merge(out: Array, lse: Array, indices: Array, length: int) -> Array:
+  """Merges the outputs of every group a query belongs to, weighted by their
+  log-sum-exp (softmax over the union of the groups' keys).
+
+  out: `[B, H, C, w, Dv]`, lse and indices: `[B, H, C, w]` -> `[B, H, length, Dv]`;
+  a position in no group gets zeros.
+  """
+  def merge_one(out, lse, indices):  # One batch element and head.
+    out, lse, indices = out.reshape(-1, out.shape[-1]), lse.reshape(-1), indices.reshape(-1)
+    best = jnp.full((length,), -jnp.inf, lse.dtype).at[indices].max(lse)
+    best = jax.lax.stop_gradient(jnp.where(jnp.isfinite(best), best, 0.0))
+    weight = jnp.where(jnp.isfinite(lse), jnp.exp(lse - best[indices]), 0.0)
+    total = jnp.zeros((length,), lse.dtype).at[indices].add(weight)
+    summed = jnp.zeros((length, out.shape[-1]), out.dtype).at[indices].add(weight[:, None] * out)
+    return summed / jnp.where(total > 0.0, total, 1.0)[:, None]
+
+  return jax.vmap(jax.vmap(merge_one))(out, lse, indices)
+
+
+def routing_attention(
+    query: Array,
+    key: Array,
+    value: Array,
+    bias: Optional[Array] = None,
+    mask: Optional[Array] = None,
+    *,
+    is_causal: bool = False,
+    query_seq_lengths: Optional[Array] = None,
+    key_value_seq_lengths: Optional[Array] = None,
+    segment_ids: Optional[Array] = None,
+    centroids: Optional[Array] = None,
+    window_size: Optional[int] = None,
+    scale: Optional[float] = None,
+) -> Array:
+  """Routing attention: attention within k-means clusters (Roy et al. 2021).
+
+  Queries and keys are unit-normalised and routed to the centroids (by
+  Euclidean distance). As in the paper, each centroid takes the `window_size`
+  queries and the `window_size` keys nearest to it (top-k, a static shape)
+  and its queries attend to its keys, masked by original positions for
+  causality and padding. A query chosen by several centroids merges their
+  outputs by log-sum-exp weights (softmax over the union, a key chosen twice
+  counting twice); a query chosen by none outputs zeros (the residual carries
+  it). Cost O(C w^2) = O(T^2 / C): O(T sqrt(T)) with C ~ sqrt(T) clusters.
+
+  With one centroid (window = T) this is exactly dense attention.
+
+  Args:
+    query: `[B, Tq, H, D]`.
+    key: `[B, Tk, Hkv, D]`, Hkv dividing H.
+    value: `[B, Tk, Hkv, Dv]`.
+    bias, segment_ids: not supported (ValueError).
+    mask: only a key-padding mask `[B|1, 1, 1, Tk]`.
+    is_causal: query i attends keys j <= i (top-left aligned).
+    query_seq_lengths: `[B]`; later queries output zeros and are never routed.
+    key_value_seq_lengths: `[B]`; later keys are never routed or attended.
+    centroids: `[H, C, D]` cluster centres (a variable of `RoutingCentroids`);
+      no gradient flows into them.
+    window_size: members per centroid, for queries and keys; by default
+      Tq // C and Tk // C, so that the clusters cover the sequence once.
+    scale: logit scale, 1/sqrt(D) by default.
+
+  Returns:
+    `[B, Tq, H, Dv]` in the query dtype.
+  """
+  common.reject_unsupported("routing", bias=bias, segment_ids=segment_ids)
+  batch, q_len, num_heads, head_dim = query.shape
+  kv_len = key.shape[1]
+  if centroids is None or centroids.ndim != 3 or centroids.shape[0] != num_heads or \
+      centroids.shape[2] != head_dim:
+    raise ValueError(f"attention variant 'routing' needs centroids of shape [H, C, D] = "
+                     f"[{num_heads}, C, {head_dim}], got "
+                     f"{None if centroids is None else list(centroids.shape)}.")
+  num_clusters = centroids.shape[1]
+  if num_clusters > min(q_len, kv_len):
+    raise ValueError(f"num_clusters={num_clusters} must be at most the sequence lengths "
+                     f"(Tq={q_len}, Tk={kv_len}).")
+  if window_size is None:
+    q_window, k_window = q_len // num_clusters, kv_len // num_clusters
+  else:
+    q_window = k_window = common.check_size("window_size", window_size,
+                                            length=min(q_len, kv_len))
+  scale = head_dim ** -0.5 if scale is None else scale
+
+  k_valid = _valid_keys("routing", mask, key_value_seq_lengths, batch, kv_len)
+  q_valid = jnp.ones((batch, q_len), bool)
+  if query_seq_lengths is not None:
+    q_valid = jnp.arange(q_len)[None, :] < jnp.asarray(query_seq_lengths)[:, None]
+  q = _heads_first(query)
+  k = _heads_first(common.repeat_kv_heads(key, num_heads))
+  v = _heads_first(common.repeat_kv_heads(value, num_heads))
+  centroids = jax.lax.stop_gradient(centroids).astype(q.dtype)
+
+  q_members = _nearest_members(_normalize(q), centroids, q_valid, q_window)  # [B, H, C, wq]
+  k_members = _nearest_members(_normalize(k), centroids, k_valid, k_window)  # [B, H, C, wk]
+  allowed = jnp.take_along_axis(k_valid[:, None], k_members.reshape(batch, num_heads, -1),
+                                axis=-1).reshape(k_members.shape)[..., None, :]
+  if is_causal:
+    allowed = allowed & (k_members[..., None, :] <= q_members[..., :, None])
+  out, lse = _attend(_gather_rows(q, q_members), _gather_rows(k, k_members),
+                     _gather_rows(v, k_members), allowed, scale)
+  out = jnp.swapaxes(_scatter_merge(out, lse, q_members, q_len), 1, 2)
+  return common.zero_padded_queries(out.astype(query.dtype), query_seq_lengths)
+
+
+def kmeans_update(centroids: Array, points: Array, decay: float) -> Array:
+  """One online k-means step: each centroid moves towards the mean of its points.
+
+  mu <- decay * mu + (1 - decay) * mean{x : x nearest to mu}; centroids with
+  no point stay. (The paper averages the queries' and the keys' sums; the mean
+  keeps the centroids on the scale of the unit points.)
+
+  Args:
+    centroids: `[H, C, D]`.
+    points: `[B, N, H, D]` unit vectors; no gradient flows through the update.
+    decay: in [0, 1).
+
+  Returns:
+    the updated `[H, C, D]`.
+  """
+  points = _heads_first(jax.lax.stop_gradient(points))  # [B, H, N, D]
+  nearest = jnp.argmax(_centroid_affinity(points, centroids), axis=-2)  # [B, H, N]
+  members = jax.nn.one_hot(nearest, centroids.shape[1], dtype=points.dtype)  # [B, H, N, C]
+  sums = jnp.einsum("bhnc,bhnd->hcd", members, points)
+  counts = jnp.sum(members, axis=(0, 2))[..., None]  # [H, C, 1]
+  means = sums / jnp.maximum(counts, 1.0)
+  return jnp.where(counts > 0, decay * centroids + (1.0 - decay) * means, centroids)
+
+
+class RoutingCentroids(nn.Module):
+  """The routing centroids, `[H, num_clusters, D]` in the `kmeans` collection.
+
+  They are updated by `kmeans_update` on the unit queries and keys when the
+  call is not deterministic and the `kmeans` collection is mutable
+  (`apply(..., mutable=["kmeans"])`); the attention uses the values from
+  before the update, with no gradient.
+  """
+
+  num_clusters: int = 16
+  decay: float = 0.999
+  seed: int = 0
+
+  @nn.compact
+  def __call__(self, query, key, value, deterministic: bool = True) -> dict:
+    del value
+    num_heads, head_dim = query.shape[2], query.shape[3]
+    centroids = self.variable(
+        "kmeans", "centroids",
+        lambda: _normalize(jax.random.normal(jax.random.PRNGKey(self.seed),
+                                             (num_heads, self.num_clusters, head_dim))))
+    current = centroids.value
+    if not deterministic and self.is_mutable_collection("kmeans") and not self.is_initializing():
+      points = jnp.concatenate([query, common.repeat_kv_heads(key, num_heads)], axis=1)
+      centroids.value = kmeans_update(current, _normalize(points), self.decay)
+    return {"centroids": jax.lax.stop_gradient(current)}
+
+
+registry.register(registry.VariantSpec(
+    name="routing", fn=routing_attention, family="hashing", complexity="O(T sqrt(T))",
+    subquadratic=True, exact=False, causal=True, cross=True, paper="Roy et al. 2021",
+    extras=RoutingCentroids))

@@ -164,3 +164,119 @@ def test_lsh_module_runs_under_jit_and_redraws_hashes_from_the_attention_stream(
   apply = jax.jit(lambda rng: module.apply(variables, x, rngs={"attention": rng}))
   redrawn = [apply(jax.random.PRNGKey(seed)) for seed in (1, 2)]
   assert not np.allclose(redrawn[0], redrawn[1])
+
+
+# ---------------------------------------------------------------------------
+# routing
+# ---------------------------------------------------------------------------
+
+
+def _centroids(num_heads, num_clusters, head_dim, seed=0):
+  return jax.random.normal(jax.random.PRNGKey(seed), (num_heads, num_clusters, head_dim))
+
+
+@pytest.mark.property("routing")
+@pytest.mark.parametrize("is_causal, q_len, kv_len", [(False, 10, 10), (True, 10, 10),
+                                                      (False, 6, 10)])
+def test_routing_with_one_cluster_is_dense_attention(is_causal, q_len, kv_len):
+  batch = 2
+  query, key, value = random_qkv(batch=batch, q_len=q_len, kv_len=kv_len, num_heads=4,
+                                 num_kv_heads=2)
+  centroids = _centroids(4, 1, 8)
+  allowed = jnp.asarray(loop_mask(batch, q_len, kv_len, is_causal=is_causal))
+  ours = lambda q, k, v: hashing.routing_attention(q, k, v, is_causal=is_causal,
+                                                   centroids=centroids)
+  oracle = lambda q, k, v: reference_attention(q, k, v, None, allowed)
+  _assert_same_outputs_and_grads(ours, oracle, query, key, value)
+
+
+def _within_cluster_distance(centroids, points):
+  """Mean squared distance of each unit point to its nearest centroid (numpy)."""
+  points = np.asarray(points, np.float64)
+  points = points / np.linalg.norm(points, axis=-1, keepdims=True)  # [B, N, H, D]
+  centroids = np.asarray(centroids, np.float64)  # [H, C, D]
+  distances = ((points[:, :, :, None, :] - centroids[None, None]) ** 2).sum(-1)  # [B, N, H, C]
+  return distances.min(-1).mean()
+
+
+@pytest.mark.property("routing")
+def test_routing_kmeans_updates_move_centroids_towards_their_members():
+  # Points scattered around four directions per head; the centroids start random.
+  directions = np.random.default_rng(0).normal(size=(4, 2, 8))
+  labels = np.random.default_rng(1).integers(0, 4, size=(2, 32))
+  noise = np.random.default_rng(2).normal(scale=0.3, size=(2, 32, 2, 8))
+  query = jnp.asarray(directions[labels] + noise, jnp.float32)  # [B, N, H, D]
+  key = jnp.asarray(directions[labels[:, ::-1]] + noise[:, ::-1], jnp.float32)
+  module = hashing.RoutingCentroids(num_clusters=4, decay=0.5)
+  variables = module.init(jax.random.PRNGKey(0), query, key, key)
+  step = jax.jit(lambda variables: module.apply(variables, query, key, key, deterministic=False,
+                                                mutable=["kmeans"])[1])
+  points = jnp.concatenate([query, key], axis=1)
+  distances = [_within_cluster_distance(variables["kmeans"]["centroids"], points)]
+  for _ in range(4):
+    variables = step(variables)
+    distances.append(_within_cluster_distance(variables["kmeans"]["centroids"], points))
+  assert all(a > b for a, b in zip(distances, distances[1:])), distances
+  assert distances[-1] < 0.5 * distances[0], distances
+  # Deterministic calls (evaluation) leave the centroids alone.
+  _, frozen = module.apply(variables, query, key, key, deterministic=True, mutable=["kmeans"])
+  assert_close(frozen["kmeans"]["centroids"], variables["kmeans"]["centroids"])
+
+
+@pytest.mark.property("routing")
+def test_routing_padding():
+  batch, length = 2, 16
+  lengths = np.array([11, 16])
+  query, key, value = random_qkv(seed=4, batch=batch, q_len=length, num_heads=2)
+  padded = ~loop_mask(batch, 1, length, kv_lengths=lengths)[:, 0, 0]  # [B, T]
+  routing = jax.jit(lambda q, k, v: hashing.routing_attention(
+      q, k, v, query_seq_lengths=jnp.array(lengths), key_value_seq_lengths=jnp.array(lengths),
+      centroids=_centroids(2, 4, 8)))
+  out = routing(query, key, value)
+  # Padded tokens are never routed: their content cannot change the valid rows.
+  noise = random_qkv(seed=9, batch=batch, q_len=length, num_heads=2)
+  where_padded = jnp.asarray(padded)[:, :, None, None]
+  other = routing(*(jnp.where(where_padded, n, x) for n, x in zip(noise, (query, key, value))))
+  assert_close(np.asarray(other)[~padded], np.asarray(out)[~padded])
+  assert np.abs(np.asarray(out)[padded]).max() == 0.0
+  # With one cluster the valid rows are dense attention over the valid keys.
+  allowed = jnp.asarray(loop_mask(batch, length, length, q_lengths=lengths, kv_lengths=lengths))
+  ours = lambda q, k, v: hashing.routing_attention(
+      q, k, v, mask=jnp.asarray(~padded)[:, None, None, :], query_seq_lengths=jnp.array(lengths),
+      centroids=_centroids(2, 1, 8))
+  _assert_same_outputs_and_grads(ours, lambda q, k, v: reference_attention(q, k, v, None, allowed),
+                                 query, key, value)
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(centroids=_centroids(2, 17, 8)), "num_clusters=17 must be at most"),
+    (dict(window_size=17), "window_size=17 must be at most the sequence length 16"),
+    (dict(window_size=0), "window_size must be an int >= 1"),
+    (dict(centroids=None), r"needs centroids of shape \[H, C, D\]"),
+    (dict(centroids=_centroids(3, 4, 8)), r"needs centroids of shape \[H, C, D\]"),
+    (dict(segment_ids=jnp.zeros((1, 16), int)), "does not support segment_ids"),
+])
+def test_routing_rejects_bad_arguments(options, message):
+  query, key, value = random_qkv(batch=1, q_len=16, num_heads=2)
+  options = {"centroids": _centroids(2, 4, 8), **options}
+  with pytest.raises(ValueError, match=message):
+    hashing.routing_attention(query, key, value, **options)
+
+
+def test_routing_module_runs_under_jit_and_updates_centroids_in_training():
+  x = jax.random.normal(jax.random.PRNGKey(1), (2, 32, 16))
+  module = MultiHeadAttention(num_heads=2, attention="routing",
+                              attention_options={"num_clusters": 4, "decay": 0.9})
+  variables, _ = _jit_module_output(module, x, is_causal=True)
+  assert variables["kmeans"]["variant"]["centroids"].shape == (2, 4, 8)
+  train = jax.jit(lambda variables: module.apply(variables, x, deterministic=False,
+                                                 mutable=["kmeans"]))
+  out, updated = train(variables)
+  assert out.shape == x.shape
+  assert not np.allclose(updated["kmeans"]["variant"]["centroids"],
+                         variables["kmeans"]["variant"]["centroids"])
+  # No gradient reaches the centroids.
+  loss = lambda variables: jnp.sum(module.apply(variables, x) ** 2)
+  grads = jax.jit(jax.grad(loss))(variables)
+  assert np.abs(np.asarray(grads["kmeans"]["variant"]["centroids"])).max() == 0.0
+  assert np.abs(np.asarray(nn.unbox(grads["params"])["query"]["kernel"])).max() > 0.0
