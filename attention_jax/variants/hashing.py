@@ -471,3 +471,173 @@ registry.register(registry.VariantSpec(
     name="routing", fn=routing_attention, family="hashing", complexity="O(T sqrt(T))",
     subquadratic=True, exact=False, causal=True, cross=True, paper="Roy et al. 2021",
     extras=RoutingCentroids))
+
+
+# ---------------------------------------------------------------------------
+# Sparse Sinkhorn attention.
+# ---------------------------------------------------------------------------
+
+
+def sinkhorn(logits: Array, iterations: int, temperature: float = 1.0) -> Array:
+  """Soft permutation matrices by Sinkhorn normalisation in log space.
+
+  Alternately normalises the rows and the columns of exp(logits / temperature)
+  `iterations` times; the result converges to a doubly stochastic matrix (a
+  permutation as temperature -> 0).
+
+  Args:
+    logits: `[..., n, n]`.
+    iterations: normalisation rounds (rows then columns each).
+    temperature: > 0; lower is closer to a hard permutation.
+
+  Returns:
+    `[..., n, n]` non-negative, columns summing to 1 and rows to 1 up to the
+    convergence of the iterations.
+  """
+  def normalize(_, log_p):
+    log_p = log_p - jax.nn.logsumexp(log_p, axis=-1, keepdims=True)
+    return log_p - jax.nn.logsumexp(log_p, axis=-2, keepdims=True)
+
+  return jnp.exp(jax.lax.fori_loop(0, iterations, normalize, logits / temperature))
+
+
+def _block_means(x: Array, valid: Array) -> Array:
+  """Mean of the valid rows of each block: x `[B, H, nb, b, D]`, valid `[B, 1, nb, b]`
+  -> `[B, H, nb, D]` (zero for a block with no valid row)."""
+  weights = valid.astype(x.dtype)[..., None]
+  return jnp.sum(x * weights, axis=-2) / jnp.maximum(jnp.sum(weights, axis=-2), 1.0)
+
+
+def _sort_network_logits(q_blocks: Array, k_blocks: Array, valid: Array, hidden_kernel: Array,
+                         output_kernel: Array) -> Array:
+  """Block-to-block sorting scores from block-pooled representations: `[B, H, nb, nb]`.
+
+  Each query block's mean goes through a two-layer network to a "sort query",
+  matched by a scaled dot product with each key block's mean; this form does
+  not depend on the number of blocks, so one network serves every length.
+  """
+  pooled_q, pooled_k = _block_means(q_blocks, valid), _block_means(k_blocks, valid)
+  hidden = jax.nn.relu(jnp.einsum("bhnd,hds->bhns", pooled_q, hidden_kernel))
+  sort_query = jnp.einsum("bhns,hsd->bhnd", hidden, output_kernel)
+  return jnp.einsum("bhnd,bhmd->bhnm", sort_query, pooled_k) * pooled_k.shape[-1] ** -0.5
+
+
+def sinkhorn_attention(
+    query: Array,
+    key: Array,
+    value: Array,
+    bias: Optional[Array] = None,
+    mask: Optional[Array] = None,
+    *,
+    is_causal: bool = False,
+    query_seq_lengths: Optional[Array] = None,
+    key_value_seq_lengths: Optional[Array] = None,
+    segment_ids: Optional[Array] = None,
+    block_size: int = 64,
+    sinkhorn_iterations: int = 8,
+    temperature: float = 0.75,
+    sort_logits: Optional[Array] = None,
+    sort_hidden_kernel: Optional[Array] = None,
+    sort_output_kernel: Optional[Array] = None,
+    scale: Optional[float] = None,
+) -> Array:
+  """Sparse Sinkhorn attention (Tay et al. 2020).
+
+  The sequence is split into blocks of `block_size`. A sorting network scores
+  block pairs from block-pooled queries and keys; Sinkhorn normalisation
+  turns the scores into a soft permutation P `[nb, nb]`, and key block i of
+  the sorted sequence is sum_j P_ij K_j (values alike). Each query block
+  attends to its own block and to its sorted key block together (one softmax
+  over 2 * block_size keys). Cost O(T b) for the attention plus O(T nb D)
+  for the soft sort: O(T sqrt(T)) with b ~ sqrt(T).
+
+  With P the identity, every block attends to its own keys (twice, which
+  leaves the softmax unchanged): block-local attention exactly.
+
+  Padding: padded keys enter the sorted blocks as zero vectors, and each
+  sorted key's logit gets log(its valid share), so a sorted key made only of
+  padding is masked; padded keys never change valid outputs.
+
+  Args:
+    query: `[B, T, H, D]`.
+    key: `[B, T, Hkv, D]`, Hkv dividing H (self-attention: same length).
+    value: `[B, T, Hkv, Dv]`.
+    bias, segment_ids, is_causal: not supported (ValueError); causal Sinkhorn
+      attention needs a causal sorting network, not implemented.
+    mask: only a key-padding mask `[B|1, 1, 1, T]`.
+    query_seq_lengths: `[B]`; later queries output zeros.
+    key_value_seq_lengths: `[B]`; later keys are not attended.
+    block_size: must divide T.
+    sinkhorn_iterations: Sinkhorn normalisation rounds.
+    temperature: Sinkhorn temperature (> 0).
+    sort_logits: `[B|1, H|1, nb, nb]` block-sorting scores given directly;
+      otherwise computed by the sorting network from
+    sort_hidden_kernel: `[H, D, S]` and
+    sort_output_kernel: `[H, S, D]` (the `SinkhornSortNet` parameters).
+    scale: logit scale, 1/sqrt(D) by default.
+
+  Returns:
+    `[B, T, H, Dv]` in the query dtype.
+  """
+  common.reject_unsupported("sinkhorn", bias=bias, segment_ids=segment_ids, is_causal=is_causal)
+  _check_self_attention("sinkhorn", query, key)
+  batch, length, num_heads, head_dim = query.shape
+  common.check_size("block_size", block_size, length=length, divides=True)
+  common.check_size("sinkhorn_iterations", sinkhorn_iterations, minimum=0)
+  if not temperature > 0:
+    raise ValueError(f"temperature must be > 0, got {temperature!r}.")
+  num_blocks = length // block_size
+  scale = head_dim ** -0.5 if scale is None else scale
+
+  valid = _chunks(_valid_keys("sinkhorn", mask, key_value_seq_lengths, batch, length)[:, None],
+                  block_size, -1)  # [B, 1, nb, b]
+  blocks = lambda x: _chunks(_heads_first(x), block_size, -2)  # [B, H, nb, b, D]
+  q = blocks(query)
+  k = blocks(common.repeat_kv_heads(key, num_heads))
+  v = blocks(common.repeat_kv_heads(value, num_heads))
+  if sort_logits is None:
+    if sort_hidden_kernel is None or sort_output_kernel is None:
+      raise ValueError("attention variant 'sinkhorn' needs sort_logits [B|1, H|1, nb, nb] or the "
+                       "sorting network's sort_hidden_kernel and sort_output_kernel "
+                       "(MultiHeadAttention's extras module supplies them).")
+    sort_logits = _sort_network_logits(q, k, valid, sort_hidden_kernel, sort_output_kernel)
+  elif sort_logits.shape[-2:] != (num_blocks, num_blocks):
+    raise ValueError(f"sort_logits must end in [nb, nb] = [{num_blocks}, {num_blocks}] "
+                     f"(T / block_size blocks), got shape {list(sort_logits.shape)}.")
+  permutation = sinkhorn(sort_logits.astype(q.dtype), sinkhorn_iterations, temperature)
+
+  k_zeroed, v_zeroed = (jnp.where(valid[..., None], x, 0.0) for x in (k, v))
+  sorted_k = jnp.einsum("bhij,bhjtd->bhitd", permutation, k_zeroed)
+  sorted_v = jnp.einsum("bhij,bhjtd->bhitd", permutation, v_zeroed)
+  sorted_share = jnp.einsum("bhij,bhjt->bhit", permutation, valid.astype(q.dtype))
+  sorted_valid = sorted_share > 0.0
+  own_valid = jnp.broadcast_to(valid, sorted_valid.shape)
+  allowed = jnp.concatenate([own_valid, sorted_valid], axis=-1)[..., None, :]
+  log_share = jnp.log(jnp.where(sorted_valid, sorted_share, 1.0))
+  logit_bias = jnp.concatenate([jnp.zeros_like(log_share), log_share], axis=-1)[..., None, :]
+  out, _ = _attend(q, jnp.concatenate([k, sorted_k], axis=-2),
+                   jnp.concatenate([v, sorted_v], axis=-2), allowed, scale, logit_bias)
+  out = jnp.swapaxes(out.reshape(out.shape[:2] + (length, -1)), 1, 2)
+  return common.zero_padded_queries(out.astype(query.dtype), query_seq_lengths)
+
+
+class SinkhornSortNet(nn.Module):
+  """The sorting network's parameters: `sort_hidden_kernel [H, D, S]` and
+  `sort_output_kernel [H, S, D]` with S = `sort_hidden_dim`."""
+
+  sort_hidden_dim: int = 32
+
+  @nn.compact
+  def __call__(self, query, key, value, deterministic: bool = True) -> dict:
+    del key, value, deterministic
+    num_heads, head_dim = query.shape[2], query.shape[3]
+    init = nn.initializers.lecun_normal(in_axis=-2, out_axis=-1, batch_axis=(0,))
+    hidden = self.param("sort_hidden_kernel", init, (num_heads, head_dim, self.sort_hidden_dim))
+    output = self.param("sort_output_kernel", init, (num_heads, self.sort_hidden_dim, head_dim))
+    return {"sort_hidden_kernel": hidden, "sort_output_kernel": output}
+
+
+registry.register(registry.VariantSpec(
+    name="sinkhorn", fn=sinkhorn_attention, family="hashing", complexity="O(T (b + T/b))",
+    subquadratic=True, exact=False, causal=False, cross=False, paper="Tay et al. 2020",
+    extras=SinkhornSortNet))

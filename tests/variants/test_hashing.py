@@ -280,3 +280,104 @@ def test_routing_module_runs_under_jit_and_updates_centroids_in_training():
   grads = jax.jit(jax.grad(loss))(variables)
   assert np.abs(np.asarray(grads["kmeans"]["variant"]["centroids"])).max() == 0.0
   assert np.abs(np.asarray(nn.unbox(grads["params"])["query"]["kernel"])).max() > 0.0
+
+
+# ---------------------------------------------------------------------------
+# sinkhorn
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.property("sinkhorn")
+def test_sinkhorn_normalisation_is_doubly_stochastic():
+  logits = jax.random.normal(jax.random.PRNGKey(0), (2, 3, 6, 6))
+  normalize = jax.jit(hashing.sinkhorn, static_argnums=1)
+  permutation = np.asarray(normalize(logits, 50, 0.75))
+  assert (permutation >= 0).all()
+  assert_close(permutation.sum(-1), np.ones((2, 3, 6)), atol=1e-4)
+  assert_close(permutation.sum(-2), np.ones((2, 3, 6)), atol=1e-5)
+  # The rows converge as the iterations go on.
+  row_error = lambda n: np.abs(np.asarray(normalize(logits, n, 0.75)).sum(-1) - 1.0).max()
+  assert row_error(1) > row_error(4) > row_error(16) > 0.0
+
+
+def _block_local_mask(batch, length, block_size, kv_lengths=None, q_lengths=None):
+  allowed = loop_mask(batch, length, length, kv_lengths=kv_lengths, q_lengths=q_lengths)
+  for i in range(length):
+    for j in range(length):
+      if i // block_size != j // block_size:
+        allowed[:, :, i, j] = False
+  return jnp.asarray(allowed)
+
+
+@pytest.mark.property("sinkhorn")
+@pytest.mark.parametrize("lengths", [None, np.array([9, 16])])
+def test_sinkhorn_with_identity_sort_is_block_local_attention(lengths):
+  batch, length, block_size = 2, 16, 4
+  query, key, value = random_qkv(batch=batch, q_len=length, num_heads=4, num_kv_heads=2)
+  identity = jnp.where(jnp.eye(length // block_size, dtype=bool), 0.0, -1e9)[None, None]
+  padding = {} if lengths is None else dict(query_seq_lengths=jnp.array(lengths),
+                                            key_value_seq_lengths=jnp.array(lengths))
+  ours = lambda q, k, v: hashing.sinkhorn_attention(q, k, v, block_size=block_size,
+                                                    sort_logits=identity, **padding)
+  allowed = _block_local_mask(batch, length, block_size, lengths, lengths)
+  oracle = lambda q, k, v: reference_attention(q, k, v, None, allowed)
+  _assert_same_outputs_and_grads(ours, oracle, query, key, value)
+
+
+def _sort_kernels(num_heads=2, head_dim=8, hidden=6):
+  first, second = jax.random.split(jax.random.PRNGKey(7))
+  return dict(sort_hidden_kernel=jax.random.normal(first, (num_heads, head_dim, hidden)),
+              sort_output_kernel=jax.random.normal(second, (num_heads, hidden, head_dim)))
+
+
+@pytest.mark.property("sinkhorn")
+def test_sinkhorn_padding():
+  batch, length = 2, 16
+  lengths = np.array([10, 16])
+  query, key, value = random_qkv(seed=4, batch=batch, q_len=length, num_heads=2)
+  padded = ~loop_mask(batch, 1, length, kv_lengths=lengths)[:, 0, 0]  # [B, T]
+  sinkhorn = jax.jit(lambda q, k, v: hashing.sinkhorn_attention(
+      q, k, v, mask=jnp.asarray(~padded)[:, None, None, :], query_seq_lengths=jnp.array(lengths),
+      block_size=4, **_sort_kernels()))
+  out = sinkhorn(query, key, value)
+  noise = random_qkv(seed=9, batch=batch, q_len=length, num_heads=2)
+  where_padded = jnp.asarray(padded)[:, :, None, None]
+  other = sinkhorn(*(jnp.where(where_padded, n, x) for n, x in zip(noise, (query, key, value))))
+  assert_close(np.asarray(other)[~padded], np.asarray(out)[~padded])
+  assert np.abs(np.asarray(out)[padded]).max() == 0.0
+  # The learned sort does mix other blocks in: not block-local attention.
+  local = reference_attention(query, key, value, None,
+                              _block_local_mask(batch, length, 4, lengths, lengths))
+  assert not np.allclose(np.asarray(out)[~padded], np.asarray(local)[~padded], atol=1e-3)
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(block_size=5), "block_size=5 must divide the sequence length 16"),
+    (dict(is_causal=True), "does not support is_causal"),
+    (dict(temperature=0.0), "temperature must be > 0"),
+    (dict(sort_output_kernel=None), "needs sort_logits"),
+    (dict(sort_logits=jnp.zeros((1, 1, 3, 3))), r"sort_logits must end in \[nb, nb\] = \[4, 4\]"),
+])
+def test_sinkhorn_rejects_bad_arguments(options, message):
+  query, key, value = random_qkv(batch=1, q_len=16, num_heads=2)
+  options = {"block_size": 4, **_sort_kernels(), **options}
+  with pytest.raises(ValueError, match=message):
+    hashing.sinkhorn_attention(query, key, value, **options)
+
+
+def test_sinkhorn_rejects_cross_attention():
+  query, key, value = random_qkv(batch=1, q_len=8, kv_len=16, num_heads=2)
+  with pytest.raises(ValueError, match="self-attention only"):
+    hashing.sinkhorn_attention(query, key, value, block_size=4, **_sort_kernels())
+
+
+def test_sinkhorn_module_runs_under_jit_and_trains_its_sorting_network():
+  x = jax.random.normal(jax.random.PRNGKey(1), (2, 32, 16))
+  module = MultiHeadAttention(num_heads=2, attention="sinkhorn",
+                              attention_options={"block_size": 8, "sort_hidden_dim": 4})
+  variables, _ = _jit_module_output(module, x)
+  sort_params = nn.unbox(variables["params"]["variant"])
+  assert sort_params["sort_hidden_kernel"].shape == (2, 8, 4)
+  loss = lambda variables: jnp.sum(module.apply(variables, x) ** 2)
+  grads = nn.unbox(jax.jit(jax.grad(loss))(variables)["params"]["variant"])
+  assert np.abs(np.asarray(grads["sort_output_kernel"])).max() > 0.0
