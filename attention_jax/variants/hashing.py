@@ -641,3 +641,104 @@ registry.register(registry.VariantSpec(
     name="sinkhorn", fn=sinkhorn_attention, family="hashing", complexity="O(T (b + T/b))",
     subquadratic=True, exact=False, causal=False, cross=False, paper="Tay et al. 2020",
     extras=SinkhornSortNet))
+
+
+# ---------------------------------------------------------------------------
+# Clustered attention.
+# ---------------------------------------------------------------------------
+
+
+def _nearest_centroid(points: Array, centroids: Array) -> Array:
+  """points `[B, H, T, D]`, centroids `[B, H, C, D]` -> `[B, H, T]` index of the nearest."""
+  closeness = 2.0 * jnp.einsum("bhtd,bhcd->bhtc", points, centroids) \
+      - jnp.sum(jnp.square(centroids), axis=-1)[:, :, None, :]
+  return jnp.argmax(closeness, axis=-1)
+
+
+def _cluster_means(points: Array, assignment: Array, valid: Array, previous: Array) -> Array:
+  """Mean of the valid points of each cluster, `[B, H, C, D]`; an empty cluster keeps
+  its `previous` centroid."""
+  members = jax.nn.one_hot(assignment, previous.shape[2], dtype=points.dtype)
+  members = members * valid[:, None, :, None].astype(points.dtype)  # [B, H, T, C]
+  sums = jnp.einsum("bhtc,bhtd->bhcd", members, points)
+  counts = jnp.sum(members, axis=2)[..., None]
+  return jnp.where(counts > 0, sums / jnp.maximum(counts, 1.0), previous)
+
+
+def clustered_attention(
+    query: Array,
+    key: Array,
+    value: Array,
+    bias: Optional[Array] = None,
+    mask: Optional[Array] = None,
+    *,
+    is_causal: bool = False,
+    query_seq_lengths: Optional[Array] = None,
+    key_value_seq_lengths: Optional[Array] = None,
+    segment_ids: Optional[Array] = None,
+    num_clusters: int = 32,
+    lloyd_iterations: int = 5,
+    scale: Optional[float] = None,
+) -> Array:
+  """Clustered attention (Vyas et al. 2020): queries share their centroid's attention.
+
+  The queries of each sequence and head are grouped into `num_clusters`
+  clusters by `lloyd_iterations` Lloyd (k-means) steps, starting from C
+  queries evenly spaced over the valid ones. Each centroid attends to all
+  keys, and every query takes its centroid's output: O(T C) time and memory.
+  (The paper clusters Hamming codes of hashed queries for speed; this clusters
+  the queries themselves.) Cluster assignments carry no gradient; the final
+  centroids are the means of their queries, so gradients reach the queries.
+
+  With C = Tq every query is its own centroid: exactly dense attention.
+
+  Args:
+    query: `[B, Tq, H, D]`.
+    key: `[B, Tk, Hkv, D]`, Hkv dividing H.
+    value: `[B, Tk, Hkv, Dv]`.
+    bias, segment_ids, is_causal: not supported (ValueError): a query's
+      centroid attends to every key, so no per-query mask fits.
+    mask: only a key-padding mask `[B|1, 1, 1, Tk]`.
+    query_seq_lengths: `[B]`; later queries take no part in the clustering
+      and output zeros.
+    key_value_seq_lengths: `[B]`; later keys are not attended.
+    num_clusters: C, at most Tq.
+    lloyd_iterations: k-means steps before the final assignment.
+    scale: logit scale, 1/sqrt(D) by default.
+
+  Returns:
+    `[B, Tq, H, Dv]` in the query dtype.
+  """
+  common.reject_unsupported("clustered", bias=bias, segment_ids=segment_ids,
+                            is_causal=is_causal)
+  batch, q_len, num_heads, head_dim = query.shape
+  common.check_size("num_clusters", num_clusters, length=q_len)
+  common.check_size("lloyd_iterations", lloyd_iterations, minimum=0)
+  scale = head_dim ** -0.5 if scale is None else scale
+
+  k_valid = _valid_keys("clustered", mask, key_value_seq_lengths, batch, key.shape[1])
+  q_lengths = jnp.full((batch,), q_len) if query_seq_lengths is None else \
+      jnp.asarray(query_seq_lengths)
+  q_valid = jnp.arange(q_len)[None, :] < q_lengths[:, None]
+  q = _heads_first(query)
+  k = _heads_first(common.repeat_kv_heads(key, num_heads))
+  v = _heads_first(common.repeat_kv_heads(value, num_heads))
+
+  points = jax.lax.stop_gradient(q)
+  first = (jnp.arange(num_clusters)[None, :] * q_lengths[:, None]) // num_clusters  # [B, C]
+  centroids = _gather_rows(points, jnp.broadcast_to(first[:, None], (batch, num_heads,
+                                                                     num_clusters)))
+  for _ in range(lloyd_iterations):
+    centroids = _cluster_means(points, _nearest_centroid(points, centroids), q_valid, centroids)
+  assignment = _nearest_centroid(points, centroids)  # [B, H, Tq]
+  centroids = _cluster_means(q, assignment, q_valid, centroids)
+
+  centroid_out, _ = _attend(centroids, k, v, k_valid[:, None, None, :], scale)  # [B, H, C, Dv]
+  out = jnp.take_along_axis(centroid_out, assignment[..., None], axis=2)
+  out = jnp.swapaxes(out, 1, 2)
+  return common.zero_padded_queries(out.astype(query.dtype), query_seq_lengths)
+
+
+registry.register(registry.VariantSpec(
+    name="clustered", fn=clustered_attention, family="hashing", complexity="O(T C)",
+    subquadratic=True, exact=False, causal=False, cross=True, paper="Vyas et al. 2020"))

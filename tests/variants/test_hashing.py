@@ -381,3 +381,78 @@ def test_sinkhorn_module_runs_under_jit_and_trains_its_sorting_network():
   loss = lambda variables: jnp.sum(module.apply(variables, x) ** 2)
   grads = nn.unbox(jax.jit(jax.grad(loss))(variables)["params"]["variant"])
   assert np.abs(np.asarray(grads["sort_output_kernel"])).max() > 0.0
+
+
+# ---------------------------------------------------------------------------
+# clustered
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.property("clustered")
+@pytest.mark.parametrize("q_len, kv_len", [(8, 8), (6, 11)])
+def test_clustered_with_a_cluster_per_query_is_dense_attention(q_len, kv_len):
+  batch = 2
+  query, key, value = random_qkv(batch=batch, q_len=q_len, kv_len=kv_len, num_heads=4,
+                                 num_kv_heads=2)
+  allowed = jnp.asarray(loop_mask(batch, q_len, kv_len))
+  ours = lambda q, k, v: hashing.clustered_attention(q, k, v, num_clusters=q_len)
+  oracle = lambda q, k, v: reference_attention(q, k, v, None, allowed)
+  _assert_same_outputs_and_grads(ours, oracle, query, key, value)
+
+
+@pytest.mark.property("clustered")
+def test_clustered_error_falls_as_clusters_grow():
+  batch, length = 2, 64
+  query, key, value = random_qkv(seed=6, batch=batch, q_len=length, num_heads=2)
+  exact = reference_attention(query, key, value)
+  error = lambda c: float(jnp.mean(jnp.abs(jax.jit(
+      lambda q, k, v: hashing.clustered_attention(q, k, v, num_clusters=c))(query, key, value)
+                                           - exact)))
+  errors = [error(c) for c in (2, 8, 32, 64)]
+  assert all(a > b for a, b in zip(errors, errors[1:])), errors
+  assert errors[-1] < 1e-5, errors
+
+
+@pytest.mark.property("clustered")
+def test_clustered_padding():
+  batch, q_len, kv_len = 2, 12, 10
+  q_lengths, kv_lengths = np.array([7, 12]), np.array([10, 6])
+  query, key, value = random_qkv(seed=4, batch=batch, q_len=q_len, kv_len=kv_len, num_heads=2)
+  clustered = jax.jit(lambda q, k, v: hashing.clustered_attention(
+      q, k, v, query_seq_lengths=jnp.array(q_lengths),
+      key_value_seq_lengths=jnp.array(kv_lengths), num_clusters=3))
+  out = clustered(query, key, value)
+  q_padded = ~loop_mask(batch, 1, q_len, kv_lengths=q_lengths)[:, 0, 0]  # [B, Tq]
+  kv_padded = ~loop_mask(batch, 1, kv_len, kv_lengths=kv_lengths)[:, 0, 0]  # [B, Tk]
+  noise = random_qkv(seed=9, batch=batch, q_len=q_len, kv_len=kv_len, num_heads=2)
+  q_where = jnp.asarray(q_padded)[:, :, None, None]
+  kv_where = jnp.asarray(kv_padded)[:, :, None, None]
+  other = clustered(jnp.where(q_where, noise[0], query), jnp.where(kv_where, noise[1], key),
+                    jnp.where(kv_where, noise[2], value))
+  assert_close(np.asarray(other)[~q_padded], np.asarray(out)[~q_padded])
+  assert np.abs(np.asarray(out)[q_padded]).max() == 0.0
+  # With a cluster per query, the valid rows are dense attention over valid keys.
+  allowed = jnp.asarray(loop_mask(batch, q_len, kv_len, kv_lengths=kv_lengths))
+  full = hashing.clustered_attention(query, key, value, mask=jnp.asarray(~kv_padded)[:, None, None],
+                                     num_clusters=q_len)
+  assert_close(full, reference_attention(query, key, value, None, allowed))
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(num_clusters=17), "num_clusters=17 must be at most the sequence length 16"),
+    (dict(num_clusters=0), "num_clusters must be an int >= 1"),
+    (dict(lloyd_iterations=-1), "lloyd_iterations must be an int >= 0"),
+    (dict(is_causal=True), "does not support is_causal"),
+    (dict(bias=jnp.zeros((1, 1, 16, 16))), "does not support bias"),
+])
+def test_clustered_rejects_bad_arguments(options, message):
+  query, key, value = random_qkv(batch=1, q_len=16, num_heads=2)
+  with pytest.raises(ValueError, match=message):
+    hashing.clustered_attention(query, key, value, **{"num_clusters": 4, **options})
+
+
+def test_clustered_module_runs_under_jit():
+  x = jax.random.normal(jax.random.PRNGKey(1), (2, 32, 16))
+  module = MultiHeadAttention(num_heads=2, attention="clustered",
+                              attention_options={"num_clusters": 4, "lloyd_iterations": 2})
+  _jit_module_output(module, x)
