@@ -1,1 +1,233 @@
-"""prior family (filled in by issue 4)."""
+"""Attention with a prior: scores that do not come from query-key dot products.
+
+Synthesizer (Tay et al. 2021): the attention logits are synthesised without
+token-token interactions, then softmax-normalised and applied to the values.
+
+* `synthesizer_dense`: each query position's logits over key positions come
+  from an MLP of that token alone, B_i = W2 relu(W1 x_i + b1) + b2 in R^Tmax,
+  truncated to the Tk keys. x_i is the per-head query projection, so each head
+  has its own MLP and the layer is still `MultiHeadAttention`.
+* `synthesizer_random`: a matrix R [H, Tmax, Tmax] of logits, learned or fixed.
+* `synthesizer_factorized`: R = R1 R2^T with R1, R2 [H, Tmax, k].
+
+All three are `synthesizer_attention` with the logits made by their `extras`
+module. The logits are [B|1, H, Tq, Tk], so the cost is O(T^2) like dense
+attention; the saving of the paper is in not computing q k^T.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from attention_jax import registry
+from attention_jax.core.masks import make_attention_mask, split_segment_ids
+from attention_jax.core.softmax import masked_softmax
+from attention_jax.variants import common
+
+Array = jnp.ndarray
+Dtype = Any
+
+
+def synthesizer_attention(
+    query: Array,
+    key: Array,
+    value: Array,
+    bias: Optional[Array] = None,
+    mask: Optional[Array] = None,
+    *,
+    is_causal: bool = False,
+    query_seq_lengths: Optional[Array] = None,
+    key_value_seq_lengths: Optional[Array] = None,
+    segment_ids=None,
+    synthetic_logits: Array,
+    dropout_rate: float = 0.0,
+    dropout_rng: Optional[jax.Array] = None,
+) -> Array:
+  """softmax(synthetic_logits + bias, masked) v.
+
+  The query and key contents are not used (the extras module has already made
+  the logits from what it needs); they give Tq and Tk. Padding, causal,
+  segment masks and `mask` are applied to the logits by the masked softmax, so
+  masked keys get exactly zero weight and queries that see nothing output zeros.
+
+  Args:
+    query: `[B, Tq, H, D]`.
+    key: `[B, Tk, Hkv, D]`.
+    value: `[B, Tk, Hkv, Dv]`; query head h uses value head h // (H // Hkv).
+    bias: additive, broadcastable to `[B, H, Tq, Tk]`.
+    mask: boolean, broadcastable to `[B, H, Tq, Tk]`; True may attend.
+    is_causal: query i sees keys j <= i.
+    query_seq_lengths, key_value_seq_lengths: `[B]` valid lengths.
+    segment_ids: `[B, T]` or `(q_segment_ids, kv_segment_ids)`.
+    synthetic_logits: `[B|1, H, Tq, Tk]` the synthesised scores.
+    dropout_rate, dropout_rng: dropout on the attention weights.
+
+  Returns:
+    `[B, Tq, H, Dv]` in the value dtype.
+  """
+  batch, q_len, num_heads, _ = query.shape
+  kv_len, num_kv_heads, value_dim = key.shape[1], value.shape[2], value.shape[3]
+  expected = (batch, num_heads, q_len, kv_len)
+  shape = tuple(synthetic_logits.shape)
+  if len(shape) != 4 or shape[0] not in (1, batch) or shape[1:] != expected[1:]:
+    raise ValueError(f"synthetic_logits must be [B|1, H, Tq, Tk] = [{batch}|1, {num_heads}, "
+                     f"{q_len}, {kv_len}], got shape {list(shape)}.")
+  if value.shape[1] != kv_len or num_heads % num_kv_heads:
+    raise ValueError(f"value must be [B, Tk, Hkv, Dv] with Tk = {kv_len} and Hkv dividing "
+                     f"H = {num_heads}, got shape {list(value.shape)}.")
+  logits = synthetic_logits.astype(jnp.float32)
+  if bias is not None:
+    logits = logits + jnp.asarray(bias, jnp.float32)
+  q_segments, kv_segments = split_segment_ids(segment_ids)
+  allowed = make_attention_mask(
+      q_len, kv_len, is_causal=is_causal, query_seq_lengths=query_seq_lengths,
+      key_value_seq_lengths=key_value_seq_lengths, q_segment_ids=q_segments,
+      kv_segment_ids=kv_segments, mask=mask)
+  weights = masked_softmax(logits, allowed)
+  weights = jnp.broadcast_to(weights, (batch,) + weights.shape[1:])
+  if dropout_rng is not None and dropout_rate > 0.0:
+    keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, weights.shape)
+    weights = jnp.where(keep, weights / (1.0 - dropout_rate), 0.0)
+  # Query heads sharing a value head are grouped, never repeating the values.
+  grouped = weights.reshape(batch, num_kv_heads, num_heads // num_kv_heads, q_len, kv_len)
+  out = jnp.einsum("bhgqk,bkhd->bqhgd", grouped, value.astype(jnp.float32))
+  return out.reshape(batch, q_len, num_heads, value_dim).astype(value.dtype)
+
+
+def _check_length(variant: str, what: str, length: int, max_length: int) -> None:
+  common.check_size("max_length", max_length)
+  if length > max_length:
+    raise ValueError(f"{variant} synthesises logits for at most max_length={max_length} "
+                     f"positions, got {what}={length}; raise max_length.")
+
+
+_PER_HEAD_KERNEL = nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal",
+                                                    in_axis=-2, out_axis=-1, batch_axis=(0,))
+
+
+class DenseSyntheticLogits(nn.Module):
+  """Dense Synthesizer logits B_i = W2 relu(W1 x_i + b1) + b2, per head.
+
+  x_i is the per-head query projection `[D]` of token i, so each head has its
+  own two-layer MLP; only the first Tk of the max_length outputs are used.
+
+  Attributes:
+    max_length: Tmax, the longest key sequence the MLP can score.
+    hidden_dim: width of the MLP; the head dim D when None.
+    param_dtype: dtype of the MLP's parameters.
+  """
+
+  max_length: int = 512
+  hidden_dim: Optional[int] = None
+  param_dtype: Dtype = jnp.float32
+
+  @nn.compact
+  def __call__(self, query: Array, key: Array, value: Array, *, deterministic: bool = True):
+    """query `[B, Tq, H, D]` -> `{"synthetic_logits": [B, H, Tq, Tk]}`."""
+    del value, deterministic
+    kv_len = key.shape[1]
+    _check_length("synthesizer_dense", "key length Tk", kv_len, self.max_length)
+    _, _, num_heads, head_dim = query.shape
+    hidden_dim = common.check_size("hidden_dim", self.hidden_dim or head_dim)
+    w1 = self.param("hidden_kernel", _PER_HEAD_KERNEL, (num_heads, head_dim, hidden_dim),
+                    self.param_dtype)
+    b1 = self.param("hidden_bias", nn.initializers.zeros_init(), (num_heads, hidden_dim),
+                    self.param_dtype)
+    w2 = self.param("logits_kernel", _PER_HEAD_KERNEL, (num_heads, hidden_dim, self.max_length),
+                    self.param_dtype)
+    b2 = self.param("logits_bias", nn.initializers.zeros_init(), (num_heads, self.max_length),
+                    self.param_dtype)
+    hidden = jax.nn.relu(jnp.einsum("bqhd,hdf->bhqf", query, w1) + b1[None, :, None, :])
+    # Truncating the weights, not the logits, keeps the work at Tk columns.
+    logits = jnp.einsum("bhqf,hfk->bhqk", hidden, w2[:, :, :kv_len])
+    return dict(synthetic_logits=logits + b2[None, :, None, :kv_len])
+
+
+class _RandomLogits(nn.Module):
+  """A (learned or fixed) random array of logits, sliced to the sequence lengths."""
+
+  max_length: int = 512
+  trainable: bool = True
+  seed: int = 0
+  param_dtype: Dtype = jnp.float32
+
+  variant = ""
+
+  def _check_lengths(self, query: Array, key: Array) -> None:
+    _check_length(self.variant, "query length Tq", query.shape[1], self.max_length)
+    _check_length(self.variant, "key length Tk", key.shape[1], self.max_length)
+
+  def _random(self, name: str, index: int, shape, stddev: float) -> Array:
+    """A trainable parameter, or (trainable=False) a constant drawn from `seed`.
+
+    The fixed matrix is deliberately not drawn from the "attention" RNG stream:
+    the fixed Random Synthesizer keeps one matrix for the whole training run.
+    """
+    init = nn.initializers.normal(stddev)
+    if self.trainable:
+      return self.param(name, init, shape, self.param_dtype)
+    key = jax.random.fold_in(jax.random.PRNGKey(self.seed), index)
+    return jax.lax.stop_gradient(init(key, shape, self.param_dtype))
+
+
+class RandomSyntheticLogits(_RandomLogits):
+  """Random Synthesizer logits R[h, i, j] for query position i and key position j.
+
+  Attributes:
+    max_length: Tmax; R is `[H, Tmax, Tmax]` and both Tq and Tk must fit.
+    trainable: learn R (as a parameter), or keep a fixed one drawn from `seed`.
+    seed: PRNG seed of the fixed matrix.
+  """
+
+  variant = "synthesizer_random"
+
+  @nn.compact
+  def __call__(self, query: Array, key: Array, value: Array, *, deterministic: bool = True):
+    """-> `{"synthetic_logits": [1, H, Tq, Tk]}`."""
+    del value, deterministic
+    self._check_lengths(query, key)
+    logits = self._random("logits", 0, (query.shape[2], self.max_length, self.max_length), 1.0)
+    return dict(synthetic_logits=logits[None, :, :query.shape[1], :key.shape[1]])
+
+
+class FactorizedSyntheticLogits(_RandomLogits):
+  """Factorised Random Synthesizer logits R = R1 R2^T, R1, R2 `[H, Tmax, k]`.
+
+  Attributes:
+    max_length: Tmax; both Tq and Tk must fit.
+    rank: k, the inner size of the factorisation.
+    trainable: learn R1, R2, or keep fixed ones drawn from `seed`.
+    seed: PRNG seed of the fixed factors.
+  """
+
+  rank: int = 8
+
+  variant = "synthesizer_factorized"
+
+  @nn.compact
+  def __call__(self, query: Array, key: Array, value: Array, *, deterministic: bool = True):
+    """-> `{"synthetic_logits": [1, H, Tq, Tk]}`."""
+    del value, deterministic
+    self._check_lengths(query, key)
+    rank = common.check_size("rank", self.rank)
+    shape = (query.shape[2], self.max_length, rank)
+    # Entries of R1 R2^T then have unit variance, like the unfactorised R.
+    stddev = rank ** -0.25
+    left = self._random("query_factor", 0, shape, stddev)[:, :query.shape[1]]
+    right = self._random("key_factor", 1, shape, stddev)[:, :key.shape[1]]
+    return dict(synthetic_logits=jnp.einsum("hqr,hkr->hqk", left, right)[None])
+
+
+_SYNTHESIZER = dict(fn=synthesizer_attention, family="prior", complexity="O(T^2)",
+                    subquadratic=False, exact=False, causal=True, cross=True,
+                    paper="Tay et al. 2021")
+registry.register(registry.VariantSpec(name="synthesizer_dense", extras=DenseSyntheticLogits,
+                                       **_SYNTHESIZER))
+registry.register(registry.VariantSpec(name="synthesizer_random", extras=RandomSyntheticLogits,
+                                       **_SYNTHESIZER))
+registry.register(registry.VariantSpec(name="synthesizer_factorized",
+                                       extras=FactorizedSyntheticLogits, **_SYNTHESIZER))

@@ -1,0 +1,174 @@
+"""Prior family: the Synthesizers (dense, random, factorised random)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import attention_jax
+from attention_jax.core import reference_attention
+from attention_jax.variants import prior
+from attention_testing import (B, H, KV_LENGTHS, Q_LENGTHS, Q_SEGMENTS, KV_SEGMENTS, TK, TQ,
+                               assert_close, bias_and_mask, loop_mask, random_qkv)
+
+SYNTHESIZERS = ["synthesizer_dense", "synthesizer_random", "synthesizer_factorized"]
+ALL_SYNTHESIZERS = [pytest.mark.property(name) for name in SYNTHESIZERS]
+
+# name -> (keyword arguments of the variant, arguments of loop_mask)
+MASK_CASES = {
+    "plain": ({}, {}),
+    "causal": (dict(is_causal=True), dict(is_causal=True)),
+    "lengths": (dict(query_seq_lengths=jnp.array(Q_LENGTHS),
+                     key_value_seq_lengths=jnp.array(KV_LENGTHS)),
+                dict(q_lengths=Q_LENGTHS, kv_lengths=KV_LENGTHS)),
+    "everything": (dict(is_causal=True, query_seq_lengths=jnp.array(Q_LENGTHS),
+                        key_value_seq_lengths=jnp.array(KV_LENGTHS),
+                        segment_ids=(jnp.array(Q_SEGMENTS), jnp.array(KV_SEGMENTS))),
+                   dict(is_causal=True, q_lengths=Q_LENGTHS, kv_lengths=KV_LENGTHS,
+                        q_segments=Q_SEGMENTS, kv_segments=KV_SEGMENTS)),
+}
+
+
+def _with_marks(test):
+  for mark in ALL_SYNTHESIZERS:
+    test = mark(test)
+  return test
+
+
+@_with_marks
+@pytest.mark.parametrize("case", sorted(MASK_CASES))
+@pytest.mark.parametrize("with_bias_and_mask", [False, True])
+def test_dot_product_logits_give_dot_product_attention(case, with_bias_and_mask):
+  """With synthetic logits q k^T * scale, the synthesizer is dense attention: outputs
+  equal the reference under the loop-built mask, and gradients w.r.t. the values and
+  the logits equal the reference's w.r.t. its values and an additive bias."""
+  kwargs, mask_args = MASK_CASES[case]
+  query, key, value = random_qkv(batch=B, q_len=TQ, kv_len=TK, num_heads=H, num_kv_heads=2,
+                                 value_dim=5)
+  allowed = loop_mask(B, TQ, TK, **mask_args)
+  bias, extra_mask = bias_and_mask(seed=1)
+  if with_bias_and_mask:
+    allowed = allowed & np.asarray(extra_mask)
+  else:
+    bias, extra_mask = jnp.zeros_like(bias), None
+  logits = jnp.einsum("bqhd,bkhd->bhqk", query, jnp.repeat(key, 2, axis=2)) * 0.3
+  cotangent = jax.random.normal(jax.random.PRNGKey(42), (B, TQ, H, 5))
+
+  def ours(v, l):
+    out = prior.synthesizer_attention(query, key, v, bias, extra_mask, synthetic_logits=l,
+                                      **kwargs)
+    return jnp.sum(out * cotangent), out
+
+  def oracle(v, l):
+    # Zero queries make the reference's logits exactly its additive bias l + bias.
+    out = reference_attention(jnp.zeros_like(query), key, v, l + bias, jnp.array(allowed))
+    return jnp.sum(out * cotangent), out
+
+  (_, out), grads = jax.jit(jax.value_and_grad(ours, argnums=(0, 1), has_aux=True))(value, logits)
+  (_, want), want_grads = jax.value_and_grad(oracle, argnums=(0, 1), has_aux=True)(value, logits)
+  dense = reference_attention(query, key, value, bias, jnp.array(allowed), scale=0.3)
+  assert_close(out, dense)
+  assert_close(out, want)
+  for name, got, expected in zip(["value", "logits"], grads, want_grads):
+    assert_close(got, expected, err_msg=f"gradient of {name}")
+
+
+@_with_marks
+def test_masked_keys_get_zero_weight_and_padded_queries_output_zeros():
+  query, key, value = random_qkv(batch=2, q_len=6, num_heads=2, head_dim=4)
+  logits = jax.random.normal(jax.random.PRNGKey(1), (1, 2, 6, 6)) * 3.0
+  lengths = jnp.array([6, 4])
+  attend = lambda v: prior.synthesizer_attention(
+      query, key, v, is_causal=True, query_seq_lengths=lengths, key_value_seq_lengths=lengths,
+      synthetic_logits=logits)
+  # d out[b, i, h, 0] / d value[b, j, h, 0] is head h's weight of key j for query i.
+  jacobian = np.asarray(jax.jacobian(lambda v: attend(v)[..., 0])(value))[..., 0]
+  weights = np.einsum("bihbjh->bhij", jacobian)  # [B, H, Tq, Tk]
+  future = np.triu(np.ones((6, 6), bool), k=1)
+  assert np.all(weights[:, :, future] == 0)  # Causal: no weight on future keys.
+  assert np.all(weights[1, :, :, 4:] == 0)  # Padded keys get no weight...
+  assert np.all(weights[1, :, 4:] == 0)  # ... and padded queries none at all.
+  assert_close(weights[0].sum(-1), np.ones((2, 6)))
+  assert_close(weights[1, :, :4].sum(-1), np.ones((2, 4)))
+  assert np.all(np.asarray(attend(value))[1, 4:] == 0)
+
+
+@pytest.mark.property("synthesizer_dense")
+def test_dense_logits_are_an_mlp_of_each_token_alone():
+  query, key, value = random_qkv(batch=2, q_len=5, kv_len=6, num_heads=2, head_dim=4)
+  module = prior.DenseSyntheticLogits(max_length=8, hidden_dim=3)
+  variables = module.init(jax.random.PRNGKey(0), query, key, value)
+  p = {k: np.asarray(v) for k, v in variables["params"].items()}
+  logits = module.apply(variables, query, key, value)["synthetic_logits"]
+  assert logits.shape == (2, 2, 5, 6)
+  x = np.asarray(query)
+  for b, i, h in np.ndindex(2, 5, 2):
+    hidden = np.maximum(x[b, i, h] @ p["hidden_kernel"][h] + p["hidden_bias"][h], 0)
+    row = hidden @ p["logits_kernel"][h] + p["logits_bias"][h]
+    assert_close(logits[b, h, i], row[:6], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.property("synthesizer_random")
+@pytest.mark.property("synthesizer_factorized")
+@pytest.mark.parametrize("module_class", [prior.RandomSyntheticLogits,
+                                          prior.FactorizedSyntheticLogits])
+def test_fixed_random_logits_are_constant_and_position_indexed(module_class):
+  short = random_qkv(batch=1, q_len=4, kv_len=3, num_heads=2)
+  long = random_qkv(batch=1, q_len=6, kv_len=7, num_heads=2)
+  module = module_class(max_length=8, trainable=False, seed=3)
+  logits = lambda rng, qkv: module.init_with_output(rng, *qkv)[0]["synthetic_logits"]
+  first = logits(jax.random.PRNGKey(0), short)
+  assert_close(first, logits(jax.random.PRNGKey(1), short))  # Not re-drawn per init.
+  assert_close(first, logits(jax.random.PRNGKey(0), long)[:, :, :4, :3])  # R[h, i, j].
+  other = module_class(max_length=8, trainable=False, seed=4).init_with_output(
+      jax.random.PRNGKey(0), *short)[0]["synthetic_logits"]
+  assert np.abs(np.asarray(first - other)).max() > 0.1
+  assert "params" not in module.init(jax.random.PRNGKey(0), *short)
+
+
+@pytest.mark.property("synthesizer_factorized")
+def test_factorized_logits_have_rank_k():
+  query, key, value = random_qkv(batch=1, q_len=12, num_heads=2)
+  module = prior.FactorizedSyntheticLogits(max_length=16, rank=3)
+  logits, _ = module.init_with_output(jax.random.PRNGKey(0), query, key, value)
+  for h in range(2):
+    assert np.linalg.matrix_rank(np.asarray(logits["synthetic_logits"][0, h]), tol=1e-4) == 3
+
+
+@_with_marks
+@pytest.mark.parametrize("name", SYNTHESIZERS)
+def test_trains_through_multi_head_attention_under_jit(name):
+  x = jax.random.normal(jax.random.PRNGKey(0), (2, 10, 16))
+  module = attention_jax.MultiHeadAttention(num_heads=4, num_kv_heads=2, attention=name,
+                                            attention_options={"max_length": 12},
+                                            dropout_rate=0.1)
+  variables = module.init(jax.random.PRNGKey(1), x)
+
+  def loss(variables):
+    out = module.apply(variables, x, is_causal=True, key_value_seq_lengths=jnp.array([10, 7]),
+                       deterministic=False, rngs={"dropout": jax.random.PRNGKey(2)})
+    return jnp.sum(out ** 2)
+
+  grads = jax.jit(jax.grad(loss))(variables)["params"]["variant"]
+  assert grads
+  for param_name, grad in grads.items():
+    assert np.abs(np.asarray(grad)).max() > 0, param_name
+
+
+def test_lengths_past_max_length_are_refused():
+  x = jnp.ones((1, 10, 8))
+  for name, match in [("synthesizer_dense", "max_length=8 positions, got key length Tk=10"),
+                      ("synthesizer_random", "max_length=8 positions, got query length Tq=10"),
+                      ("synthesizer_factorized", "max_length=8 positions, got query length Tq=10")]:
+    module = attention_jax.MultiHeadAttention(num_heads=2, attention=name,
+                                              attention_options={"max_length": 8})
+    with pytest.raises(ValueError, match=match):
+      module.init(jax.random.PRNGKey(0), x)
+  query, key, value = random_qkv(batch=1, q_len=4, kv_len=10, num_heads=2)
+  with pytest.raises(ValueError, match="got key length Tk=10"):
+    prior.RandomSyntheticLogits(max_length=8).init(jax.random.PRNGKey(0), query, key, value)
+  with pytest.raises(ValueError, match="rank must be an int >= 1, got 0"):
+    prior.FactorizedSyntheticLogits(max_length=16, rank=0).init(jax.random.PRNGKey(0), query,
+                                                                 key, value)
+  with pytest.raises(ValueError, match=r"synthetic_logits must be \[B\|1, H, Tq, Tk\]"):
+    prior.synthesizer_attention(query, key, value, synthetic_logits=jnp.ones((1, 2, 4, 9)))
