@@ -27,8 +27,7 @@ from attention_testing import (MASK_CASES, assert_close, check_against_reference
 BF16_TOL = dict(rtol=2e-2, atol=2e-2)
 
 
-def _pallas(*args, **kwargs):
-  return pallas_tpu.tpu_dot_product_attention(*args, **kwargs)
+_pallas = pallas_tpu.tpu_dot_product_attention
 
 
 # ---------------------------------------------------------------------------
