@@ -558,7 +558,7 @@ def default_block_sizes_tpu(head_dim: int, dtype) -> common.BlockSizes:
   return common.BlockSizes(block_q=block_q, block_k=block_k)
 
 
-def unsupported_reason(inputs: AttentionInputs,
+def tpu_rejects(inputs: AttentionInputs,
                        block_sizes: Optional[common.BlockSizes] = None) -> Optional[str]:
   """Why the kernel cannot take `inputs` (and `block_sizes`), or None when it can.
 
@@ -617,7 +617,7 @@ def flash_attention_tpu(inputs: AttentionInputs,
   kv_len, num_kv_heads = key.shape[1], key.shape[2]
   if block_sizes is None:
     block_sizes = default_block_sizes_tpu(head_dim, query.dtype)
-  reason = unsupported_reason(inputs, block_sizes)
+  reason = tpu_rejects(inputs, block_sizes)
   if reason is not None:
     raise ValueError(reason)
 

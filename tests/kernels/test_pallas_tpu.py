@@ -262,13 +262,13 @@ def test_unsupported_inputs_raise(shapes, dtypes, blocks, message):
   with pytest.raises(ValueError, match=message):
     _pallas(query, key, value, block_sizes=blocks)
   inputs, _ = prepare_inputs(query, key, value)
-  assert message.split(",")[0] in pallas_tpu.unsupported_reason(inputs, blocks)
+  assert message.split(",")[0] in pallas_tpu.tpu_rejects(inputs, blocks)
 
 
 def test_supported_inputs_have_no_reason_to_reject():
   inputs, _ = prepare_inputs(*random_qkv(head_dim=256, dtype=jnp.bfloat16))
-  assert pallas_tpu.unsupported_reason(inputs) is None
-  assert pallas_tpu.unsupported_reason(inputs, LONG_BLOCKS) is None
+  assert pallas_tpu.tpu_rejects(inputs) is None
+  assert pallas_tpu.tpu_rejects(inputs, LONG_BLOCKS) is None
 
 
 # ---------------------------------------------------------------------------

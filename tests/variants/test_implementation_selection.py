@@ -65,3 +65,13 @@ def test_a_declining_implementation_falls_back_visibly(picky_implementation):
   with pytest.raises(ValueError, match="implementation 'picky' cannot take these inputs: head "
                                        "dim 16 is above the limit 8"):
     attention_jax.dot_product_attention(query, key, value, implementation="picky")
+
+
+def test_pallas_is_an_accelerator_implementation_that_declines_what_its_kernel_cannot_take():
+  from attention_jax.kernels import flash_attention  # pylint: disable=import-outside-toplevel
+  with pytest.raises(ValueError, match="implementation 'pallas' is not available on backend 'cpu'"):
+    select_implementation(_inputs(8, 8), "pallas")
+  # The Triton kernel's limits, which select_implementation consults on GPU.
+  assert flash_attention.pallas_gpu.gpu_rejects(_inputs(8, 8)) is None
+  assert "head dim of 1 to 256" in flash_attention.pallas_gpu.gpu_rejects(_inputs(8, 8, 512))
+  assert "up to 256" in flash_attention.pallas_tpu.tpu_rejects(_inputs(8, 8, 512))
