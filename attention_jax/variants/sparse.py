@@ -310,6 +310,14 @@ def _windowed_part(inputs: _Inputs, left: int, right: int, block: int, dilation:
   return _map_part(_from_stripes, part)
 
 
+def _check_at_most(name: str, value: int, limit_name: str, limit: int, minimum: int = 1) -> int:
+  """Like `common.check_size`, for a size bounded by another option rather than by T."""
+  common.check_size(name, value, minimum=minimum)
+  if value > limit:
+    raise ValueError(f"{name}={value} must be at most {limit_name}={limit}.")
+  return value
+
+
 def _ceil_div(a: int, b: int) -> int:
   return -(-a // b)
 
@@ -447,6 +455,379 @@ def dilated_attention(query: Array, key: Array, value: Array, bias=None, mask=No
   return _finish(out, inputs, query_seq_lengths, query.dtype)
 
 
+def _default_stride(length: int) -> int:
+  """ceil(sqrt(T)): the Sparse Transformer's l ~ sqrt(T)."""
+  return max(1, math.isqrt(length - 1) + 1) if length > 1 else 1
+
+
+COMBINES = ("interleaved", "merged", "per_head")
+
+
+def _factorized(variant: str, inputs: _Inputs, first: Callable[..., _Part],
+                second: Callable[..., _Part], pattern_names: Tuple[str, str], combine: str,
+                pattern: Optional[str], layer_index: Optional[int]) -> Array:
+  """Combines a Sparse Transformer's two factorised patterns.
+
+  `first(inputs)` and `second(inputs, exclusive)` compute partial softmaxes;
+  `exclusive=True` leaves out the keys `first` already covers, so that the
+  merged union counts each key once.
+  """
+  if combine not in COMBINES:
+    raise ValueError(f"{variant}: combine must be one of {COMBINES}, got {combine!r}.")
+  if combine != "interleaved" and (pattern is not None or layer_index is not None):
+    raise ValueError(f"{variant}: pattern and layer_index choose a pattern only with "
+                     f"combine='interleaved', got combine={combine!r}.")
+  if combine == "interleaved":
+    if (pattern is None) == (layer_index is None):
+      raise ValueError(f"{variant}: combine='interleaved' needs exactly one of layer_index "
+                       f"(even layers use {pattern_names[0]!r}, odd ones {pattern_names[1]!r}) "
+                       f"or pattern (one of {pattern_names}).")
+    if pattern is None:
+      pattern = pattern_names[layer_index % 2]
+    if pattern not in pattern_names:
+      raise ValueError(f"{variant}: pattern must be one of {pattern_names}, got {pattern!r}.")
+    return _merge_parts([first(inputs) if pattern == pattern_names[0] else
+                         second(inputs, False)])
+  if combine == "merged":
+    return _merge_parts([first(inputs), second(inputs, True)])
+  num_heads = inputs.query.shape[2]
+  if num_heads < 2:
+    raise ValueError(f"{variant}: combine='per_head' needs at least 2 heads (half use each "
+                     f"pattern), got num_heads={num_heads}.")
+  half = num_heads // 2
+  return _merge_parts([_concat_heads([first(_head_range(inputs, 0, half)),
+                                      second(_head_range(inputs, half, num_heads), False)])])
+
+
+def strided_attention(query: Array, key: Array, value: Array, bias=None, mask=None, *,
+                      is_causal: bool = False, query_seq_lengths=None,
+                      key_value_seq_lengths=None, segment_ids=None,
+                      stride: Optional[int] = None, combine: str = "merged",
+                      pattern: Optional[str] = None, layer_index: Optional[int] = None,
+                      scale: Optional[float] = None) -> Array:
+  """Sparse Transformer strided attention (Child et al. 2019), stride l.
+
+  Patterns: "local", |i - j| < l (0 <= i - j < l when causal), computed as a
+  blockwise band; "strided", (i - j) mod l == 0 (j <= i when causal), computed
+  as full attention within each of the l stripes of T/l positions.
+  `combine`: "interleaved" (one pattern, picked by `pattern` or by the parity
+  of `layer_index`), "merged" (one softmax over the union) or "per_head" (the
+  first half of the heads use "local", the rest "strided"). l defaults to
+  ceil(sqrt(T)); T is padded to a multiple of l. O(T sqrt(T)).
+  """
+  length = _self_attention_length("strided", query, key)
+  stride = _default_stride(length) if stride is None else stride
+  common.check_size("stride", stride, length=length)
+  inputs = _prepare("strided", query, key, value, bias, mask, is_causal=is_causal,
+                    key_value_seq_lengths=key_value_seq_lengths, segment_ids=segment_ids,
+                    scale=scale, multiple=stride)
+
+  def local(inputs):
+    return _windowed_part(inputs, stride - 1, stride - 1, stride)
+
+  def strided(inputs, exclusive):
+    # Stripe r holds the positions = r (mod l): full attention within it.
+    query, key, value, positions, key_ok, segments = _striped(inputs, stride)
+    segments = (None, None) if segments is None else segments
+    not_self = (lambda q, k: k != q) if exclusive else None
+    part = _dense_part(query, key, value, positions, positions, key_ok, *segments,
+                       _all_of(_causal(inputs.is_causal), not_self))
+    return _map_part(_from_stripes, part)
+
+  out = _factorized("strided", inputs, local, strided, ("local", "strided"), combine, pattern,
+                    layer_index)
+  return _finish(out, inputs, query_seq_lengths, query.dtype)
+
+
+def fixed_attention(query: Array, key: Array, value: Array, bias=None, mask=None, *,
+                    is_causal: bool = False, query_seq_lengths=None,
+                    key_value_seq_lengths=None, segment_ids=None,
+                    stride: Optional[int] = None, num_summary: int = 1,
+                    combine: str = "merged", pattern: Optional[str] = None,
+                    layer_index: Optional[int] = None, scale: Optional[float] = None) -> Array:
+  """Sparse Transformer fixed attention (Child et al. 2019), stride l, c summaries.
+
+  Patterns: "block", floor(j / l) == floor(i / l) (blockwise, lower triangle
+  when causal); "summary", j mod l >= l - c: the last c positions of every
+  block, attended by all queries (j <= i when causal), a gather of (T / l) c
+  columns. `combine` as in `strided_attention` ("per_head": first half
+  "block", rest "summary"). c = `num_summary` <= l. O(T (l + c T / l)).
+  """
+  length = _self_attention_length("fixed", query, key)
+  stride = _default_stride(length) if stride is None else stride
+  common.check_size("stride", stride, length=length)
+  _check_at_most("num_summary", num_summary, "stride", stride)
+  inputs = _prepare("fixed", query, key, value, bias, mask, is_causal=is_causal,
+                    key_value_seq_lengths=key_value_seq_lengths, segment_ids=segment_ids,
+                    scale=scale, multiple=stride)
+  positions = np.arange(inputs.padded_len)
+  summary = positions[positions % stride >= stride - num_summary]
+
+  def block(inputs):
+    return _own_block_part(inputs, stride)
+
+  def summaries(inputs, exclusive):
+    other_block = (lambda q, k: q // stride != k // stride) if exclusive else None
+    return _columns_part(inputs, summary, _all_of(_causal(inputs.is_causal), other_block))
+
+  out = _factorized("fixed", inputs, block, summaries, ("block", "summary"), combine, pattern,
+                    layer_index)
+  return _finish(out, inputs, query_seq_lengths, query.dtype)
+
+
+def _window_with_globals(variant: str, query, key, value, bias, mask, *, is_causal,
+                         query_seq_lengths, key_value_seq_lengths, segment_ids, scale,
+                         window_size: int, num_global: int, dilation: int = 1,
+                         dilated_heads: int = 0) -> Array:
+  """Global tokens plus a sliding window, dilated on the last `dilated_heads` heads.
+
+  The first `num_global` tokens attend to every key and every query attends
+  to them; every other query also sees keys i + d m, |m| <= w, of the window
+  (d = 1, or `dilation` on the dilated heads) that are not global. O(T (w + g)).
+  """
+  length = _self_attention_length(variant, query, key)
+  common.check_size("window_size", window_size, length=length)
+  common.check_size("num_global", num_global, length=length, minimum=0)
+  common.check_size("dilation", dilation, length=length)
+  num_heads = query.shape[2]
+  _check_at_most("dilated_heads", dilated_heads, "num_heads", num_heads, minimum=0)
+  inputs = _prepare(variant, query, key, value, bias, mask, is_causal=is_causal,
+                    key_value_seq_lengths=key_value_seq_lengths, segment_ids=segment_ids,
+                    scale=scale, multiple=window_size * dilation)
+  not_global = _keys_from(num_global) if num_global else None
+
+  def window(inputs, d):
+    return _windowed_part(inputs, window_size, window_size, window_size, d, not_global)
+
+  plain_heads = num_heads - dilated_heads
+  head_parts = []
+  if plain_heads:
+    head_parts.append(window(_head_range(inputs, 0, plain_heads), 1))
+  if dilated_heads:
+    head_parts.append(window(_head_range(inputs, plain_heads, num_heads), dilation))
+  out = _with_globals(inputs, num_global, [_concat_heads(head_parts)])
+  return _finish(out, inputs, query_seq_lengths, query.dtype)
+
+
+def global_tokens_attention(query: Array, key: Array, value: Array, bias=None, mask=None, *,
+                            is_causal: bool = False, query_seq_lengths=None,
+                            key_value_seq_lengths=None, segment_ids=None, num_global: int = 4,
+                            window_size: int = 64, scale: Optional[float] = None) -> Array:
+  """Global tokens (Star-Transformer / ETC): the first `num_global` tokens
+  attend to all and are attended by all; the rest also see a window of
+  `window_size` each side (blockwise). Causal keeps j <= i everywhere. O(T (w + g)).
+  """
+  common.check_size("num_global", num_global, length=query.shape[1])
+  return _window_with_globals(
+      "global_tokens", query, key, value, bias, mask, is_causal=is_causal,
+      query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
+      segment_ids=segment_ids, scale=scale, window_size=window_size, num_global=num_global)
+
+
+def longformer_attention(query: Array, key: Array, value: Array, bias=None, mask=None, *,
+                         is_causal: bool = False, query_seq_lengths=None,
+                         key_value_seq_lengths=None, segment_ids=None, window_size: int = 32,
+                         dilation: int = 2, dilated_heads: Optional[int] = None,
+                         num_global: int = 1, scale: Optional[float] = None) -> Array:
+  """Longformer (Beltagy et al. 2020): a sliding window of `window_size` each
+  side, dilated by `dilation` on the last `dilated_heads` heads (half of them
+  by default), plus `num_global` global tokens at the start (e.g. [CLS]).
+  O(T (w + g)).
+  """
+  dilated_heads = query.shape[2] // 2 if dilated_heads is None else dilated_heads
+  return _window_with_globals(
+      "longformer", query, key, value, bias, mask, is_causal=is_causal,
+      query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
+      segment_ids=segment_ids, scale=scale, window_size=window_size, num_global=num_global,
+      dilation=dilation, dilated_heads=dilated_heads)
+
+
+def _first_draws(indices: Array) -> Array:
+  """`[N, M]` ints -> True where the index is not already drawn earlier in its row."""
+  num = indices.shape[1]
+  earlier = jnp.tril(jnp.ones((num, num), bool), k=-1)  # [m, m'] m' < m
+  repeated = (indices[:, :, None] == indices[:, None, :]) & earlier[None]
+  return ~jnp.any(repeated, axis=-1)
+
+
+def random_indices(rng: jax.Array, length: int, num_random: int, is_causal: bool) -> Array:
+  """`[length, num_random]` int32: row i holds draws uniform over [0, length)
+  (over [0, i] when causal). Draws may repeat; a repeat counts once."""
+  if is_causal:
+    uniform = jax.random.uniform(rng, (length, num_random))
+    drawn = jnp.floor(uniform * (jnp.arange(length)[:, None] + 1)).astype(jnp.int32)
+    return jnp.minimum(drawn, jnp.arange(length)[:, None])
+  return jax.random.randint(rng, (length, num_random), 0, length, dtype=jnp.int32)
+
+
+def _require_rng(variant: str, rng) -> jax.Array:
+  if rng is None:
+    raise ValueError(f"attention variant {variant!r} draws its pattern from rng: pass a PRNG "
+                     f"key (MultiHeadAttention supplies one through its 'extras' module).")
+  return rng
+
+
+def random_attention(query: Array, key: Array, value: Array, bias=None, mask=None, *,
+                     is_causal: bool = False, query_seq_lengths=None,
+                     key_value_seq_lengths=None, segment_ids=None, rng: jax.Array = None,
+                     num_random: int = 16, window_size: Optional[int] = None,
+                     scale: Optional[float] = None) -> Array:
+  """Random attention (Zaheer et al. 2020): query i attends to the keys
+  `random_indices(rng, T, num_random, is_causal)[i]`, plus its window of
+  `window_size` each side when given (blockwise; the random draws inside the
+  window count once). The random keys are gathered, `[B, T, r, H, D]`: O(T (w + r)).
+  """
+  length = _self_attention_length("random", query, key)
+  rng = _require_rng("random", rng)
+  common.check_size("num_random", num_random, length=length)
+  if window_size is not None:
+    common.check_size("window_size", window_size, length=length)
+  inputs = _prepare("random", query, key, value, bias, mask, is_causal=is_causal,
+                    key_value_seq_lengths=key_value_seq_lengths, segment_ids=segment_ids,
+                    scale=scale, multiple=window_size or 1)
+  pad = inputs.padded_len - length
+  indices = random_indices(rng, length, num_random, inputs.is_causal)
+  index_ok = jnp.pad(_first_draws(indices), [(0, pad), (0, 0)])
+  indices = jnp.pad(indices, [(0, pad), (0, 0)])
+  parts = []
+  outside_window = None
+  if window_size is not None:
+    parts.append(_windowed_part(inputs, window_size, window_size, window_size))
+    outside_window = lambda q, k: ~_window(window_size, window_size)(q, k)
+  parts.append(_gathered_keys_part(inputs, indices, index_ok,
+                                   _all_of(_causal(inputs.is_causal), outside_window)))
+  return _finish(_merge_parts(parts), inputs, query_seq_lengths, query.dtype)
+
+
+def bigbird_blocks(rng: jax.Array, num_blocks: int, num_random_blocks: int, num_global_blocks: int,
+                   is_causal: bool) -> Array:
+  """BigBird's random key blocks `[num_blocks, r]`: block indices drawn per
+  query block, with -1 where a draw repeats an earlier one, falls in the
+  window (blocks n - 1, n, n + 1) or is global (< num_global_blocks)."""
+  drawn = random_indices(rng, num_blocks, num_random_blocks, is_causal)
+  query_block = jnp.arange(num_blocks)[:, None]
+  keep = (_first_draws(drawn) & (jnp.abs(drawn - query_block) > 1)
+          & (drawn >= num_global_blocks))
+  return jnp.where(keep, drawn, -1)
+
+
+def bigbird_attention(query: Array, key: Array, value: Array, bias=None, mask=None, *,
+                      is_causal: bool = False, query_seq_lengths=None,
+                      key_value_seq_lengths=None, segment_ids=None, rng: jax.Array = None,
+                      block_size: int = 64, num_global_blocks: int = 1,
+                      num_random_blocks: int = 3, scale: Optional[float] = None) -> Array:
+  """BigBird (Zaheer et al. 2020), blockified with blocks of b = `block_size`:
+  query block n attends to key blocks n - 1, n, n + 1 (window), the first
+  g = `num_global_blocks` blocks (global, which also attend to everything)
+  and the r = `num_random_blocks` blocks `bigbird_blocks(rng, ...)[n]`.
+  T is padded to a multiple of b. O(T b (3 + g + r)).
+  """
+  length = _self_attention_length("bigbird", query, key)
+  rng = _require_rng("bigbird", rng)
+  common.check_size("block_size", block_size, length=length)
+  num_blocks = -(-length // block_size)
+  _check_at_most("num_global_blocks", num_global_blocks, "the number of blocks", num_blocks,
+                 minimum=0)
+  _check_at_most("num_random_blocks", num_random_blocks, "the number of blocks", num_blocks,
+                 minimum=0)
+  inputs = _prepare("bigbird", query, key, value, bias, mask, is_causal=is_causal,
+                    key_value_seq_lengths=key_value_seq_lengths, segment_ids=segment_ids,
+                    scale=scale, multiple=block_size)
+  num_global = num_global_blocks * block_size
+  not_global = _keys_from(num_global) if num_global else None
+  parts = [_block_window_part(inputs, block_size, not_global)]
+  if num_random_blocks:
+    random_blocks = bigbird_blocks(rng, num_blocks, num_random_blocks, num_global_blocks,
+                                   inputs.is_causal)
+    query_, key_, value_, positions, key_ok, segments = _striped(inputs, 1)
+    part = _block_part(query_, key_, value_, positions, key_ok, segments, block_size,
+                       random_blocks, _causal(inputs.is_causal))
+    parts.append(_map_part(_from_stripes, part))
+  out = _with_globals(inputs, num_global, parts)
+  return _finish(out, inputs, query_seq_lengths, query.dtype)
+
+
+def _block_window_part(inputs: _Inputs, block: int, extra: Optional[Predicate]) -> _Part:
+  """Query block n attends to all of key blocks n - 1, n, n + 1 (n - 1, n when causal)."""
+  query, key, value, positions, key_ok, segments = _striped(inputs, 1)
+  num_blocks = positions.shape[1] // block
+  offsets = jnp.arange(-1, 1 if inputs.is_causal else 2)
+  key_blocks = jnp.arange(num_blocks)[:, None] + offsets[None, :]
+  part = _block_part(query, key, value, positions, key_ok, segments, block, key_blocks,
+                     _all_of(_causal(inputs.is_causal), extra))
+  return _map_part(_from_stripes, part)
+
+
+def axial_shape(length: int, shape: Optional[Sequence[int]] = None) -> Tuple[int, int]:
+  """(rows, cols) with rows * cols = T: `shape` checked, or by default the
+  most square factorisation, which must have cols <= 4 rows (so the cost stays
+  O(T sqrt(T)))."""
+  if shape is not None:
+    if (len(shape) != 2 or not all(isinstance(s, int) and s >= 1 for s in shape)
+        or shape[0] * shape[1] != length):
+      raise ValueError(f"shape must be (rows, cols) of positive ints with rows * cols equal to "
+                       f"the sequence length {length}, got {tuple(shape)!r}.")
+    return tuple(shape)
+  rows = max(r for r in range(1, math.isqrt(length) + 1) if length % r == 0)
+  cols = length // rows
+  if cols > 4 * rows:
+    raise ValueError(f"the sequence length {length} has no factorisation rows x cols with "
+                     f"cols <= 4 rows (the closest is {rows} x {cols}); pass shape=(rows, cols) "
+                     f"or pad the sequence.")
+  return rows, cols
+
+
+def axial_attention(query: Array, key: Array, value: Array, bias=None, mask=None, *,
+                    is_causal: bool = False, query_seq_lengths=None,
+                    key_value_seq_lengths=None, segment_ids=None,
+                    shape: Optional[Sequence[int]] = None,
+                    scale: Optional[float] = None) -> Array:
+  """Axial attention (Ho et al. 2019) over a sequence that is a rows x cols
+  image flattened row by row: attention within each row, then within each
+  column, the second pass taking the row pass's outputs as its values (same
+  queries and keys). Every output depends on every input after both passes.
+  Causal: each pass is causal, so position i only ever sees positions <= i.
+  Padded positions are neither keys nor values in either pass. O(T (rows + cols)).
+  """
+  length = _self_attention_length("axial", query, key)
+  rows, cols = axial_shape(length, shape)
+  inputs = _prepare("axial", query, key, value, bias, mask, is_causal=is_causal,
+                    key_value_seq_lengths=key_value_seq_lengths, segment_ids=segment_ids,
+                    scale=scale, multiple=1)
+  positions = jnp.arange(length).reshape(rows, cols)
+  by_row = lambda x: x.reshape(x.shape[0], rows, cols, *x.shape[2:])
+  by_col = lambda x: jnp.swapaxes(by_row(x), 1, 2)
+
+  def attend_along(split, positions, values):
+    segments = (None, None) if inputs.segments is None else tuple(
+        split(s) for s in inputs.segments)
+    part = _dense_part(split(inputs.query), split(inputs.key), split(values), positions,
+                       positions, split(inputs.key_ok), *segments, _causal(inputs.is_causal))
+    return _merge_parts([part])
+
+  rows_out = attend_along(by_row, positions, inputs.value).reshape(inputs.value.shape)
+  out = attend_along(by_col, positions.T, rows_out.astype(inputs.value.dtype))
+  out = jnp.swapaxes(out, 1, 2).reshape(inputs.value.shape)
+  return _finish(out, inputs, query_seq_lengths, query.dtype)
+
+
+class PatternRng(nn.Module):
+  """The PRNG key `random` and `bigbird` draw their pattern from.
+
+  From the "attention" RNG stream when the caller supplies one (a trainer that
+  wants a new pattern each step), else a fixed key from `seed`.
+  """
+
+  seed: int = 0
+
+  @nn.compact
+  def __call__(self, query, key, value, deterministic: bool = True):
+    del query, key, value, deterministic
+    if self.has_rng("attention"):
+      return {"rng": self.make_rng("attention")}
+    return {"rng": jax.random.PRNGKey(self.seed)}
+
+
 # ----------------------------------------------------------------------------
 # Registration.
 
@@ -459,3 +840,25 @@ registry.register(registry.VariantSpec(name="block_local", fn=block_local_attent
                                        complexity="O(T b)", paper="Qiu et al. 2019", **_SPARSE))
 registry.register(registry.VariantSpec(name="dilated", fn=dilated_attention, complexity="O(T w)",
                                        paper="Beltagy et al. 2020", **_SPARSE))
+registry.register(registry.VariantSpec(name="strided", fn=strided_attention,
+                                       complexity="O(T sqrt(T))", paper="Child et al. 2019",
+                                       **_SPARSE))
+registry.register(registry.VariantSpec(name="fixed", fn=fixed_attention,
+                                       complexity="O(T sqrt(T))", paper="Child et al. 2019",
+                                       **_SPARSE))
+registry.register(registry.VariantSpec(name="global_tokens", fn=global_tokens_attention,
+                                       complexity="O(T (w + g))", paper="Guo et al. 2019",
+                                       **_SPARSE))
+registry.register(registry.VariantSpec(name="random", fn=random_attention,
+                                       complexity="O(T (w + r))", paper="Zaheer et al. 2020",
+                                       extras=PatternRng, **_SPARSE))
+registry.register(registry.VariantSpec(name="longformer", fn=longformer_attention,
+                                       complexity="O(T (w + g))", paper="Beltagy et al. 2020",
+                                       **_SPARSE))
+registry.register(registry.VariantSpec(name="bigbird", fn=bigbird_attention,
+                                       complexity="O(T b (3 + g + r))",
+                                       paper="Zaheer et al. 2020", extras=PatternRng, **_SPARSE))
+registry.register(registry.VariantSpec(name="axial", fn=axial_attention,
+                                       complexity="O(T sqrt(T))", paper="Ho et al. 2019",
+                                       family="sparse", subquadratic=True, exact=False,
+                                       causal=True, cross=False))

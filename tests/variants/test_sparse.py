@@ -54,8 +54,8 @@ def _assert_parity(attention_fn, allowed, *, length, num_kv_heads=H, **kwargs):
                                  num_kv_heads=num_kv_heads, head_dim=8, value_dim=6)
   ours = jax.jit(lambda q, k, v: _outputs_and_grads(
       lambda *a: attention_fn(*a, **kwargs), q, k, v))(query, key, value)
-  theirs = _outputs_and_grads(
-      lambda *a: reference_attention(*a, None, jnp.asarray(allowed)), query, key, value)
+  theirs = jax.jit(lambda q, k, v: _outputs_and_grads(
+      lambda *a: reference_attention(*a, None, jnp.asarray(allowed)), q, k, v))(query, key, value)
   # Every query must see something for the comparison to say anything.
   assert allowed.any(-1).sum() > 0
   for name, got, want in zip(("out", "dq", "dk", "dv"), (ours[0], *ours[1]),
@@ -90,8 +90,7 @@ T = 19  # not a multiple of any block size below: internal padding is exercised
 
 @pytest.mark.parity("local")
 @pytest.mark.parity("band")
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("window", [1, 4, 19])
+@pytest.mark.parametrize("window,causal", [(1, True), (4, False), (19, True)])
 def test_local_matches_dense_window(causal, window):
   _assert_parity(sparse.local_attention, _pattern_mask(T, _local(window, causal)), length=T,
                  is_causal=causal, window_size=window)
@@ -110,19 +109,158 @@ def test_local_matches_dense_attention_with_local_window_size():
 
 
 @pytest.mark.parity("block_local")
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("size", [1, 5, 19])
+@pytest.mark.parametrize("size,causal", [(1, False), (5, True), (19, False)])
 def test_block_local_matches_dense_block_diagonal(causal, size):
   _assert_parity(sparse.block_local_attention, _pattern_mask(T, _block(size, causal)), length=T,
                  is_causal=causal, block_size=size)
 
 
 @pytest.mark.parity("dilated")
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("window,dilation", [(2, 3), (3, 2), (5, 1)])
+@pytest.mark.parametrize("window,dilation,causal", [(2, 3, False), (3, 2, True), (5, 1, True)])
 def test_dilated_matches_dense_dilated_band(causal, window, dilation):
   _assert_parity(sparse.dilated_attention, _pattern_mask(T, _dilated(window, dilation, causal)),
                  length=T, is_causal=causal, window_size=window, dilation=dilation)
+
+
+def _strided_local(l, causal):
+  return lambda b, i, j: abs(i - j) < l and (j <= i or not causal)
+
+
+def _strided_strided(l, causal):
+  return lambda b, i, j: (i - j) % l == 0 and (j <= i or not causal)
+
+
+def _fixed_summary(l, c, causal):
+  return lambda b, i, j: j % l >= l - c and (j <= i or not causal)
+
+
+def _union(*patterns):
+  return lambda b, i, j: any(p(b, i, j) for p in patterns)
+
+
+def _per_head(first, second):
+  """`[B, H, T, T]`: the first half of the heads under `first`, the rest under `second`."""
+  return np.concatenate([np.repeat(first, H // 2, axis=1), np.repeat(second, H - H // 2, axis=1)],
+                        axis=1)
+
+
+STRIDE, SUMMARY = 5, 2
+FACTORIZED = {
+    "strided": (sparse.strided_attention, dict(),
+                lambda c: _strided_local(STRIDE, c), lambda c: _strided_strided(STRIDE, c)),
+    "fixed": (sparse.fixed_attention, dict(num_summary=SUMMARY),
+              lambda c: _block(STRIDE, c), lambda c: _fixed_summary(STRIDE, SUMMARY, c)),
+}
+
+
+@pytest.mark.parity("strided")
+@pytest.mark.parity("fixed")
+@pytest.mark.parametrize("name", sorted(FACTORIZED))
+@pytest.mark.parametrize("combine,choice,causal", [
+    ("merged", {}, False), ("merged", {}, True),
+    ("interleaved", dict(layer_index=2), False), ("interleaved", dict(layer_index=3), True),
+    ("per_head", {}, True)])
+def test_sparse_transformer_patterns_match_dense(name, combine, choice, causal):
+  fn, options, first, second = FACTORIZED[name]
+  first, second = _pattern_mask(T, first(causal)), _pattern_mask(T, second(causal))
+  if combine == "merged":
+    allowed = first | second
+  elif combine == "interleaved":
+    allowed = first if choice["layer_index"] % 2 == 0 else second
+  else:
+    allowed = _per_head(first, second)
+  _assert_parity(fn, allowed, length=T, is_causal=causal, stride=STRIDE, combine=combine,
+                 **choice, **options)
+
+
+@pytest.mark.parity("strided")
+@pytest.mark.parity("fixed")
+@pytest.mark.parametrize("name,pattern", [("strided", "strided"), ("fixed", "block")])
+def test_interleaved_pattern_by_name(name, pattern):
+  fn, options, first, second = FACTORIZED[name]
+  allowed = _pattern_mask(T, (first if pattern in ("local", "block") else second)(False))
+  _assert_parity(fn, allowed, length=T, stride=STRIDE, combine="interleaved", pattern=pattern,
+                 **options)
+
+
+def _global_window(g, w, causal, d=1):
+  def allowed(b, i, j):
+    in_window = (i - j) % d == 0 and abs(i - j) <= d * w
+    return (i < g or j < g or in_window) and (j <= i or not causal)
+  return allowed
+
+
+@pytest.mark.parity("global_tokens")
+@pytest.mark.parametrize("causal", [False, True])
+def test_global_tokens_match_dense(causal):
+  _assert_parity(sparse.global_tokens_attention, _pattern_mask(T, _global_window(3, 2, causal)),
+                 length=T, is_causal=causal, num_global=3, window_size=2)
+
+
+@pytest.mark.parity("longformer")
+@pytest.mark.parametrize("causal", [False, True])
+def test_longformer_matches_dense_with_dilated_heads(causal):
+  plain = _pattern_mask(T, _global_window(2, 3, causal))
+  dilated = _pattern_mask(T, _global_window(2, 3, causal, d=2))
+  _assert_parity(sparse.longformer_attention, _per_head(plain, dilated), length=T,
+                 is_causal=causal, num_global=2, window_size=3, dilation=2, dilated_heads=H // 2)
+
+
+def _random_pattern(indices, w, causal):
+  indices = np.asarray(indices)
+  def allowed(b, i, j):
+    near = w is not None and abs(i - j) <= w
+    return (j in indices[i] or near) and (j <= i or not causal)
+  return allowed
+
+
+@pytest.mark.parity("random")
+@pytest.mark.parametrize("causal,window", [(False, None), (True, 2), (False, 3)])
+def test_random_matches_dense_under_the_drawn_keys(causal, window):
+  rng = jax.random.PRNGKey(4)
+  indices = sparse.random_indices(rng, T, 5, causal)
+  _assert_parity(sparse.random_attention, _pattern_mask(T, _random_pattern(indices, window, causal)),
+                 length=T, is_causal=causal, rng=rng, num_random=5, window_size=window)
+
+
+def test_random_draws_are_in_range_causal_and_vary():
+  for causal in (False, True):
+    indices = np.asarray(sparse.random_indices(jax.random.PRNGKey(0), 64, 8, causal))
+    assert indices.shape == (64, 8) and indices.min() >= 0 and indices.max() < 64
+    if causal:
+      assert np.all(indices <= np.arange(64)[:, None])
+    assert len({tuple(row) for row in np.sort(indices, axis=1)}) > 32
+  other = sparse.random_indices(jax.random.PRNGKey(1), 64, 8, False)
+  assert np.any(np.asarray(other) != indices)
+
+
+def _bigbird_pattern(block, g, blocks, causal):
+  blocks = np.asarray(blocks)
+  def allowed(b, i, j):
+    qb, kb = i // block, j // block
+    ok = qb < g or kb < g or abs(qb - kb) <= 1 or kb in blocks[qb]
+    return ok and (j <= i or not causal)
+  return allowed
+
+
+@pytest.mark.parity("bigbird")
+@pytest.mark.parametrize("causal", [False, True])
+def test_bigbird_matches_dense_block_mask(causal):
+  rng, block, length = jax.random.PRNGKey(2), 3, 26  # 9 blocks, the last one partial
+  drawn = sparse.random_indices(rng, 9, 2, causal)  # the blocks bigbird draws from rng
+  _assert_parity(sparse.bigbird_attention,
+                 _pattern_mask(length, _bigbird_pattern(block, 1, drawn, causal)),
+                 length=length, is_causal=causal, rng=rng, block_size=block,
+                 num_global_blocks=1, num_random_blocks=2)
+
+
+def test_bigbird_random_blocks_leave_out_window_global_and_repeats():
+  blocks = np.asarray(sparse.bigbird_blocks(jax.random.PRNGKey(0), 16, 6, 2, False))
+  for n, row in enumerate(blocks):
+    kept = row[row >= 0]
+    assert len(set(kept)) == len(kept)
+    assert all(abs(n - m) > 1 and m >= 2 for m in kept)
+  assert (blocks >= 0).sum() > 16
 
 
 # name -> (function, options, pattern) for the padding, segments and GQA checks.
@@ -131,6 +269,21 @@ PADDED_CASES = {
     "block_local": (sparse.block_local_attention, dict(block_size=4), _block(4, False)),
     "dilated": (sparse.dilated_attention, dict(window_size=2, dilation=2),
                 _dilated(2, 2, False)),
+    "strided": (sparse.strided_attention, dict(stride=4),
+                _union(_strided_local(4, False), _strided_strided(4, False))),
+    "fixed": (sparse.fixed_attention, dict(stride=4, num_summary=1),
+              _union(_block(4, False), _fixed_summary(4, 1, False))),
+    "global_tokens": (sparse.global_tokens_attention, dict(num_global=2, window_size=2),
+                      _global_window(2, 2, False)),
+    "longformer": (sparse.longformer_attention, dict(num_global=2, window_size=2,
+                                                     dilated_heads=0), _global_window(2, 2, False)),
+    "random": (sparse.random_attention, dict(rng=jax.random.PRNGKey(3), num_random=4),
+               _random_pattern(sparse.random_indices(jax.random.PRNGKey(3), T, 4, False), None,
+                               False)),
+    "bigbird": (sparse.bigbird_attention, dict(rng=jax.random.PRNGKey(3), block_size=4,
+                                               num_random_blocks=1),
+                _bigbird_pattern(4, 1, sparse.random_indices(jax.random.PRNGKey(3), 5, 1, False),
+                                 False)),
 }
 
 
@@ -167,7 +320,31 @@ BAD_SIZES = [
     ("block_local", dict(block_size=40), "block_size=40 must be at most"),
     ("dilated", dict(window_size=2, dilation=0), "dilation must be an int >= 1"),
     ("dilated", dict(window_size=30), "window_size=30 must be at most"),
+    ("strided", dict(stride=0), "stride must be an int >= 1"),
+    ("strided", dict(stride=20), "stride=20 must be at most the sequence length 19"),
+    ("strided", dict(combine="sum"), "combine must be one of"),
+    ("strided", dict(combine="interleaved"), "needs exactly one of layer_index"),
+    ("strided", dict(combine="interleaved", pattern="block"), "pattern must be one of"),
+    ("strided", dict(layer_index=1), "only with combine='interleaved'"),
+    ("fixed", dict(stride=4, num_summary=5), "num_summary=5 must be at most stride=4"),
+    ("global_tokens", dict(num_global=0), "num_global must be an int >= 1"),
+    ("global_tokens", dict(num_global=20), "num_global=20 must be at most"),
+    ("longformer", dict(window_size=2, dilated_heads=3),
+     "dilated_heads=3 must be at most num_heads=2"),
+    ("random", dict(), "draws its pattern from rng"),
+    ("random", dict(rng=jax.random.PRNGKey(0), num_random=20), "num_random=20 must be at most"),
+    ("bigbird", dict(rng=jax.random.PRNGKey(0)), "block_size=64 must be at most"),
+    ("bigbird", dict(rng=jax.random.PRNGKey(0), block_size=4, num_global_blocks=6),
+     "num_global_blocks=6 must be at most the number of blocks=5"),
+    ("axial", dict(), "length 19 has no factorisation"),
+    ("axial", dict(shape=(4, 5)), "rows \\* cols equal to the sequence length 19"),
 ]
+
+
+def test_per_head_needs_two_heads():
+  query, key, value = random_qkv(q_len=T, num_heads=1)
+  with pytest.raises(ValueError, match="at least 2 heads"):
+    sparse.strided_attention(query, key, value, combine="per_head")
 
 
 @pytest.mark.parametrize("name,options,message", BAD_SIZES)
@@ -182,23 +359,36 @@ MODULE_OPTIONS = {
     "band": dict(window_size=8),
     "block_local": dict(block_size=8),
     "dilated": dict(window_size=4, dilation=3),
+    "strided": dict(combine="per_head"),
+    "fixed": dict(stride=8, num_summary=2),
+    "global_tokens": dict(num_global=2, window_size=4),
+    "longformer": dict(window_size=4, dilation=2, num_global=1),
+    "random": dict(num_random=4, window_size=2, seed=3),
+    "bigbird": dict(block_size=4, num_random_blocks=2),
+    "axial": dict(shape=(5, 8)),
 }
 
 
 @pytest.mark.parametrize("name", sorted(MODULE_OPTIONS))
 def test_refuses_cross_attention_bias_and_pairwise_masks(name):
   fn = functools.partial(registry.get_variant(name).fn, **MODULE_OPTIONS[name])
-  query, key, value = random_qkv(q_len=8, kv_len=12, num_heads=2)
-  with pytest.raises(ValueError, match=r"query length \(8\).*key/value length \(12\)"):
+  if registry.get_variant(name).extras is not None:
+    fn = functools.partial(fn, rng=jax.random.PRNGKey(0), seed=None)
+    fn = functools.partial(lambda *a, seed, **k: registry.get_variant(name).fn(*a, **k),
+                           **{k: v for k, v in fn.keywords.items()})
+  query, key, value = random_qkv(q_len=40, kv_len=12, num_heads=2)
+  with pytest.raises(ValueError, match=r"query length \(40\).*key/value length \(12\)"):
     fn(query, key, value)
-  query, key, value = random_qkv(q_len=8, num_heads=2)
+  query, key, value = random_qkv(q_len=40, num_heads=2)
   with pytest.raises(ValueError, match="bias"):
-    fn(query, key, value, jnp.zeros((1, 2, 8, 8)))
+    fn(query, key, value, jnp.zeros((1, 2, 40, 40)))
   with pytest.raises(ValueError, match="key-padding mask"):
-    fn(query, key, value, None, jnp.ones((1, 1, 8, 8), bool))
+    fn(query, key, value, None, jnp.ones((1, 1, 40, 40), bool))
 
 
-@pytest.mark.parametrize("name", sorted(MODULE_OPTIONS))
+# Every registered variant runs by name in MultiHeadAttention under jit
+# (test_every_variant.py); here with its options, GQA, a padding mask and causal.
+@pytest.mark.parametrize("name", ["local", "strided", "longformer", "axial"])
 def test_runs_in_multi_head_attention_under_jit(name):
   x = jax.random.normal(jax.random.PRNGKey(0), (2, 40, 16))
   layer = MultiHeadAttention(num_heads=4, num_kv_heads=2, attention=name,
@@ -211,3 +401,82 @@ def test_runs_in_multi_head_attention_under_jit(name):
   # Causal: a change at the end does not reach the start.
   changed = apply(variables, x.at[:, 30:].add(1.0), key_mask)
   assert_close(out[:, :30], changed[:, :30])
+
+
+@pytest.mark.parametrize("name", ["random", "bigbird"])
+def test_pattern_comes_from_the_attention_rng_stream_when_given(name):
+  x = jax.random.normal(jax.random.PRNGKey(0), (1, 40, 16))
+  layer = MultiHeadAttention(num_heads=2, attention=name, attention_options=MODULE_OPTIONS[name])
+  variables = layer.init(jax.random.PRNGKey(1), x)
+  apply = jax.jit(lambda v, x, rng: layer.apply(v, x, rngs={"attention": rng}))
+  fixed = jax.jit(layer.apply)(variables, x)
+  assert_close(jax.jit(layer.apply)(variables, x), fixed)
+  redrawn = [apply(variables, x, jax.random.PRNGKey(s)) for s in (5, 6)]
+  assert not np.allclose(np.asarray(redrawn[0]), np.asarray(redrawn[1]))
+
+
+# Axial attention: two dense passes composed; each is checked against the
+# dense reference under the row (or column) mask.
+
+
+def _same_row(cols):
+  return lambda b, i, j: i // cols == j // cols
+
+
+def _same_col(cols):
+  return lambda b, i, j: i % cols == j % cols
+
+
+@pytest.mark.property("axial")
+@pytest.mark.parametrize("causal", [False, True])
+def test_axial_is_row_attention_then_column_attention(causal):
+  rows, cols, length = 3, 5, 15
+  causal_pattern = lambda p: (lambda b, i, j: p(b, i, j) and (j <= i or not causal))
+  call, masks = _padding_args(length)
+  del call["segment_ids"], masks["segments"]
+  call["query_seq_lengths"] = call["key_value_seq_lengths"] = jnp.array([11, 15])
+  masks["q_lengths"] = masks["kv_lengths"] = np.array([11, 15])
+  row_mask = jnp.asarray(_pattern_mask(length, causal_pattern(_same_row(cols)), **masks))
+  col_mask = jnp.asarray(_pattern_mask(length, causal_pattern(_same_col(cols)), **masks))
+
+  def two_dense_passes(q, k, v):
+    return reference_attention(q, k, reference_attention(q, k, v, None, row_mask), None, col_mask)
+
+  query, key, value = random_qkv(seed=6, batch=B, q_len=length, num_heads=H, num_kv_heads=2,
+                                 head_dim=8, value_dim=6)
+  key, value = (jnp.repeat(x, 2, axis=2) for x in (key, value))
+  ours = jax.jit(lambda q, k, v: _outputs_and_grads(
+      lambda *a: sparse.axial_attention(*a, shape=(rows, cols), is_causal=causal, **call),
+      q, k, v))(query, key, value)
+  theirs = _outputs_and_grads(two_dense_passes, query, key, value)
+  for name, got, want in zip(("out", "dq", "dk", "dv"), (ours[0], *ours[1]),
+                             (theirs[0], *theirs[1])):
+    assert_close(got, want, err_msg=name)
+
+
+@pytest.mark.property("axial")
+def test_axial_with_one_row_is_full_attention():
+  query, key, value = random_qkv(seed=2, batch=B, q_len=12, num_heads=2)
+  ours = sparse.axial_attention(query, key, value, shape=(1, 12))
+  assert_close(ours, reference_attention(query, key, value))
+
+
+@pytest.mark.property("axial")
+@pytest.mark.parametrize("causal", [False, True])
+def test_axial_reaches_every_position_after_both_passes(causal):
+  length = 12  # default shape 3 x 4
+  query, key, value = random_qkv(seed=3, batch=1, q_len=length, num_heads=1, head_dim=4)
+  jacobian = jax.jacobian(lambda v: sparse.axial_attention(query, key, v, is_causal=causal))(value)
+  # d out[i] / d value[j], summed in absolute value over the feature axes.
+  reach = np.abs(np.asarray(jacobian)).reshape(length, 4, length, 4).sum(axis=(1, 3))
+  if causal:
+    lower = np.tril(np.ones((length, length), bool))
+    assert np.all(reach[~lower] == 0.0)
+    # Causal passes still reach j <= i whenever j's column is at most i's.
+    cols = np.arange(length) % 4
+    reachable = lower & (cols[None, :] <= cols[:, None])
+    assert np.all(reach[reachable] > 0.0)
+  else:
+    assert np.all(reach > 0.0)
+  # Any single pass would not: the row pass alone leaves other rows out.
+  assert sparse.axial_shape(length) == (3, 4)
