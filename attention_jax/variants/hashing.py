@@ -22,6 +22,8 @@ decisions are integer indices, so no gradient flows through them.
 
 from __future__ import annotations
 
+import math
+
 from typing import Optional, Tuple
 
 import flax.linen as nn
@@ -446,9 +448,13 @@ class RoutingCentroids(nn.Module):
   call is not deterministic and the `kmeans` collection is mutable
   (`apply(..., mutable=["kmeans"])`); the attention uses the values from
   before the update, with no gradient.
+
+  `num_clusters=None` takes round(sqrt(T)) for the length T seen at
+  initialisation, the choice that makes the cost O(T sqrt(T)); a fixed C costs
+  O(T^2 / C) at longer lengths.
   """
 
-  num_clusters: int = 16
+  num_clusters: Optional[int] = None
   decay: float = 0.999
   seed: int = 0
 
@@ -456,10 +462,13 @@ class RoutingCentroids(nn.Module):
   def __call__(self, query, key, value, deterministic: bool = True) -> dict:
     del value
     num_heads, head_dim = query.shape[2], query.shape[3]
+    num_clusters = self.num_clusters
+    if num_clusters is None:
+      num_clusters = max(1, round(math.sqrt(min(query.shape[1], key.shape[1]))))
     centroids = self.variable(
         "kmeans", "centroids",
         lambda: _normalize(jax.random.normal(jax.random.PRNGKey(self.seed),
-                                             (num_heads, self.num_clusters, head_dim))))
+                                             (num_heads, num_clusters, head_dim))))
     current = centroids.value
     if not deterministic and self.is_mutable_collection("kmeans") and not self.is_initializing():
       points = jnp.concatenate([query, common.repeat_kv_heads(key, num_heads)], axis=1)

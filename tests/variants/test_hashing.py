@@ -456,3 +456,12 @@ def test_clustered_module_runs_under_jit():
   module = MultiHeadAttention(num_heads=2, attention="clustered",
                               attention_options={"num_clusters": 4, "lloyd_iterations": 2})
   _jit_module_output(module, x)
+
+
+@pytest.mark.property("routing")
+@pytest.mark.parametrize("length, expected_clusters", [(64, 8), (256, 16), (1000, 32)])
+def test_routing_default_cluster_count_is_the_square_root_of_the_length(length, expected_clusters):
+  query = key = value = jnp.zeros((1, length, 2, 8))
+  variables = jax.eval_shape(hashing.RoutingCentroids().init, jax.random.PRNGKey(0),
+                             query, key, value)
+  assert variables["kmeans"]["centroids"].shape == (2, expected_clusters, 8)
