@@ -1,0 +1,47 @@
+"""The Long-Range-Arena tasks, by name.
+
+  task = attention_jax.data.get_task("listops")
+  task.prepare(data_dir)                 # generate / convert, once
+  splits = task.splits(data_dir)         # {"train": ExampleSource, ...}
+  for batch in batches(splits["train"], batch_size=32, seed=0, start_step=step): ...
+
+Each task lives in its own module; it is imported only when asked for, so a task
+that needs an optional dependency costs nothing to the others.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any, Dict, Tuple
+
+from attention_jax.data.base import (SPLITS, ArraySource, ExampleSource, Task, TaskInfo,
+                                     batches)
+
+# name -> (module, keyword arguments of its `make_task`).
+_TASKS: Dict[str, Tuple[str, Dict[str, Any]]] = {
+    "listops": ("attention_jax.data.listops", {}),
+    "pathfinder32": ("attention_jax.data.pathfinder", {"resolution": 32}),
+    "pathfinder64": ("attention_jax.data.pathfinder", {"resolution": 64}),
+    "pathfinder128": ("attention_jax.data.pathfinder", {"resolution": 128}),  # Path-X
+    "pathfinder256": ("attention_jax.data.pathfinder", {"resolution": 256}),
+    "text": ("attention_jax.data.text", {}),
+    "image": ("attention_jax.data.image", {}),
+    "retrieval": ("attention_jax.data.retrieval", {}),
+}
+
+
+def list_tasks() -> Tuple[str, ...]:
+  return tuple(_TASKS)
+
+
+def get_task(name: str, **options) -> Task:
+  """The task registered as `name`, built with `options` (e.g. sizes, seed)."""
+  if name not in _TASKS:
+    raise ValueError(f"unknown task {name!r}; valid tasks are: {', '.join(_TASKS)}.")
+  module_name, defaults = _TASKS[name]
+  module = importlib.import_module(module_name)
+  return module.make_task(**{**defaults, **options})
+
+
+__all__ = ["SPLITS", "ArraySource", "ExampleSource", "Task", "TaskInfo", "batches", "get_task",
+           "list_tasks"]

@@ -1,0 +1,176 @@
+"""What every LRA task shares: its description, its examples, and batch iteration.
+
+A task is prepared once into a data directory (generated, or converted from a
+release or tensorflow-datasets) and then read as random-access example sources,
+one per split. `batches` turns a source into the trainer's stream: a fixed
+permutation per (seed, epoch), global batches cut from the concatenation of the
+epochs, and this host's rows of each global batch. Batch `step` is a pure
+function of (seed, step), so a run restarted at step s sees exactly the batches
+an uninterrupted run saw from step s on.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import pathlib
+from typing import Dict, Iterator, Mapping, Optional, Tuple
+
+import numpy as np
+
+SPLITS = ("train", "validation", "test")
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskInfo:
+  """What a model needs to know about a task.
+
+  Attributes:
+    name: registry name, e.g. "listops", "pathfinder32".
+    vocab_size: token ids are in [0, vocab_size).
+    num_classes: labels are in [0, num_classes).
+    seq_len: length of every `inputs` row (padded with `pad_id`).
+    pad_id: the padding token; the model's padding mask is `inputs != pad_id`.
+    dual: two sequences per example (`inputs` and `inputs2`), as in retrieval.
+    split_sizes: the number of examples of each split at the release's size.
+  """
+
+  name: str
+  vocab_size: int
+  num_classes: int
+  seq_len: int
+  pad_id: int = 0
+  dual: bool = False
+  split_sizes: Mapping[str, int] = dataclasses.field(default_factory=dict)
+
+
+class ExampleSource(abc.ABC):
+  """Random access to the examples of one split."""
+
+  @abc.abstractmethod
+  def __len__(self) -> int:
+    ...
+
+  @abc.abstractmethod
+  def gather(self, indices: np.ndarray) -> Dict[str, np.ndarray]:
+    """The examples at `indices` `[N]`, batched: `inputs [N, T]` int32, `label [N]`
+    int32 (and `inputs2 [N, T]` for dual tasks)."""
+
+
+class ArraySource(ExampleSource):
+  """Examples held as equal-length arrays (in memory or memory-mapped .npy)."""
+
+  def __init__(self, arrays: Mapping[str, np.ndarray]):
+    lengths = {name: len(array) for name, array in arrays.items()}
+    if len(set(lengths.values())) != 1:
+      raise ValueError(f"all arrays of a source need the same length, got {lengths}.")
+    self.arrays = dict(arrays)
+
+  def __len__(self) -> int:
+    return len(next(iter(self.arrays.values())))
+
+  def gather(self, indices: np.ndarray) -> Dict[str, np.ndarray]:
+    # Sorted reads are much faster on memory-mapped files; undo the sort after.
+    order = np.argsort(indices, kind="stable")
+    inverse = np.empty_like(order)
+    inverse[order] = np.arange(len(order))
+    sorted_indices = np.asarray(indices)[order]
+    return {name: np.asarray(array[sorted_indices])[inverse].astype(
+        np.int32 if np.issubdtype(array.dtype, np.integer) else array.dtype)
+            for name, array in self.arrays.items()}
+
+  @classmethod
+  def load(cls, folder: pathlib.Path, names: Tuple[str, ...] = ("inputs", "label"),
+           mmap: bool = True) -> "ArraySource":
+    """Reads `<folder>/<name>.npy` for each name; a clear error names a missing file."""
+    folder = pathlib.Path(folder)
+    arrays = {}
+    for name in names:
+      path = folder / f"{name}.npy"
+      if not path.is_file():
+        raise FileNotFoundError(f"expected the file {path} (array {name!r} of the split in "
+                                f"{folder}); prepare the data with `python -m "
+                                f"experiments.make_data`.")
+      arrays[name] = np.load(path, mmap_mode="r" if mmap else None)
+    return cls(arrays)
+
+  def save(self, folder: pathlib.Path) -> None:
+    """Writes each array as `<folder>/<name>.npy`, atomically per file."""
+    folder = pathlib.Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, array in self.arrays.items():
+      partial = folder / f"{name}.npy.partial"
+      with open(partial, "wb") as f:
+        np.save(f, array)
+      partial.replace(folder / f"{name}.npy")
+
+
+class Task(abc.ABC):
+  """One LRA task: how to prepare its data and how to read it back."""
+
+  info: TaskInfo
+
+  @abc.abstractmethod
+  def prepare(self, data_dir: pathlib.Path, *, progress: bool = True) -> Dict[str, int]:
+    """Generates or converts every split into `data_dir/<info.name>/<split>/`,
+    skipping splits already there; returns the number of examples written per
+    split (0 for skipped ones)."""
+
+  @abc.abstractmethod
+  def splits(self, data_dir: pathlib.Path) -> Dict[str, ExampleSource]:
+    """The prepared splits; raises FileNotFoundError naming the missing path."""
+
+
+def batches(source: ExampleSource, *, batch_size: int, seed: int, start_step: int = 0,
+            shuffle: bool = True, num_steps: Optional[int] = None,
+            process_index: int = 0, process_count: int = 1) -> Iterator[Dict[str, np.ndarray]]:
+  """This host's part of the global batches `start_step, start_step + 1, ...`.
+
+  Args:
+    source: the split's examples.
+    batch_size: the global batch size; each host gets `batch_size // process_count`
+      consecutive rows of every global batch.
+    seed: fixes the order: epoch e is `permutation(seed, e)` of the source.
+    start_step: the first global batch to yield (resuming a run).
+    shuffle: False keeps the source order (evaluation).
+    num_steps: stop after this many batches; None runs forever (training).
+      Evaluation over a whole split uses `num_steps = ceil(len / batch_size)`
+      with `shuffle=False`; its last batch wraps around to the first examples
+      and carries a `weight` of 0 on those rows so that each example counts once.
+    process_index, process_count: this host among all (jax.process_index()/count()).
+
+  Yields:
+    The source's arrays for this host's rows, plus `weight [rows]` float32
+    (1 for real examples, 0 for the wrap-around rows of a final partial pass).
+  """
+  if batch_size % process_count:
+    raise ValueError(f"batch_size={batch_size} must be a multiple of the number of hosts "
+                     f"{process_count}.")
+  size = len(source)
+  if size == 0:
+    raise ValueError("the split has no examples.")
+  rows_per_host = batch_size // process_count
+  permutations: Dict[int, np.ndarray] = {}
+
+  def order(epoch: int) -> np.ndarray:
+    if epoch not in permutations:
+      permutations.clear()  # Keep at most the epochs a batch can straddle.
+      permutations[epoch] = (np.random.default_rng([seed, epoch]).permutation(size)
+                             if shuffle else np.arange(size))
+    return permutations[epoch]
+
+  step = start_step
+  while num_steps is None or step < start_step + num_steps:
+    first = step * batch_size + process_index * rows_per_host
+    positions = np.arange(first, first + rows_per_host)  # in the endless epoch stream
+    epochs, offsets = np.divmod(positions, size)
+    indices = np.empty(rows_per_host, np.int64)
+    for epoch in np.unique(epochs):
+      rows = epochs == epoch
+      indices[rows] = order(int(epoch))[offsets[rows]]
+    batch = source.gather(indices)
+    # Without shuffling the stream is one pass: rows past it repeat examples.
+    batch["weight"] = (positions < size).astype(np.float32) if not shuffle else np.ones(
+        rows_per_host, np.float32)
+    yield batch
+    step += 1
