@@ -75,9 +75,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
   return args
 
 
-def selected_variants(requested: list[str] | None) -> list[str]:
+# Measured only where they compile natively: off an accelerator the Pallas
+# kernel runs in its interpreter, which times the interpreter, not the kernel.
+ACCELERATOR_ONLY = ("flash",)
+
+
+def selected_variants(requested: list[str] | None, backend: str = "cpu") -> list[str]:
   """The variants to measure, dense first (every ratio is against it)."""
-  names = list(registry.list_variants()) if requested is None else list(requested)
+  if requested is None:
+    names = [name for name in registry.list_variants()
+             if backend != "cpu" or name not in ACCELERATOR_ONLY]
+  else:
+    names = list(requested)
   return [DENSE] + [name for name in dict.fromkeys(names) if name != DENSE]
 
 
@@ -263,7 +272,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     return {}
 
   backend = jax.default_backend()
-  variants = selected_variants(args.variants)
+  variants = selected_variants(args.variants, backend)
   start = time.perf_counter()
   records = run_cells(list(make_cells(args, variants)), args, backend)
   rows = summarize(records)

@@ -70,3 +70,11 @@ def test_log_log_slope():
 def test_unknown_variant_lists_the_valid_names():
   with pytest.raises(ValueError, match="unknown attention variant 'nope'; valid names are"):
     benchmark_scaling.main(["--variants", "nope"])
+
+
+def test_default_selection_is_every_variant_but_the_interpreted_kernel_on_cpu():
+  from attention_jax import registry  # pylint: disable=import-outside-toplevel
+  on_cpu = benchmark_scaling.selected_variants(None, "cpu")
+  assert on_cpu[0] == "dot_product"
+  assert set(on_cpu) == set(registry.list_variants()) - {"flash"}
+  assert "flash" in benchmark_scaling.selected_variants(None, "gpu")
