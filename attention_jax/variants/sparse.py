@@ -294,9 +294,9 @@ def _windowed_part(inputs: _Inputs, left: int, right: int, block: int, dilation:
   """Query i attends to keys i + dilation * m, -left <= m <= right (right = 0
   when causal), and `extra`; blockwise on the stripes of `dilation`.
 
-  Needs `block >= max(left, right)` (so the neighbouring blocks hold the
-  window) and the padded length a multiple of `block * dilation`. Cost:
-  O(T b) scores, b = `block`.
+  Each query block gathers the ceil(left / b) + ceil(right / b) + 1 key blocks
+  that hold its window (3 when b = w, 2 when causal). The padded length must
+  be a multiple of `block * dilation`. Cost: O(T (left + right + b)) scores.
   """
   right = 0 if inputs.is_causal else right
   query, key, value, positions, key_ok, segments = _striped(inputs, dilation)
