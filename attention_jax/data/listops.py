@@ -69,6 +69,7 @@ VOCAB: Tuple[str, ...] = (("<pad>",) + tuple(str(d) for d in range(10)) + OPERAT
                           + (CLOSE, OPEN_PAREN, CLOSE_PAREN))
 TOKEN_IDS: Dict[str, int] = {token: i for i, token in enumerate(VOCAB)}
 TOKEN_IDS.update({op[1:]: TOKEN_IDS[op] for op in OPERATORS})  # "MAX" as LRA's tokenizer writes it
+_ENCODE_IDS = {token: i for token, i in TOKEN_IDS.items() if i != 0}  # "<pad>" is no input
 PAD_ID = 0
 DIGIT_ID0 = TOKEN_IDS["0"]  # digit d has id d + 1
 OP_ID0 = TOKEN_IDS[OPERATORS[0]]  # operator k (index in OPERATORS) has id OP_ID0 + k
@@ -188,13 +189,11 @@ def encode(tokens: Union[str, Tokens], seq_len: Optional[int] = None,
     raise ValueError(f"token_format={token_format!r}; expected one of {TOKEN_FORMATS}.")
   dropped = {"brackets": (OPEN_PAREN, CLOSE_PAREN), "parens": (),
              "alphanumeric": (OPEN_PAREN, CLOSE_PAREN, CLOSE)}[token_format]
-  ids = []
-  for token in _as_strings(tokens):
-    if token in dropped:
-      continue
-    if token not in TOKEN_IDS or token == "<pad>":
-      raise ValueError(f"unknown token {token!r}; the ListOps vocabulary is {VOCAB[1:]}.")
-    ids.append(TOKEN_IDS[token])
+  try:
+    ids = [_ENCODE_IDS[token] for token in _as_strings(tokens) if token not in dropped]
+  except KeyError as error:
+    raise ValueError(f"unknown token {error.args[0]!r}; the ListOps vocabulary is "
+                     f"{VOCAB[1:]}.") from None
   if seq_len is None:
     return np.asarray(ids, np.uint8)
   if len(ids) > seq_len:
@@ -399,7 +398,8 @@ def generate(count: int, seed: Sequence[int], *, max_depth: int = 10, max_args: 
     raise ValueError(f"need 0 <= min_length < max_length, got {min_length}, {max_length}.")
   if max_depth < 2 or max_args < 2:
     raise ValueError(f"need max_depth >= 2 and max_args >= 2, got {max_depth}, {max_args}.")
-  inputs, labels, have, chunk = [], [], 0, 0
+  inputs = [np.zeros((0, max_length), np.uint8)]
+  labels, have, chunk = [np.zeros(0, np.uint8)], 0, 0
   bar = _progress_bar(count, description) if progress else None
   while have < count:
     x, y = generate_chunk([*seed, chunk], _CANDIDATES_PER_CHUNK, max_depth=max_depth,

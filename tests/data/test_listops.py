@@ -275,6 +275,24 @@ def test_release_loader_converts_the_tsv_files(tmp_path):
                                                              "test": 0}
 
 
+def test_release_files_written_from_generated_data_load_back_identically(tmp_path):
+  _tiny(seed=2).prepare(tmp_path / "generated", progress=False)
+  files = {}
+  for split, name in listops.RELEASE_FILES.items():
+    folder = tmp_path / "generated" / "listops" / split
+    inputs, labels = np.load(folder / "inputs.npy"), np.load(folder / "label.npy")
+    files[name] = [(listops.to_release_source(row), int(label))
+                   for row, label in zip(inputs, labels)]
+  release = _write_release(tmp_path / "release", files)
+  task = _tiny(release_dir=release)
+  task.prepare(tmp_path / "converted", progress=False)
+  for split in listops.RELEASE_FILES:
+    for name in ("inputs.npy", "label.npy"):
+      np.testing.assert_array_equal(
+          np.load(tmp_path / "converted" / "listops" / split / name),
+          np.load(tmp_path / "generated" / "listops" / split / name))
+
+
 @pytest.mark.parametrize("row, message", [
     ("( [MAX 2 ) ] )\t2\textra", "line 3: expected 2 tab-separated fields"),
     ("[MAX 2 ]\tnine", "line 3: invalid literal"),
