@@ -63,6 +63,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
   parser.add_argument("--out", type=pathlib.Path, default=None,
                       help="JSON output (default: benchmarks/scaling_<backend>.json); the "
                            "plot is written next to it with the suffix .png")
+  parser.add_argument("--max-quadratic-length", type=int, default=None,
+                      help="measure variants registered as quadratic (other than the dense "
+                           "reference, which always runs) only up to this T")
   parser.add_argument("--cell-timeout", type=float, default=1800.0,
                       help="seconds before a CPU child process is abandoned")
   parser.add_argument("--cell", default=None, help=argparse.SUPPRESS)
@@ -97,7 +100,10 @@ def selected_variants(requested: list[str] | None, backend: str = "cpu") -> list
 
 def make_cells(args: argparse.Namespace, variants: list[str]) -> Iterator[dict[str, Any]]:
   for name in variants:
+    quadratic = name != DENSE and not registry.get_variant(name).subquadratic
     for seq_len in args.lengths:
+      if quadratic and args.max_quadratic_length and seq_len > args.max_quadratic_length:
+        continue
       for mode in args.modes:
         yield {"variant": name, "seq_len": seq_len, "mode": mode, "batch": args.batch,
                "heads": args.heads, "head_dim": args.head_dim, "dtype": args.dtype,

@@ -78,3 +78,12 @@ def test_default_selection_is_every_variant_but_the_interpreted_kernel_on_cpu():
   assert on_cpu[0] == "dot_product"
   assert set(on_cpu) == set(registry.list_variants()) - {"flash"}
   assert "flash" in benchmark_scaling.selected_variants(None, "gpu")
+
+
+def test_quadratic_variants_can_be_capped_in_length_but_dense_is_not():
+  args = benchmark_scaling.parse_args(["--lengths", "64", "128", "--modes", "fwd",
+                                       "--max-quadratic-length", "64"])
+  cells = list(benchmark_scaling.make_cells(args, ["dot_product", "multi_query", "local"]))
+  assert {(c["variant"], c["seq_len"]) for c in cells} == {
+      ("dot_product", 64), ("dot_product", 128), ("multi_query", 64), ("local", 64),
+      ("local", 128)}
