@@ -327,8 +327,29 @@ def _grow_paths(rng: np.random.Generator, canvas: _Canvas, images: np.ndarray, n
     starts[:, k], ends[:, k] = start[rows, pick], end[rows, pick]
     heading = angle[rows, pick]
     joints[:, k] = starts[:, k]
-  joints[:, num_dashes] = ends[:, -1]
+  if with_dots:
+    ok &= _dots_stand_clear(starts, ends, config)
   return ok, starts, ends
+
+
+def _dots_stand_clear(starts: np.ndarray, ends: np.ndarray, config: PathfinderConfig) -> np.ndarray:
+  """`[P]`: the dots at the two ends of each path (`starts, ends [P, K, 2]`) keep
+  clear of each other and of the path except where it leaves them, so that a
+  dot never sits on its own path's body (the path curling back to its end)."""
+  keep_away = config.dot_radius + config.thickness / 2 + config.clearance + 1.5
+  along = ends - starts  # [P, K, 2]
+  arc_start = np.arange(starts.shape[1]) * config.segment_length  # of each dash, from the start
+  arc_end = arc_start[::-1]  # from the far end of the path to the end of each dash
+  clear = np.ones(len(starts), bool)
+  for tip, arc in ((starts[:, 0], arc_start), (ends[:, -1], arc_end)):
+    offset = tip[:, None] - starts  # [P, K, 2]
+    t = np.clip(np.sum(offset * along, -1) / config.dash_length ** 2, 0.0, 1.0)
+    distance = np.linalg.norm(offset - t[..., None] * along, axis=-1)  # [P, K]
+    # Dashes within `keep_away` of the tip along the path leave from its dot.
+    far_along = arc >= 2 * keep_away
+    clear &= np.all((distance >= keep_away) | ~far_along, axis=1)
+  dots_apart = np.linalg.norm(ends[:, -1] - starts[:, 0], axis=-1)
+  return clear & (dots_apart >= 2 * config.dot_radius + config.clearance + 2)
 
 
 def _place_paths(rng: np.random.Generator, canvas: _Canvas, images: np.ndarray,
