@@ -4,8 +4,9 @@ Each image is black with white dashed curves ("paths") and two filled dots.
 The label is 1 when the two dots sit at the two ends of one path, 0 when they
 sit at one end each of two different paths. Every image has two long paths of
 `contour_length` dashes (the candidates for the dots) and shorter distractor
-paths; paths never touch each other (a `clearance` of empty pixels separates
-them), so "connected" has a single meaning.
+paths; paths never touch: at least `clearance` pixels less than half covered
+separate the "ink" (pixels at least half covered) of different paths, so
+"connected" has a single meaning (the tests read the labels off the pixels).
 
 Tokens. Images are stored as raw pixels, `inputs.npy` `[N, R * R]` uint8
 (row-major), which keeps Path-X at one byte per pixel. The sources returned by
@@ -15,14 +16,16 @@ pipeline fed raw pixels and masked black ones as padding; we do not.)
 
 Generation. A path is a random walk of dashes: each dash turns from the
 previous one by a uniform angle in [-max_turn, max_turn]; dash and gap lengths
-are fixed. Walks are drawn for many images at once, translated at random to
-fit the canvas, checked against an occupancy map of what is already drawn
-(dilated by `clearance`) and against coming back on themselves, and the first
-valid one of a few candidates per image is kept. Dashes are rasterised
-exactly: pixel coverage from the distance of each pixel centre to the dash
-segment (anti-aliased, or binary). Work is cut into chunks of images with
-seeds `(seed, split, chunk)`, so the bytes depend only on the seed and the
-chunk size, never on the number of worker processes.
+are fixed. Paths are grown dash by dash for many images at once (numpy arrays
+over images x attempts x candidate headings): a heading is kept when its dash
+stays inside the canvas, does not come back near the path's earlier joints,
+and its ink misses the occupancy map of what is already drawn (dilated by
+`clearance`). Failed paths are regrown, several attempts side by side. Dashes
+are rasterised exactly: pixel coverage from the distance of each pixel centre
+to the dash segment (anti-aliased, or binary). Work is cut into chunks of
+images with seeds `(seed, split, chunk)`, so the bytes depend only on the
+seed and the chunk size, never on the number of worker processes (spawned,
+so scripts that call `prepare` need the usual `if __name__ == "__main__":`).
 
 Defaults follow the settings of the LRA release (the docstrings of LRA's tfds
 builders): contour length 14 (the "hard" set, curv_contour_length_14, which
