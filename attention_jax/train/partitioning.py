@@ -1,0 +1,169 @@
+"""The device mesh, the logical-axis rules, and where parameters and batches live.
+
+Modules name the axes of their parameters and activations logically ("embed",
+"heads", ...; see `nn.with_logical_partitioning`). `LOGICAL_AXIS_RULES` maps
+those names to the axes of a ("data", "fsdp", "tensor") mesh:
+
+- "data": pure data parallelism; parameters are replicated over it.
+- "fsdp": data parallelism whose parameters (and optimiser state) are split
+  along their "embed" dimension and gathered when used (ZeRO-3 / FSDP).
+- "tensor": Megatron-style model parallelism over heads, MLP units and the
+  vocabulary.
+
+The same code runs on one device (mesh (1, 1, 1)), on one host with many
+devices, and on many hosts: batches arrive as each host's rows and are
+assembled into global arrays by `shard_batch`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Dict, Optional, Sequence, Tuple
+
+import flax.linen as nn
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+MESH_AXES = ("data", "fsdp", "tensor")
+# Every data-parallel axis splits the batch: FSDP is data parallelism too.
+DATA_AXES = ("data", "fsdp")
+
+# Priority order matters: flax assigns each mesh axis at most once per array, to
+# the first rule that claims it. "batch" comes first so that an activation
+# ("batch", "length", "embed") is split over the batch, and "embed" only takes
+# "fsdp" for parameters, which have no batch dimension.
+LOGICAL_AXIS_RULES: Tuple[Tuple[str, Any], ...] = (
+    ("batch", DATA_AXES),
+    ("embed", "fsdp"),
+    ("heads", "tensor"),
+    ("mlp", "tensor"),
+    ("vocab", "tensor"),
+    # Replicated: the head size is small and its heads are already split;
+    # splitting "length" (sequence parallelism) would need every attention
+    # variant to handle a split sequence; the classes and the relative-position
+    # buckets are a handful of rows.
+    ("kv", None),
+    ("length", None),
+    ("classes", None),
+    ("relpos_buckets", None),
+)
+
+
+def make_mesh(mesh_shape: Sequence[int], axis_names: Sequence[str] = MESH_AXES, *,
+              devices: Optional[Sequence[jax.Device]] = None) -> Mesh:
+  """A device mesh of `mesh_shape` over all (or the given) devices.
+
+  Args:
+    mesh_shape: one size per axis name; a single -1 stands for "the rest of the
+      devices", e.g. (-1, 1, 1) is pure data parallelism on any device count.
+    axis_names: the mesh axes, `MESH_AXES` by default.
+    devices: the devices to lay out; `jax.devices()` (all hosts) by default.
+
+  Raises:
+    ValueError: when the shape and the names differ in length, a size is
+      neither positive nor -1, -1 appears twice, or the product of the sizes
+      does not use exactly the devices available.
+  """
+  devices = list(jax.devices() if devices is None else devices)
+  shape = tuple(int(size) for size in mesh_shape)
+  if len(shape) != len(axis_names):
+    raise ValueError(f"mesh shape {tuple(mesh_shape)} has {len(shape)} sizes but the mesh has "
+                     f"{len(axis_names)} axes {tuple(axis_names)}.")
+  if any(size == 0 or size < -1 for size in shape) or shape.count(-1) > 1:
+    raise ValueError(f"mesh shape {tuple(mesh_shape)} must hold positive sizes and at most "
+                     f"one -1 (the rest of the devices).")
+  known = math.prod(size for size in shape if size != -1)
+  if -1 in shape:
+    if len(devices) % known:
+      raise ValueError(f"mesh shape {tuple(mesh_shape)}: {len(devices)} devices do not divide "
+                       f"into groups of {known}.")
+    shape = tuple(len(devices) // known if size == -1 else size for size in shape)
+  elif known != len(devices):
+    raise ValueError(f"mesh shape {tuple(mesh_shape)} needs {known} devices but there are "
+                     f"{len(devices)}; use -1 for one axis to take the rest.")
+  # Auto axes: the model places its activations with `with_sharding_constraint`
+  # hints and leaves the rest to the partitioner (the jit/GSPMD model). Explicit
+  # axes, jax.make_mesh's default, would need sharding types on every operation.
+  return jax.make_mesh(shape, tuple(axis_names), axis_types=(AxisType.Auto,) * len(shape),
+                       devices=devices)
+
+
+def _drop_indivisible(spec: P, shape: Tuple[int, ...], mesh: Mesh) -> P:
+  """`spec` with each dimension that its mesh axes do not divide replicated.
+
+  A vocabulary of 18 tokens cannot be split over 4 tensor shards; keeping it
+  whole costs a little memory and is what a default config should do rather
+  than fail.
+  """
+  entries = []
+  for size, axes in zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec))):
+    names = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+    shards = math.prod(mesh.shape[name] for name in names)
+    entries.append(axes if size % shards == 0 else None)
+  return P(*entries)
+
+
+def logical_to_mesh_shardings(abstract_variables: Any, mesh: Mesh,
+                              rules: Sequence[Tuple[str, Any]] = LOGICAL_AXIS_RULES) -> Any:
+  """`NamedSharding`s for a tree of (abstract) logically partitioned values.
+
+  Args:
+    abstract_variables: a tree whose leaves are `nn.LogicallyPartitioned` boxes
+      (as `jax.eval_shape(model.init, ...)` returns them) or plain arrays /
+      `ShapeDtypeStruct`s, which are replicated.
+    mesh: the device mesh.
+    rules: logical axis name -> mesh axis (or axes, or None).
+
+  Returns:
+    The tree of the unboxed values, each leaf its `NamedSharding`. A dimension
+    that its mesh axes do not divide is replicated.
+  """
+  logical_specs = nn.get_partition_spec(abstract_variables)
+  mesh_specs = nn.logical_to_mesh(logical_specs, rules)
+  abstract_values = nn.meta.unbox(abstract_variables)
+  return jax.tree.map(
+      lambda spec, value: NamedSharding(mesh, _drop_indivisible(spec, value.shape, mesh)),
+      mesh_specs, abstract_values, is_leaf=lambda x: isinstance(x, P))
+
+
+def data_parallel_size(mesh: Mesh) -> int:
+  """The number of ways the batch is split: the product of the `DATA_AXES` sizes."""
+  return math.prod(mesh.shape[name] for name in DATA_AXES)
+
+
+def check_batch_size(global_batch_size: int, mesh: Mesh) -> None:
+  """Raises ValueError unless `global_batch_size` splits evenly over `DATA_AXES`."""
+  shards = data_parallel_size(mesh)
+  if global_batch_size % shards:
+    sizes = " x ".join(f"{name}={mesh.shape[name]}" for name in DATA_AXES)
+    raise ValueError(f"the global batch size {global_batch_size} must be a multiple of the "
+                     f"data-parallel mesh size {shards} ({sizes}).")
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+  """The sharding of every batch array: rows split over `DATA_AXES`, the rest whole."""
+  return NamedSharding(mesh, P(DATA_AXES))
+
+
+def shard_batch(host_batch: Dict[str, np.ndarray], sharding: NamedSharding) -> Dict[str, jax.Array]:
+  """Global arrays from this host's rows of a global batch.
+
+  Args:
+    host_batch: arrays `[rows, ...]`, this host's consecutive rows of the global
+      batch (`attention_jax.data.batches` with this process's index and count).
+    sharding: `batch_sharding(mesh)`.
+
+  Returns:
+    The same keys as `[rows * process_count, ...]` arrays placed by `sharding`.
+
+  Raises:
+    ValueError: when the arrays disagree on the row count, or the global batch
+      does not split over the data-parallel axes.
+  """
+  rows = {name: np.shape(array)[0] for name, array in host_batch.items()}
+  if len(set(rows.values())) != 1:
+    raise ValueError(f"every batch array needs the same number of rows, got {rows}.")
+  check_batch_size(next(iter(rows.values())) * jax.process_count(), sharding.mesh)
+  return {name: jax.make_array_from_process_local_data(sharding, np.asarray(array))
+          for name, array in host_batch.items()}

@@ -1,0 +1,115 @@
+"""The train state and its creation directly into its shardings."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Dict, Mapping, Sequence, Tuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+from flax import struct
+from jax.sharding import Mesh
+
+from attention_jax.train import partitioning
+from attention_jax.train.model_calls import ModelCall, classify
+
+# Variable collections that are not carried from step to step: the parameters
+# have their own field, sown losses and intermediates are recomputed each call.
+NOT_CARRIED = ("params", "losses", "intermediates")
+
+
+@struct.dataclass
+class TrainState:
+  """Everything a training step reads and writes.
+
+  Attributes:
+    step: int32 scalar, the number of train steps (micro-batches) taken.
+    params: the "params" collection.
+    opt_state: the optimiser's state.
+    collections: the other variable collections the model updates as it trains,
+      e.g. {"kmeans": ...} of routing attention; {} for most models.
+  """
+
+  step: jax.Array
+  params: Any
+  opt_state: Any
+  collections: Dict[str, Any]
+
+
+def init_batch(example_batch: Mapping[str, Any]) -> Dict[str, jax.Array]:
+  """A one-row batch of the example's shapes and dtypes to initialise from.
+
+  Token id 1 (not padding) everywhere: initialisation depends only on shapes.
+  """
+  return {name: jnp.ones((1,) + tuple(value.shape[1:]), value.dtype)
+          for name, value in example_batch.items()}
+
+
+def _init_state(rng: jax.Array, *, model: nn.Module, optimizer: optax.GradientTransformation,
+                batch: Dict[str, jax.Array], model_call: ModelCall, boxed: bool) -> TrainState:
+  variables = model.init({"params": rng}, batch, True, method=model_call)
+  if not boxed:
+    variables = nn.meta.unbox(variables)
+  params = variables["params"]
+  # With `boxed`, the optimiser's parameter-shaped state (Adam's moments)
+  # inherits the boxes and so the parameters' logical axes.
+  return TrainState(step=jnp.zeros((), jnp.int32), params=params,
+                    opt_state=optimizer.init(params),
+                    collections={name: value for name, value in variables.items()
+                                 if name not in NOT_CARRIED})
+
+
+def abstract_state_and_shardings(
+    model: nn.Module, optimizer: optax.GradientTransformation, example_batch: Mapping[str, Any],
+    mesh: Mesh, rules: Sequence[Tuple[str, Any]] = partitioning.LOGICAL_AXIS_RULES, *,
+    model_call: ModelCall = classify) -> Tuple[TrainState, TrainState]:
+  """The state's shapes and its shardings, computed without allocating it.
+
+  Returns:
+    `(abstract_state, shardings)`: a `TrainState` of `jax.ShapeDtypeStruct`s and
+    one of `NamedSharding`s (what a checkpoint restore needs as targets).
+  """
+  init = functools.partial(_init_state, model=model, optimizer=optimizer,
+                           batch=init_batch(example_batch), model_call=model_call)
+  rng = jax.random.key(0)
+  boxed = jax.eval_shape(functools.partial(init, boxed=True), rng)
+  abstract = jax.eval_shape(functools.partial(init, boxed=False), rng)
+  shardings = partitioning.logical_to_mesh_shardings(boxed, mesh, rules)
+  if jax.tree.structure(shardings) != jax.tree.structure(abstract):
+    raise ValueError("the optimizer's state does not follow the parameters' structure when "
+                     "they carry partitioning boxes; its shardings cannot be derived.")
+  return abstract, shardings
+
+
+def create_sharded_state(
+    model: nn.Module, optimizer: optax.GradientTransformation, example_batch: Mapping[str, Any],
+    mesh: Mesh, rules: Sequence[Tuple[str, Any]] = partitioning.LOGICAL_AXIS_RULES,
+    rng: jax.Array | None = None, *,
+    model_call: ModelCall = classify) -> Tuple[TrainState, TrainState]:
+  """A freshly initialised train state, each array created on its own shards.
+
+  Args:
+    model: the flax module.
+    optimizer: the optax transformation.
+    example_batch: a batch of the data the model will see (arrays or
+      `jax.ShapeDtypeStruct`s); only shapes and dtypes are used.
+    mesh, rules: the device mesh and the logical-axis rules.
+    rng: the parameter initialisation key; `jax.random.key(0)` by default.
+    model_call: how the model is called on a batch.
+
+  Returns:
+    `(state, shardings)`; `shardings` is the `TrainState` of `NamedSharding`s the
+    steps are compiled with.
+  """
+  _, shardings = abstract_state_and_shardings(model, optimizer, example_batch, mesh, rules,
+                                              model_call=model_call)
+  init = functools.partial(_init_state, model=model, optimizer=optimizer,
+                           batch=init_batch(example_batch), model_call=model_call, boxed=False)
+  rng = jax.random.key(0) if rng is None else rng
+  # out_shardings makes every device compute only its own shards: the full
+  # parameters never exist on one device. No mesh is made current (see the
+  # note in steps.py on flax issue #3676).
+  state = jax.jit(init, out_shardings=shardings)(rng)
+  return state, shardings

@@ -1,0 +1,141 @@
+"""The train and eval steps, compiled for a mesh with explicit shardings.
+
+Losses and metrics are over the global batch: every row counts with its
+`weight` (0 for the padding rows of a final evaluation batch), whatever the
+mesh, so a sharded run computes what a one-device run computes.
+
+The steps are traced without a current mesh, so the models'
+`nn.with_logical_constraint` hints are inactive and the partitioner places the
+activations from the shardings of the parameters and the batch. With a mesh
+current, flax's `DenseGeneral` (flax issue #3676) applies a kernel's 3-axis
+logical constraint to the flattened 2-D kernel it initialises -- also inside
+`apply`, where flax re-runs the initialiser abstractly to check shapes -- and
+fails. Once the attention projections box their kernels after the reshape, the
+steps can run under `jax.set_mesh(mesh)` and `nn.logical_axis_rules(rules)`.
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import Any, Callable, Dict, Sequence, Tuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from attention_jax.train import partitioning
+from attention_jax.train.model_calls import ModelCall, classify
+from attention_jax.train.state import TrainState
+
+Batch = Dict[str, jax.Array]
+Metrics = Dict[str, jax.Array]
+
+
+def step_rngs(seed: int, step: jax.Array, streams: Sequence[str]) -> Dict[str, jax.Array]:
+  """One key per RNG stream for train step `step`: a pure function of
+  (seed, step, stream name), so a restarted run draws the same dropout masks."""
+  step_key = jax.random.fold_in(jax.random.key(seed), step)
+  # crc32, unlike hash(), is the same in every process.
+  return {name: jax.random.fold_in(step_key, zlib.crc32(name.encode()) & 0x7FFFFFFF)
+          for name in streams}
+
+
+def weighted_cross_entropy(logits: jax.Array, batch: Batch) -> Tuple[jax.Array, jax.Array,
+                                                                     jax.Array]:
+  """Sums over the batch of `weight * cross-entropy` and `weight * correct`, and
+  the sum of the weights. logits: `[B, C]`; batch: "label" `[B]`, "weight" `[B]`."""
+  weight = batch["weight"].astype(jnp.float32)
+  cross_entropy = optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"])
+  correct = (jnp.argmax(logits, axis=-1) == batch["label"]).astype(jnp.float32)
+  return (weight * cross_entropy).sum(), (weight * correct).sum(), weight.sum()
+
+
+def sown_losses(collections: Dict[str, Any]) -> jax.Array:
+  """The sum of every value modules `sow`ed into the "losses" collection (0 if none)."""
+  return sum((jnp.sum(value) for value in jax.tree.leaves(collections.get("losses", {}))),
+             jnp.zeros((), jnp.float32))
+
+
+def make_train_step(model: nn.Module, optimizer: optax.GradientTransformation, mesh: Mesh,
+                    state_shardings: TrainState, *, seed: int = 0, rng_streams: Sequence[str] = ("dropout",),
+                    model_call: ModelCall = classify) -> Callable[[TrainState, Batch],
+                                                                   Tuple[TrainState, Metrics]]:
+  """`step(state, batch) -> (state, metrics)`, one optimiser update (or micro-step
+  of an accumulating optimiser).
+
+  The loss is the weighted mean cross-entropy of the global batch plus the sum
+  of the losses modules sow into "losses". The input state is donated: do not
+  use it after the call.
+
+  Args:
+    model, optimizer: as given to `create_sharded_state`.
+    mesh: the device mesh.
+    state_shardings: the shardings `create_sharded_state` returned.
+    seed: the RNG seed; each step's keys are `step_rngs(seed, state.step, ...)`.
+    rng_streams: the RNG streams the model draws from while training: "dropout",
+      and "attention" for variants that redraw random features.
+    model_call: how the model is called on a batch.
+
+  Returns:
+    The step. `metrics` holds scalars: "loss" (the optimised objective),
+    "cross_entropy", "aux_loss", "accuracy", "count" (sum of the weights) and
+    "grad_norm" (global norm before clipping).
+  """
+
+  def train_step(state: TrainState, batch: Batch) -> Tuple[TrainState, Metrics]:
+    rngs = step_rngs(seed, state.step, rng_streams)
+
+    def loss_fn(params):
+      logits, updates = model.apply(
+          {"params": params, **state.collections}, batch, False, method=model_call,
+          rngs=rngs, mutable=[*state.collections, "losses"])
+      cross_entropy_sum, correct, count = weighted_cross_entropy(logits, batch)
+      cross_entropy = cross_entropy_sum / jnp.maximum(count, 1e-8)
+      aux_loss = sown_losses(updates)
+      return cross_entropy + aux_loss, (updates, cross_entropy, aux_loss, correct, count)
+
+    grads, (updates, cross_entropy, aux_loss, correct, count) = jax.grad(
+        loss_fn, has_aux=True)(state.params)
+    param_updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+    new_state = state.replace(
+        step=state.step + 1, params=optax.apply_updates(state.params, param_updates),
+        opt_state=opt_state, collections={name: updates[name] for name in state.collections})
+    metrics = dict(loss=cross_entropy + aux_loss, cross_entropy=cross_entropy,
+                   aux_loss=aux_loss, accuracy=correct / jnp.maximum(count, 1e-8),
+                   count=count, grad_norm=optax.tree.norm(grads))
+    return new_state, metrics
+
+  replicated = NamedSharding(mesh, P())
+  jitted = jax.jit(train_step,
+                   in_shardings=(state_shardings, partitioning.batch_sharding(mesh)),
+                   out_shardings=(state_shardings, replicated), donate_argnums=0)
+  return jitted
+
+
+def make_eval_step(model: nn.Module, mesh: Mesh, state_shardings: TrainState, *,
+                   model_call: ModelCall = classify) -> Callable[[TrainState, Batch], Metrics]:
+  """`step(state, batch) -> sums` without dropout, for adding up over a split.
+
+  The sums are "loss_sum" (weighted cross-entropy), "correct" and "count" (sum of
+  the weights); `summarize_eval` turns their totals into means.
+  """
+
+  def eval_step(state: TrainState, batch: Batch) -> Metrics:
+    logits = model.apply({"params": state.params, **state.collections}, batch, True,
+                         method=model_call)
+    loss_sum, correct, count = weighted_cross_entropy(logits, batch)
+    return dict(loss_sum=loss_sum, correct=correct, count=count)
+
+  jitted = jax.jit(eval_step,
+                   in_shardings=(state_shardings, partitioning.batch_sharding(mesh)),
+                   out_shardings=NamedSharding(mesh, P()))
+  return jitted
+
+
+def summarize_eval(sums: Metrics) -> Dict[str, float]:
+  """{"loss", "accuracy", "count"} from eval-step sums added over batches."""
+  count = float(sums["count"])
+  return dict(loss=float(sums["loss_sum"]) / max(count, 1e-8),
+              accuracy=float(sums["correct"]) / max(count, 1e-8), count=count)

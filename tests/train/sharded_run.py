@@ -1,0 +1,98 @@
+"""Runs the same tiny training on several meshes of 8 simulated CPU devices.
+
+Run as a script (tests/train/test_sharded.py does, in a subprocess): the
+device count must be set before jax initialises, which a pytest worker that
+already imported jax cannot do. Prints one JSON object on the last line.
+"""
+
+import json
+import os
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                           " --xla_force_host_platform_device_count=8").strip()
+
+import jax  # pylint: disable=g-import-not-at-top
+import numpy as np
+
+from attention_jax import train
+from attention_jax.models import build_model
+
+MODEL = dict(vocab_size=32, num_classes=4, num_layers=1, embed_dim=16, num_heads=2, mlp_dim=32,
+             max_length=16, dropout_rate=0.1)
+OPTIMIZER = dict(learning_rate=0.05, warmup_steps=0, schedule="linear", num_train_steps=20,
+                 grad_clip_norm=1.0)
+BATCH, LENGTH, STEPS = 16, 16, 4
+
+
+def random_batches():
+  rng = np.random.default_rng(0)
+  batches = []
+  for _ in range(STEPS):
+    inputs = rng.integers(1, MODEL["vocab_size"], (BATCH, LENGTH)).astype(np.int32)
+    inputs[:, 12:] = 0  # some padding
+    batches.append(dict(inputs=inputs,
+                        label=rng.integers(0, MODEL["num_classes"], BATCH).astype(np.int32),
+                        weight=np.ones(BATCH, np.float32)))
+  return batches
+
+
+def spec_of(array):
+  return [list(axes) if isinstance(axes, tuple) else axes for axes in array.sharding.spec]
+
+
+def error_of(fn):
+  try:
+    fn()
+  except ValueError as e:
+    return str(e)
+  return None
+
+
+def main():
+  out = {"device_count": jax.device_count()}
+  out["mesh_shapes"] = {str(shape): dict(train.make_mesh(shape).shape)
+                        for shape in [(-1, 2, 2), (-1, 1, 1), (2, -1, 1), (8, 1, 1)]}
+  out["mesh_errors"] = {str(shape): error_of(lambda shape=shape: train.make_mesh(shape))
+                        for shape in [(3, -1, 1), (2, 2, 1), (-1, -1, 1), (2, 2), (0, 8, 1)]}
+
+  model = build_model(MODEL)
+  optimizer = train.make_optimizer(OPTIMIZER)
+  batches = random_batches()
+  runs = [("8,1,1", (8, 1, 1), None), ("2,4,1", (2, 4, 1), None), ("2,2,2", (2, 2, 2), None),
+          ("one device", (1, 1, 1), jax.devices()[:1])]
+  out["losses"] = {}
+  for name, shape, devices in runs:
+    mesh = train.make_mesh(shape, devices=devices)
+    state, shardings = train.create_sharded_state(model, optimizer, batches[0], mesh,
+                                                  rng=jax.random.key(1))
+    step = train.make_train_step(model, optimizer, mesh, shardings, seed=3)
+    losses = []
+    for batch in batches:
+      state, metrics = step(state, train.shard_batch(batch, train.batch_sharding(mesh)))
+      losses.append(float(metrics["loss"]))
+    out["losses"][name] = losses
+    if shape == (2, 2, 2):
+      params = state.params
+      block = params["encoder"]["block_0"]
+      mu = state.opt_state[1][0].mu  # chain(clip, adamw): adamw's scale_by_adam state
+      query = block["attention"]["query"]["kernel"]
+      out["specs"] = {
+          "token_embedding": spec_of(params["encoder"]["token_embedding"]["embedding"]),
+          "query_kernel": spec_of(query),
+          "query_kernel_shard_shape": list(query.addressable_shards[0].data.shape),
+          "out_kernel": spec_of(block["attention"]["out"]["kernel"]),
+          "mlp_wi_kernel": spec_of(block["mlp"]["wi"]["kernel"]),
+          "head_kernel": spec_of(params["head"]["kernel"]),
+          "query_kernel_adam_mu": spec_of(mu["encoder"]["block_0"]["attention"]["query"]["kernel"]),
+          "batch_inputs": spec_of(train.shard_batch(batches[0], train.batch_sharding(mesh))["inputs"]),
+      }
+      out["eval"] = train.summarize_eval(train.make_eval_step(model, mesh, shardings)(
+          state, train.shard_batch(batches[0], train.batch_sharding(mesh))))
+      uneven = {name: array[:12] for name, array in batches[0].items()}
+      out["batch_error"] = error_of(
+          lambda: train.shard_batch(uneven, train.batch_sharding(train.make_mesh((8, 1, 1)))))
+  print(json.dumps(out))
+
+
+if __name__ == "__main__":
+  main()

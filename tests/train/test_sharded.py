@@ -1,0 +1,83 @@
+"""The trainer on 8 simulated devices: meshes, parameter shardings, and the same
+losses on every mesh as on one device (tests/train/sharded_run.py, in a
+subprocess so that the device count is set before jax initialises)."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+SCRIPT = pathlib.Path(__file__).with_name("sharded_run.py")
+
+
+@pytest.fixture(scope="module")
+def run():
+  result = subprocess.run([sys.executable, str(SCRIPT)], capture_output=True, text=True,
+                          env=dict(os.environ), cwd=SCRIPT.parents[2], timeout=600)
+  assert result.returncode == 0, result.stderr[-4000:]
+  return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def test_eight_devices_simulated(run):
+  assert run["device_count"] == 8
+
+
+def test_make_mesh_fills_in_the_rest(run):
+  assert run["mesh_shapes"] == {
+      "(-1, 2, 2)": {"data": 2, "fsdp": 2, "tensor": 2},
+      "(-1, 1, 1)": {"data": 8, "fsdp": 1, "tensor": 1},
+      "(2, -1, 1)": {"data": 2, "fsdp": 4, "tensor": 1},
+      "(8, 1, 1)": {"data": 8, "fsdp": 1, "tensor": 1},
+  }
+
+
+@pytest.mark.parametrize("shape, words", [
+    ("(3, -1, 1)", ["(3, -1, 1)", "8 devices"]),
+    ("(2, 2, 1)", ["(2, 2, 1)", "4 devices", "there are 8"]),
+    ("(-1, -1, 1)", ["(-1, -1, 1)", "at most one -1"]),
+    ("(2, 2)", ["(2, 2)", "3 axes"]),
+    ("(0, 8, 1)", ["(0, 8, 1)", "positive"]),
+])
+def test_make_mesh_rejects_shapes_that_do_not_fit(run, shape, words):
+  message = run["mesh_errors"][shape]
+  assert message is not None, f"mesh shape {shape} was accepted"
+  for word in words:
+    assert word in message
+
+
+def test_same_losses_on_every_mesh_as_on_one_device(run):
+  losses = run["losses"]
+  reference = np.array(losses["one device"])
+  assert len(reference) == 4
+  # The run must move, or equal losses would prove nothing about the updates.
+  assert np.ptp(reference) > 0.05
+  for mesh in ("8,1,1", "2,4,1", "2,2,2"):
+    np.testing.assert_allclose(losses[mesh], reference, rtol=2e-5, atol=2e-6, err_msg=mesh)
+
+
+def test_parameters_and_optimizer_state_are_sharded_by_the_rules(run):
+  # Mesh (2, 2, 2): "embed" -> fsdp, "heads"/"mlp"/"vocab" -> tensor, "kv"/"classes" whole.
+  specs = run["specs"]
+  assert specs["token_embedding"] == ["tensor", "fsdp"]  # (vocab, embed)
+  assert specs["query_kernel"] == ["fsdp", "tensor", None]  # (embed, heads, kv)
+  assert specs["query_kernel_shard_shape"] == [16 // 2, 2 // 2, 8]
+  assert specs["out_kernel"] == ["tensor", None, "fsdp"]  # (heads, kv, embed)
+  assert specs["mlp_wi_kernel"] == ["fsdp", "tensor"]  # (embed, mlp)
+  assert specs["head_kernel"] == ["fsdp", None]  # (embed, classes)
+  assert specs["query_kernel_adam_mu"] == ["fsdp", "tensor", None]
+  assert specs["batch_inputs"] == [["data", "fsdp"]]
+
+
+def test_eval_step_counts_every_example(run):
+  assert run["eval"]["count"] == 16.0
+  assert 0.0 <= run["eval"]["accuracy"] <= 1.0
+  assert run["eval"]["loss"] > 0.0
+
+
+def test_batch_that_does_not_divide_over_the_data_axes_raises(run):
+  message = run["batch_error"]
+  assert message is not None and "12" in message and "8" in message
