@@ -59,7 +59,8 @@ def sown_losses(collections: Dict[str, Any]) -> jax.Array:
 
 
 def make_train_step(model: nn.Module, optimizer: optax.GradientTransformation, mesh: Mesh,
-                    state_shardings: TrainState, *, seed: int = 0, rng_streams: Sequence[str] = ("dropout",),
+                    state_shardings: TrainState, *, seed: int = 0,
+                    rng_streams: Sequence[str] = ("dropout",),
                     model_call: ModelCall = classify) -> Callable[[TrainState, Batch],
                                                                    Tuple[TrainState, Metrics]]:
   """`step(state, batch) -> (state, metrics)`, one optimiser update (or micro-step

@@ -84,7 +84,8 @@ def main():
           "mlp_wi_kernel": spec_of(block["mlp"]["wi"]["kernel"]),
           "head_kernel": spec_of(params["head"]["kernel"]),
           "query_kernel_adam_mu": spec_of(mu["encoder"]["block_0"]["attention"]["query"]["kernel"]),
-          "batch_inputs": spec_of(train.shard_batch(batches[0], train.batch_sharding(mesh))["inputs"]),
+          "batch_inputs": spec_of(
+              train.shard_batch(batches[0], train.batch_sharding(mesh))["inputs"]),
       }
       out["eval"] = train.summarize_eval(train.make_eval_step(model, mesh, shardings)(
           state, train.shard_batch(batches[0], train.batch_sharding(mesh))))
