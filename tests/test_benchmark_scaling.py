@@ -87,3 +87,11 @@ def test_quadratic_variants_can_be_capped_in_length_but_dense_is_not():
   assert {(c["variant"], c["seq_len"]) for c in cells} == {
       ("dot_product", 64), ("dot_product", 128), ("multi_query", 64), ("local", 64),
       ("local", 128)}
+
+
+def test_dense_reference_is_the_materialised_softmax():
+  dense = benchmark_scaling.module_of("dot_product", 2)
+  assert dict(dense.attention_options) == {"implementation": "xla"}
+  assert dict(benchmark_scaling.module_of("multi_query", 2).attention_options) == {
+      "implementation": "xla"}
+  assert dict(benchmark_scaling.module_of("local", 2).attention_options) == {}
