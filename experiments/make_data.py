@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import ast
-import importlib
 import inspect
 import pathlib
 import sys
@@ -76,19 +75,12 @@ def common_options(args: argparse.Namespace) -> Dict[str, Any]:
   return options
 
 
-def _make_task_parameters(name: str) -> Dict[str, inspect.Parameter]:
-  module_name, _ = data._TASKS[name]  # pylint: disable=protected-access
-  return dict(inspect.signature(importlib.import_module(module_name).make_task).parameters)
-
-
 def check_options(name: str, options: Sequence[str], error) -> None:
   """Calls `error` when the task's make_task does not take one of `options`."""
-  parameters = _make_task_parameters(name)
+  parameters = data.task_parameters(name)
   if any(p.kind == inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
     return  # takes anything; the task checks its own options
-  takes_sizes = "sizes" in parameters  # one mapping instead of <split>_size
-  unknown = [option for option in options if option not in parameters
-             and not (takes_sizes and option in _SIZE_OPTIONS)]
+  unknown = [option for option in options if option not in parameters]
   if unknown:
     flags = ", ".join(f"--{o.replace('_', '-')} ({o})" for o in unknown)
     error(f"task {name!r} does not take {flags}; it takes: {', '.join(parameters)}.")
@@ -106,13 +98,8 @@ def task_sizes(name: str, args: argparse.Namespace, options: Dict[str, Any]) -> 
   return sizes
 
 
-def size_options(name: str, sizes: Dict[str, int]) -> Dict[str, Any]:
-  """Sizes as the task takes them: `<split>_size=` (the contract) or one `sizes=` mapping."""
-  if not sizes:
-    return {}
-  parameters = _make_task_parameters(name)
-  if "sizes" in parameters and "train_size" not in parameters:
-    return {"sizes": sizes}
+def size_options(sizes: Dict[str, int]) -> Dict[str, Any]:
+  """Sizes as every task's `make_task` takes them: `<split>_size=`."""
   return {f"{split}_size": size for split, size in sizes.items()}
 
 
@@ -142,7 +129,7 @@ def main(argv: Optional[Sequence[str]] = None) -> List[str]:
     if args.size_scale is not None:
       sizes_given = list(_SIZE_OPTIONS)
     check_options(name, [*options, *sizes_given], args.error)
-    plans.append((name, {**options, **size_options(name, task_sizes(name, args, options))}))
+    plans.append((name, {**options, **size_options(task_sizes(name, args, options))}))
   lines = []
   for name, task_options in plans:
     line = prepare_task(name, task_options, args.data_dir, progress=not args.quiet)

@@ -12,6 +12,7 @@ that needs an optional dependency costs nothing to the others.
 from __future__ import annotations
 
 import importlib
+import inspect
 from typing import Any, Dict, Tuple
 
 from attention_jax.data.base import (SPLITS, ArraySource, ExampleSource, Task, TaskInfo,
@@ -34,14 +35,22 @@ def list_tasks() -> Tuple[str, ...]:
   return tuple(_TASKS)
 
 
-def get_task(name: str, **options) -> Task:
-  """The task registered as `name`, built with `options` (e.g. sizes, seed)."""
+def task_parameters(name: str) -> Dict[str, inspect.Parameter]:
+  """The options `get_task(name, **options)` takes (its module's `make_task`)."""
+  return dict(inspect.signature(_task_module(name).make_task).parameters)
+
+
+def _task_module(name: str):
   if name not in _TASKS:
     raise ValueError(f"unknown task {name!r}; valid tasks are: {', '.join(_TASKS)}.")
-  module_name, defaults = _TASKS[name]
-  module = importlib.import_module(module_name)
-  return module.make_task(**{**defaults, **options})
+  return importlib.import_module(_TASKS[name][0])
+
+
+def get_task(name: str, **options) -> Task:
+  """The task registered as `name`, built with `options` (e.g. sizes, seed)."""
+  module = _task_module(name)
+  return module.make_task(**{**_TASKS[name][1], **options})
 
 
 __all__ = ["SPLITS", "ArraySource", "ExampleSource", "Task", "TaskInfo", "batches", "get_task",
-           "list_tasks"]
+           "list_tasks", "task_parameters"]

@@ -80,8 +80,8 @@ def test_task_info_and_token_convention():
 @pytest.mark.parametrize("resolution, size", [(32, 12), (128, 4)])
 def test_prepare_writes_pixels_and_splits_read_them_as_shifted_tokens(tmp_path, resolution,
                                                                       size):
-  task = data.get_task(f"pathfinder{resolution}", sizes={"train": size, "validation": 2,
-                                                         "test": 2}, workers=1)
+  task = data.get_task(f"pathfinder{resolution}", train_size=size, validation_size=2,
+                       test_size=2, workers=1)
   assert task.prepare(tmp_path, progress=False) == {"train": size, "validation": 2, "test": 2}
   folder = tmp_path / f"pathfinder{resolution}" / "train"
   pixels = np.load(folder / "inputs.npy")
@@ -94,8 +94,8 @@ def test_prepare_writes_pixels_and_splits_read_them_as_shifted_tokens(tmp_path, 
 
 
 def test_prepare_skips_what_is_there_and_refuses_other_settings(tmp_path):
-  sizes = {"train": 8, "validation": 2, "test": 2}
-  task = pathfinder.make_task(32, sizes=sizes, workers=1)
+  sizes = dict(train_size=8, validation_size=2, test_size=2)
+  task = pathfinder.make_task(32, **sizes, workers=1)
   task.prepare(tmp_path, progress=False)
   inputs = tmp_path / "pathfinder32" / "train" / "inputs.npy"
   stamp = os.stat(inputs).st_mtime_ns
@@ -103,19 +103,19 @@ def test_prepare_skips_what_is_there_and_refuses_other_settings(tmp_path):
   assert os.stat(inputs).st_mtime_ns == stamp
   with pytest.raises(ValueError, match=r"pathfinder32[/\\]train holds Pathfinder data made "
                                        r"with other settings"):
-    pathfinder.make_task(32, sizes=sizes, seed=1, workers=1).prepare(tmp_path, progress=False)
+    pathfinder.make_task(32, **sizes, seed=1, workers=1).prepare(tmp_path, progress=False)
 
 
 def test_same_seed_same_bytes_whatever_the_number_of_workers(tmp_path):
-  sizes = {"train": 24, "validation": 6, "test": 6}
+  sizes = dict(train_size=24, validation_size=6, test_size=6)
   outputs = []
   for name, workers in (("one", 1), ("two", 2)):
-    pathfinder.make_task(32, sizes=sizes, seed=3, workers=workers, chunk_size=6).prepare(
+    pathfinder.make_task(32, **sizes, seed=3, workers=workers, chunk_size=6).prepare(
         tmp_path / name, progress=False)
     outputs.append([(tmp_path / name / "pathfinder32" / split / f"{array}.npy").read_bytes()
                     for split in data.SPLITS for array in ("inputs", "label")])
   assert outputs[0] == outputs[1]
-  other = pathfinder.make_task(32, sizes=sizes, seed=4, workers=1, chunk_size=6)
+  other = pathfinder.make_task(32, **sizes, seed=4, workers=1, chunk_size=6)
   other.prepare(tmp_path / "other", progress=False)
   assert (tmp_path / "other" / "pathfinder32" / "train" / "inputs.npy").read_bytes() != outputs[0][0]
   labels = np.load(tmp_path / "one" / "pathfinder32" / "train" / "label.npy")
