@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Mapping, Optional
+import math
+from typing import Any, Callable, Mapping, Optional, Tuple
 
 import flax.linen as nn
 import jax
@@ -85,13 +86,11 @@ class MultiHeadAttention(nn.Module):
       raise ValueError(f"position must be one of {RELATIVE_POSITIONS}, got {self.position!r}.")
     return num_kv_heads, head_dim
 
-  def _projection(self, name: str, heads: int, head_dim: int) -> nn.DenseGeneral:
-    return nn.DenseGeneral(
-        features=(heads, head_dim), axis=-1, use_bias=self.use_bias,
-        dtype=self.dtype, param_dtype=self.param_dtype,
-        kernel_init=nn.with_logical_partitioning(self.kernel_init, (EMBED, HEADS, KV)),
-        bias_init=nn.with_logical_partitioning(self.bias_init, (HEADS, KV)),
-        name=name)
+  def _projection(self, name: str, heads: int, head_dim: int) -> "HeadProjection":
+    return HeadProjection(
+        kernel_axes=(EMBED, HEADS, KV), split_output=(heads, head_dim),
+        use_bias=self.use_bias, dtype=self.dtype, param_dtype=self.param_dtype,
+        kernel_init=self.kernel_init, bias_init=self.bias_init, name=name)
 
   @nn.compact
   def __call__(
@@ -177,11 +176,10 @@ class MultiHeadAttention(nn.Module):
                   segment_ids=segment_ids, **options)
     out = nn.with_logical_constraint(out, ACTIVATION_AXES)
 
-    return nn.DenseGeneral(
-        features=self.out_features or x.shape[-1], axis=(-2, -1), use_bias=self.use_bias,
-        dtype=self.dtype, param_dtype=self.param_dtype,
-        kernel_init=nn.with_logical_partitioning(self.kernel_init, (HEADS, KV, EMBED)),
-        bias_init=nn.with_logical_partitioning(self.bias_init, (EMBED,)),
+    return HeadProjection(
+        kernel_axes=(HEADS, KV, EMBED), split_output=(self.out_features or x.shape[-1],),
+        merge_input=2, use_bias=self.use_bias, dtype=self.dtype,
+        param_dtype=self.param_dtype, kernel_init=self.kernel_init, bias_init=self.bias_init,
         name="out")(out)
 
   def _variant_arrays(self, spec: registry.VariantSpec, options: dict, query: Array, key: Array,
@@ -225,6 +223,50 @@ class MultiHeadAttention(nn.Module):
     cached_value.value = jax.lax.dynamic_update_slice(cached_value.value, value, start)
     cache_index.value = index + new_len
     return cached_key.value, cached_value.value, index
+
+
+class HeadProjection(nn.Module):
+  """`nn.DenseGeneral` into or out of the head layout, with logically named parameters.
+
+  Into heads: `[..., E] -> [..., H, D]` with kernel `[E, H, D]` (`split_output=(H, D)`);
+  out of heads: `[..., H, D] -> [..., O]` with kernel `[H, D, O]` (`merge_input=2`).
+  The kernel is initialised as DenseGeneral does (as the flat matrix
+  `[fan_in, fan_out]`, then reshaped), and the logical names are attached after
+  the reshape: DenseGeneral attaches them to the flat matrix, whose rank does not
+  match them, which fails as soon as a mesh is active (flax issue #3676).
+  Parameter names and shapes are DenseGeneral's, so weights interchange with
+  `flax.linen.MultiHeadDotProductAttention`.
+  """
+
+  kernel_axes: Tuple[str, ...]
+  split_output: Tuple[int, ...]
+  merge_input: int = 1
+  use_bias: bool = True
+  dtype: Optional[Dtype] = None
+  param_dtype: Dtype = jnp.float32
+  kernel_init: Callable[..., Array] = nn.initializers.lecun_normal()
+  bias_init: Callable[..., Array] = nn.initializers.zeros_init()
+
+  @nn.compact
+  def __call__(self, x: Array) -> Array:
+    in_shape = x.shape[-self.merge_input:]
+    kernel_shape = in_shape + tuple(self.split_output)
+
+    def init_kernel(rng, shape, dtype):
+      flat = self.kernel_init(rng, (math.prod(in_shape), math.prod(self.split_output)), dtype)
+      return flat.reshape(shape)
+
+    kernel = self.param("kernel", nn.with_logical_partitioning(init_kernel, self.kernel_axes),
+                        kernel_shape, self.param_dtype)
+    bias = None
+    if self.use_bias:
+      out_axes = self.kernel_axes[self.merge_input:]
+      bias = self.param("bias", nn.with_logical_partitioning(self.bias_init, out_axes),
+                        tuple(self.split_output), self.param_dtype)
+    x, kernel, bias = nn.dtypes.promote_dtype(x, kernel, bias, dtype=self.dtype)
+    contract = tuple(range(x.ndim - self.merge_input, x.ndim))
+    y = jax.lax.dot_general(x, kernel, ((contract, tuple(range(self.merge_input))), ((), ())))
+    return y if bias is None else y + bias
 
 
 def _batched(positions: Array) -> Array:

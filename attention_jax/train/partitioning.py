@@ -17,8 +17,9 @@ assembled into global arrays by `shard_batch`.
 
 from __future__ import annotations
 
+import functools
 import math
-from typing import Any, Dict, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
 import flax.linen as nn
 import jax
@@ -167,3 +168,16 @@ def shard_batch(host_batch: Dict[str, np.ndarray], sharding: NamedSharding) -> D
   check_batch_size(next(iter(rows.values())) * jax.process_count(), sharding.mesh)
   return {name: jax.make_array_from_process_local_data(sharding, np.asarray(array))
           for name, array in host_batch.items()}
+
+
+def under_mesh(fn: Callable[..., Any], mesh: Mesh,
+               rules: Sequence[Tuple[str, Any]] = LOGICAL_AXIS_RULES) -> Callable[..., Any]:
+  """`fn` called with `mesh` current and the logical-axis `rules` set, so that the
+  models' `nn.with_logical_constraint` hints resolve to mesh axes when it traces."""
+
+  @functools.wraps(fn)
+  def wrapped(*args, **kwargs):
+    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+      return fn(*args, **kwargs)
+
+  return wrapped

@@ -109,7 +109,6 @@ def create_sharded_state(
                            batch=init_batch(example_batch), model_call=model_call, boxed=False)
   rng = jax.random.key(0) if rng is None else rng
   # out_shardings makes every device compute only its own shards: the full
-  # parameters never exist on one device. No mesh is made current (see the
-  # note in steps.py on flax issue #3676).
-  state = jax.jit(init, out_shardings=shardings)(rng)
+  # parameters never exist on one device.
+  state = partitioning.under_mesh(jax.jit(init, out_shardings=shardings), mesh, rules)(rng)
   return state, shardings

@@ -4,14 +4,9 @@ Losses and metrics are over the global batch: every row counts with its
 `weight` (0 for the padding rows of a final evaluation batch), whatever the
 mesh, so a sharded run computes what a one-device run computes.
 
-The steps are traced without a current mesh, so the models'
-`nn.with_logical_constraint` hints are inactive and the partitioner places the
-activations from the shardings of the parameters and the batch. With a mesh
-current, flax's `DenseGeneral` (flax issue #3676) applies a kernel's 3-axis
-logical constraint to the flattened 2-D kernel it initialises -- also inside
-`apply`, where flax re-runs the initialiser abstractly to check shapes -- and
-fails. Once the attention projections box their kernels after the reshape, the
-steps can run under `jax.set_mesh(mesh)` and `nn.logical_axis_rules(rules)`.
+The steps are traced with the mesh current and the logical-axis rules set
+(`partitioning.under_mesh`), so the models' `nn.with_logical_constraint` hints
+place the activations; the parameters and the batch carry explicit shardings.
 """
 
 from __future__ import annotations
@@ -60,6 +55,7 @@ def sown_losses(collections: Dict[str, Any]) -> jax.Array:
 
 def make_train_step(model: nn.Module, optimizer: optax.GradientTransformation, mesh: Mesh,
                     state_shardings: TrainState, *, seed: int = 0,
+                    rules: Sequence[Tuple[str, Any]] = partitioning.LOGICAL_AXIS_RULES,
                     rng_streams: Sequence[str] = ("dropout",),
                     model_call: ModelCall = classify) -> Callable[[TrainState, Batch],
                                                                    Tuple[TrainState, Metrics]]:
@@ -74,6 +70,7 @@ def make_train_step(model: nn.Module, optimizer: optax.GradientTransformation, m
     model, optimizer: as given to `create_sharded_state`.
     mesh: the device mesh.
     state_shardings: the shardings `create_sharded_state` returned.
+    rules: the logical-axis rules of the models' activation constraints.
     seed: the RNG seed; each step's keys are `step_rngs(seed, state.step, ...)`.
     rng_streams: the RNG streams the model draws from while training: "dropout",
       and "attention" for variants that redraw random features.
@@ -112,10 +109,11 @@ def make_train_step(model: nn.Module, optimizer: optax.GradientTransformation, m
   jitted = jax.jit(train_step,
                    in_shardings=(state_shardings, partitioning.batch_sharding(mesh)),
                    out_shardings=(state_shardings, replicated), donate_argnums=0)
-  return jitted
+  return partitioning.under_mesh(jitted, mesh, rules)
 
 
 def make_eval_step(model: nn.Module, mesh: Mesh, state_shardings: TrainState, *,
+                   rules: Sequence[Tuple[str, Any]] = partitioning.LOGICAL_AXIS_RULES,
                    model_call: ModelCall = classify) -> Callable[[TrainState, Batch], Metrics]:
   """`step(state, batch) -> sums` without dropout, for adding up over a split.
 
@@ -132,7 +130,7 @@ def make_eval_step(model: nn.Module, mesh: Mesh, state_shardings: TrainState, *,
   jitted = jax.jit(eval_step,
                    in_shardings=(state_shardings, partitioning.batch_sharding(mesh)),
                    out_shardings=NamedSharding(mesh, P()))
-  return jitted
+  return partitioning.under_mesh(jitted, mesh, rules)
 
 
 def summarize_eval(sums: Metrics) -> Dict[str, float]:

@@ -44,6 +44,36 @@ def test_equals_flax_multi_head_dot_product_attention_with_the_same_weights(cros
   assert_close(actual, expected)
 
 
+def test_initial_parameters_equal_flax_dense_general_initialisation():
+  x, context = _inputs(0), _inputs(1, length=9, features=12)
+  ours = MultiHeadAttention(num_heads=H, qkv_features=24, out_features=10)
+  theirs = nn.MultiHeadDotProductAttention(num_heads=H, qkv_features=24, out_features=10)
+  key = jax.random.PRNGKey(3)
+  expected = theirs.init(key, x, context)
+  actual = nn.meta.unbox(ours.init(key, x, context))
+  for (path, want), got in zip(jax.tree_util.tree_leaves_with_path(expected),
+                               jax.tree.leaves(actual)):
+    np.testing.assert_array_equal(got, want, err_msg=jax.tree_util.keystr(path))
+
+
+def test_initialises_and_runs_under_an_active_mesh_with_logical_rules():
+  # Flax's DenseGeneral attaches 3 logical names to its flat 2-D kernel, which
+  # fails here (flax issue #3676); the activation constraints must apply too.
+  mesh = jax.make_mesh((1, 1, 1), ("data", "fsdp", "tensor"),
+                       axis_types=(jax.sharding.AxisType.Auto,) * 3)
+  rules = (("batch", "data"), ("embed", "fsdp"), ("heads", "tensor"), ("kv", None),
+           ("length", None))
+  module = MultiHeadAttention(num_heads=H)
+  x = _inputs(0)
+  with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+    variables = module.init(jax.random.PRNGKey(1), x)
+    out = jax.jit(module.apply)(variables, x)
+  specs = nn.get_partition_spec(variables)["params"]
+  assert specs["query"]["kernel"] == jax.sharding.PartitionSpec("embed", "heads", "kv")
+  assert specs["out"]["kernel"] == jax.sharding.PartitionSpec("heads", "kv", "embed")
+  assert_close(out, module.apply(variables, x), atol=1e-6)
+
+
 @pytest.mark.parity("multi_head")
 def test_pure_multi_head_function_and_sum_of_heads_form_equal_the_module():
   x, context = _inputs(0), _inputs(1, length=9)
