@@ -27,6 +27,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import math
@@ -110,20 +111,26 @@ def make_cells(args: argparse.Namespace, variants: list[str]) -> Iterator[dict[s
                "repeats": args.repeats}
 
 
-def module_of(variant: str, num_heads: int):
-  """The variant's layer. Dense attention and its head layouts are pinned to the
-  XLA implementation: `implementation=None` would pick blockwise on CPU for long
-  sequences, and the reference must be the materialised T x T softmax."""
+def module_of(variant: str, num_heads: int, seq_len: int):
+  """The variant's layer at length `seq_len`.
+
+  Dense attention and its head layouts are pinned to the XLA implementation:
+  `implementation=None` would pick blockwise on CPU for long sequences, and the
+  reference must be the materialised T x T softmax. Variants whose parameters
+  are sized by a `max_length` (the Synthesizers) get `max_length = seq_len`.
+  """
   spec = registry.get_variant(variant)
   if variant == DENSE or spec.family == "heads":
     return spec.module(num_heads=num_heads, attention_options={"implementation": "xla"})
+  if spec.extras is not None and "max_length" in {f.name for f in dataclasses.fields(spec.extras)}:
+    return spec.module(num_heads=num_heads, attention_options={"max_length": seq_len})
   return spec.module(num_heads=num_heads)
 
 
 def make_step(cell: dict[str, Any]):
   """The layer's jitted forward pass or gradient, its variables and its input."""
   width = cell["heads"] * cell["head_dim"]
-  module = module_of(cell["variant"], cell["heads"])
+  module = module_of(cell["variant"], cell["heads"], cell["seq_len"])
   x = jax.random.normal(jax.random.key(0, impl="rbg"),
                         (cell["batch"], cell["seq_len"], width), cell["dtype"])
   variables = jax.jit(module.init)(jax.random.PRNGKey(0), x)

@@ -90,8 +90,11 @@ def test_quadratic_variants_can_be_capped_in_length_but_dense_is_not():
 
 
 def test_dense_reference_is_the_materialised_softmax():
-  dense = benchmark_scaling.module_of("dot_product", 2)
+  dense = benchmark_scaling.module_of("dot_product", 2, 64)
   assert dict(dense.attention_options) == {"implementation": "xla"}
-  assert dict(benchmark_scaling.module_of("multi_query", 2).attention_options) == {
+  assert dict(benchmark_scaling.module_of("multi_query", 2, 64).attention_options) == {
       "implementation": "xla"}
-  assert dict(benchmark_scaling.module_of("local", 2).attention_options) == {}
+  assert dict(benchmark_scaling.module_of("local", 2, 64).attention_options) == {}
+  # Parameters sized by a maximum length are sized for the measured length.
+  synthesizer = benchmark_scaling.module_of("synthesizer_random", 2, 2048)
+  assert dict(synthesizer.attention_options) == {"max_length": 2048}
