@@ -517,15 +517,50 @@ def _block_means(x: Array, valid: Array) -> Array:
   return jnp.sum(x * weights, axis=-2) / jnp.maximum(jnp.sum(weights, axis=-2), 1.0)
 
 
+def _past_means(x: Array, valid: Array) -> Array:
+  """Mean of the valid rows of all blocks *before* each block: `[B, H, nb, D]`
+  (zero for the first block). The causal sort may only look at the past."""
+  weights = valid.astype(x.dtype)[..., None]
+  sums = jnp.cumsum(jnp.sum(x * weights, axis=-2), axis=-2)
+  counts = jnp.cumsum(jnp.sum(weights, axis=-2), axis=-2)
+  exclusive = lambda c: jnp.pad(c, [(0, 0)] * (c.ndim - 2) + [(1, 0), (0, 0)])[..., :-1, :]
+  return exclusive(sums) / jnp.maximum(exclusive(counts), 1.0)
+
+
+def causal_sort(logits: Array, temperature: float = 1.0) -> Array:
+  """The causal soft sort: block i draws only from blocks j < i.
+
+  A strictly lower-triangular support admits no doubly stochastic matrix (its
+  last column is empty), so only the rows are normalised (a softmax over the
+  past blocks); the first block has no past and gets an all-zero row.
+
+  Args:
+    logits: `[..., n, n]`.
+    temperature: > 0.
+
+  Returns:
+    `[..., n, n]`, zero on and above the diagonal, rows 1.. summing to 1.
+  """
+  n = logits.shape[-1]
+  past = jnp.tril(jnp.ones((n, n), bool), k=-1)
+  masked = jnp.where(past, logits / temperature, -jnp.inf)
+  row_max = jnp.max(masked, axis=-1, keepdims=True)
+  weights = jnp.exp(masked - jnp.where(jnp.isfinite(row_max), row_max, 0.0))
+  return weights / jnp.maximum(jnp.sum(weights, axis=-1, keepdims=True), 1e-30)
+
+
 def _sort_network_logits(q_blocks: Array, k_blocks: Array, valid: Array, hidden_kernel: Array,
-                         output_kernel: Array) -> Array:
+                         output_kernel: Array, causal: bool = False) -> Array:
   """Block-to-block sorting scores from block-pooled representations: `[B, H, nb, nb]`.
 
   Each query block's mean goes through a two-layer network to a "sort query",
   matched by a scaled dot product with each key block's mean; this form does
   not depend on the number of blocks, so one network serves every length.
+  Causal: block i's sort query pools the blocks before it, not its own tokens
+  (a token must not see later tokens of its block through the sort).
   """
-  pooled_q, pooled_k = _block_means(q_blocks, valid), _block_means(k_blocks, valid)
+  pooled_q = _past_means(q_blocks, valid) if causal else _block_means(q_blocks, valid)
+  pooled_k = _block_means(k_blocks, valid)
   hidden = jax.nn.relu(jnp.einsum("bhnd,hds->bhns", pooled_q, hidden_kernel))
   sort_query = jnp.einsum("bhns,hsd->bhnd", hidden, output_kernel)
   return jnp.einsum("bhnd,bhmd->bhnm", sort_query, pooled_k) * pooled_k.shape[-1] ** -0.5
@@ -563,6 +598,11 @@ def sinkhorn_attention(
   With P the identity, every block attends to its own keys (twice, which
   leaves the softmax unchanged): block-local attention exactly.
 
+  Causal (the paper's causal Sinkhorn attention, in this form): a query sees
+  the keys of its own block up to itself, and a sorted block mixed only from
+  earlier blocks (`causal_sort`: rows normalised over the past, the sort query
+  pooled from earlier blocks), so no output depends on a later token.
+
   Padding: padded keys enter the sorted blocks as zero vectors, and each
   sorted key's logit gets log(its valid share), so a sorted key made only of
   padding is masked; padded keys never change valid outputs.
@@ -571,8 +611,8 @@ def sinkhorn_attention(
     query: `[B, T, H, D]`.
     key: `[B, T, Hkv, D]`, Hkv dividing H (self-attention: same length).
     value: `[B, T, Hkv, Dv]`.
-    bias, segment_ids, is_causal: not supported (ValueError); causal Sinkhorn
-      attention needs a causal sorting network, not implemented.
+    bias, segment_ids: not supported (ValueError).
+    is_causal: causal Sinkhorn attention (see above).
     mask: only a key-padding mask `[B|1, 1, 1, T]`.
     query_seq_lengths: `[B]`; later queries output zeros.
     key_value_seq_lengths: `[B]`; later keys are not attended.
@@ -588,7 +628,7 @@ def sinkhorn_attention(
   Returns:
     `[B, T, H, Dv]` in the query dtype.
   """
-  common.reject_unsupported("sinkhorn", bias=bias, segment_ids=segment_ids, is_causal=is_causal)
+  common.reject_unsupported("sinkhorn", bias=bias, segment_ids=segment_ids)
   _check_self_attention("sinkhorn", query, key)
   batch, length, num_heads, head_dim = query.shape
   common.check_size("block_size", block_size, length=length, divides=True)
@@ -609,19 +649,26 @@ def sinkhorn_attention(
       raise ValueError("attention variant 'sinkhorn' needs sort_logits [B|1, H|1, nb, nb] or the "
                        "sorting network's sort_hidden_kernel and sort_output_kernel "
                        "(MultiHeadAttention's extras module supplies them).")
-    sort_logits = _sort_network_logits(q, k, valid, sort_hidden_kernel, sort_output_kernel)
+    sort_logits = _sort_network_logits(q, k, valid, sort_hidden_kernel, sort_output_kernel,
+                                       causal=is_causal)
   elif sort_logits.shape[-2:] != (num_blocks, num_blocks):
     raise ValueError(f"sort_logits must end in [nb, nb] = [{num_blocks}, {num_blocks}] "
                      f"(T / block_size blocks), got shape {list(sort_logits.shape)}.")
-  permutation = sinkhorn(sort_logits.astype(q.dtype), sinkhorn_iterations, temperature)
+  if is_causal:
+    permutation = causal_sort(sort_logits.astype(q.dtype), temperature)
+  else:
+    permutation = sinkhorn(sort_logits.astype(q.dtype), sinkhorn_iterations, temperature)
 
   k_zeroed, v_zeroed = (jnp.where(valid[..., None], x, 0.0) for x in (k, v))
   sorted_k = jnp.einsum("bhij,bhjtd->bhitd", permutation, k_zeroed)
   sorted_v = jnp.einsum("bhij,bhjtd->bhitd", permutation, v_zeroed)
   sorted_share = jnp.einsum("bhij,bhjt->bhit", permutation, valid.astype(q.dtype))
   sorted_valid = sorted_share > 0.0
-  own_valid = jnp.broadcast_to(valid, sorted_valid.shape)
-  allowed = jnp.concatenate([own_valid, sorted_valid], axis=-1)[..., None, :]
+  own_valid = jnp.broadcast_to(valid, sorted_valid.shape)[..., None, :]  # [B, H, nb, 1, b]
+  if is_causal:  # Within its own block a query sees keys up to itself.
+    own_valid = own_valid & jnp.tril(jnp.ones((block_size, block_size), bool))
+  own_valid, sorted_allowed = jnp.broadcast_arrays(own_valid, sorted_valid[..., None, :])
+  allowed = jnp.concatenate([own_valid, sorted_allowed], axis=-1)
   log_share = jnp.log(jnp.where(sorted_valid, sorted_share, 1.0))
   logit_bias = jnp.concatenate([jnp.zeros_like(log_share), log_share], axis=-1)[..., None, :]
   out, _ = _attend(q, jnp.concatenate([k, sorted_k], axis=-2),
@@ -648,7 +695,7 @@ class SinkhornSortNet(nn.Module):
 
 registry.register(registry.VariantSpec(
     name="sinkhorn", fn=sinkhorn_attention, family="hashing", complexity="O(T (b + T/b))",
-    subquadratic=True, exact=False, causal=False, cross=False, paper="Tay et al. 2020",
+    subquadratic=True, exact=False, causal=True, cross=False, paper="Tay et al. 2020",
     extras=SinkhornSortNet))
 
 

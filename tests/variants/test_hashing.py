@@ -324,6 +324,49 @@ def test_sinkhorn_with_identity_sort_is_block_local_attention(lengths):
   _assert_same_outputs_and_grads(ours, oracle, query, key, value)
 
 
+@pytest.mark.property("sinkhorn")
+def test_causal_sinkhorn_with_a_hard_previous_block_sort_matches_its_dense_mask():
+  """Block i sorted onto block i - 1: each query sees its own block up to itself
+  and the whole previous block (the first block only its own)."""
+  batch, length, block_size = 2, 16, 4
+  num_blocks = length // block_size
+  query, key, value = random_qkv(seed=2, batch=batch, q_len=length, num_heads=4,
+                                 num_kv_heads=2)
+  previous = jnp.where(jnp.eye(num_blocks, k=-1, dtype=bool), 0.0, -1e9)[None, None]
+  ours = lambda q, k, v: hashing.sinkhorn_attention(q, k, v, block_size=block_size,
+                                                    sort_logits=previous, is_causal=True)
+  allowed = loop_mask(batch, length, length, is_causal=True)
+  for i in range(length):
+    for j in range(length):
+      block_i, block_j = i // block_size, j // block_size
+      allowed[:, :, i, j] &= block_j in (block_i, block_i - 1)
+  oracle = lambda q, k, v: reference_attention(q, k, v, None, jnp.asarray(allowed))
+  _assert_same_outputs_and_grads(ours, oracle, query, key, value)
+
+
+@pytest.mark.property("sinkhorn")
+def test_causal_sinkhorn_output_never_depends_on_later_tokens():
+  length, block_size = 16, 4
+  query, key, value = random_qkv(seed=5, batch=1, q_len=length, num_heads=2)
+  attend = lambda q, k, v: hashing.sinkhorn_attention(
+      q, k, v, block_size=block_size, is_causal=True, **_sort_kernels())
+  jacobians = jax.jacobian(attend, argnums=(0, 1, 2))(query, key, value)
+  for name, jacobian in zip("qkv", jacobians):
+    # [1, Tq, H, Dv, 1, T, H, D] -> dependence of output position t on input position s.
+    dependence = np.abs(np.asarray(jacobian)).sum(axis=(0, 2, 3, 4, 6, 7))
+    later = np.triu(np.ones((length, length), bool), k=1)
+    assert dependence[later].max() == 0.0, f"an output depends on a later {name}"
+    assert dependence[~later].max() > 0.0
+
+
+def test_causal_sort_rows_cover_only_the_past():
+  logits = jax.random.normal(jax.random.PRNGKey(0), (3, 5, 5))
+  weights = np.asarray(hashing.causal_sort(logits, temperature=0.5))
+  assert (weights[:, np.triu_indices(5)[0], np.triu_indices(5)[1]] == 0).all()
+  np.testing.assert_allclose(weights.sum(-1)[:, 1:], 1.0, rtol=1e-6)
+  np.testing.assert_array_equal(weights.sum(-1)[:, 0], 0.0)
+
+
 def _sort_kernels(num_heads=2, head_dim=8, hidden=6):
   first, second = jax.random.split(jax.random.PRNGKey(7))
   return dict(sort_hidden_kernel=jax.random.normal(first, (num_heads, head_dim, hidden)),
@@ -353,7 +396,6 @@ def test_sinkhorn_padding():
 
 @pytest.mark.parametrize("options, message", [
     (dict(block_size=5), "block_size=5 must divide the sequence length 16"),
-    (dict(is_causal=True), "does not support is_causal"),
     (dict(temperature=0.0), "temperature must be > 0"),
     (dict(sort_output_kernel=None), "needs sort_logits"),
     (dict(sort_logits=jnp.zeros((1, 1, 3, 3))), r"sort_logits must end in \[nb, nb\] = \[4, 4\]"),
@@ -442,7 +484,6 @@ def test_clustered_padding():
     (dict(num_clusters=17), "num_clusters=17 must be at most the sequence length 16"),
     (dict(num_clusters=0), "num_clusters must be an int >= 1"),
     (dict(lloyd_iterations=-1), "lloyd_iterations must be an int >= 0"),
-    (dict(is_causal=True), "does not support is_causal"),
     (dict(bias=jnp.zeros((1, 1, 16, 16))), "does not support bias"),
 ])
 def test_clustered_rejects_bad_arguments(options, message):
