@@ -151,3 +151,26 @@ def largest_intermediate(fn, *args):
 
   visit(jax.make_jaxpr(fn)(*args).jaxpr)
   return largest
+
+
+def outputs_and_grads(fn, *arrays):
+  """fn's output and the gradients of a fixed random projection of it w.r.t. `arrays`
+  (one compilation: eager execution of many small ops is the slower path on CPU)."""
+  out_shape = jax.eval_shape(fn, *arrays).shape
+  cotangent = jax.random.normal(jax.random.PRNGKey(42), out_shape)
+  loss = lambda *args: jnp.sum(fn(*args).astype(jnp.float32) * cotangent)
+  grad_fn = jax.grad(loss, argnums=tuple(range(len(arrays))))
+  return jax.jit(lambda *args: (fn(*args), grad_fn(*args)))(*arrays)
+
+
+def assert_same_outputs_and_grads(ours, theirs, *arrays, rows=None, rtol=1e-5, atol=1e-5):
+  """`ours(*arrays)` equals `theirs(*arrays)`, and so do their gradients w.r.t. every
+  array. `rows`: boolean `[B, T]` of the query rows whose outputs are compared (all
+  when None)."""
+  out, grads = outputs_and_grads(ours, *arrays)
+  want, want_grads = outputs_and_grads(theirs, *arrays)
+  if rows is not None:
+    out, want = np.asarray(out)[rows], np.asarray(want)[rows]
+  assert_close(out, want, rtol=rtol, atol=atol)
+  for index, (got, expected) in enumerate(zip(grads, want_grads)):
+    assert_close(got, expected, rtol=rtol, atol=atol, err_msg=f"gradient of argument {index}")

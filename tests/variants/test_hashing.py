@@ -14,30 +14,10 @@ import pytest
 from attention_jax.core import reference_attention
 from attention_jax.layers.attention import MultiHeadAttention
 from attention_jax.variants import hashing
-from attention_testing import assert_close, loop_mask, random_qkv
+from attention_testing import (assert_close, assert_same_outputs_and_grads, loop_mask,
+                               outputs_and_grads, random_qkv)
 
 RNG = jax.random.PRNGKey(3)
-
-
-def _output_and_grads(fn, *arrays):
-  """fn's output and the gradients of a fixed random projection of it w.r.t. `arrays`
-  (one compilation: eager execution of many small ops is the slower path on CPU)."""
-  out_shape = jax.eval_shape(fn, *arrays).shape
-  cotangent = jax.random.normal(jax.random.PRNGKey(42), out_shape)
-  loss = lambda *args: jnp.sum(fn(*args) * cotangent)
-  grad_fn = jax.grad(loss, argnums=tuple(range(len(arrays))))
-  return jax.jit(lambda *args: (fn(*args), grad_fn(*args)))(*arrays)
-
-
-def _assert_same_outputs_and_grads(ours, oracle, *arrays, rows=None, atol=1e-5):
-  """`rows`: boolean [B, T] of the query rows compared (all when None)."""
-  out, grads = _output_and_grads(ours, *arrays)
-  want, want_grads = _output_and_grads(oracle, *arrays)
-  if rows is not None:
-    out, want = np.asarray(out)[rows], np.asarray(want)[rows]
-  assert_close(out, want, atol=atol)
-  for index, (got, expected) in enumerate(zip(grads, want_grads)):
-    assert_close(got, expected, atol=atol, err_msg=f"gradient of argument {index}")
 
 
 def _jit_module_output(module, x, **apply_kwargs):
@@ -72,7 +52,7 @@ def test_lsh_with_one_bucket_and_one_chunk_is_dense_shared_qk_attention(is_causa
   allowed = loop_mask(batch, length, length, is_causal=is_causal)
   ours = lambda q, v: hashing.lsh_attention(q, key, v, is_causal=is_causal, hash_rng=RNG,
                                             n_buckets=1, n_hashes=n_hashes, chunk_size=length)
-  _assert_same_outputs_and_grads(ours, lambda q, v: _shared_qk_oracle(q, v, allowed),
+  assert_same_outputs_and_grads(ours, lambda q, v: _shared_qk_oracle(q, v, allowed),
                                  query, value)
 
 
@@ -128,7 +108,7 @@ def test_lsh_padding():
   ours = lambda q, v: hashing.lsh_attention(
       q, key, v, query_seq_lengths=jnp.array(lengths), key_value_seq_lengths=jnp.array(lengths),
       hash_rng=RNG, n_buckets=1, chunk_size=length)
-  _assert_same_outputs_and_grads(ours, lambda q, v: _shared_qk_oracle(q, v, allowed),
+  assert_same_outputs_and_grads(ours, lambda q, v: _shared_qk_oracle(q, v, allowed),
                                  query, value, rows=~padded)
 
 
@@ -187,7 +167,7 @@ def test_routing_with_one_cluster_is_dense_attention(is_causal, q_len, kv_len):
   ours = lambda q, k, v: hashing.routing_attention(q, k, v, is_causal=is_causal,
                                                    centroids=centroids)
   oracle = lambda q, k, v: reference_attention(q, k, v, None, allowed)
-  _assert_same_outputs_and_grads(ours, oracle, query, key, value)
+  assert_same_outputs_and_grads(ours, oracle, query, key, value)
 
 
 def _within_cluster_distance(centroids, points):
@@ -244,7 +224,7 @@ def test_routing_padding():
   ours = lambda q, k, v: hashing.routing_attention(
       q, k, v, mask=jnp.asarray(~padded)[:, None, None, :], query_seq_lengths=jnp.array(lengths),
       centroids=_centroids(2, 1, 8))
-  _assert_same_outputs_and_grads(ours, lambda q, k, v: reference_attention(q, k, v, None, allowed),
+  assert_same_outputs_and_grads(ours, lambda q, k, v: reference_attention(q, k, v, None, allowed),
                                  query, key, value)
 
 
@@ -321,7 +301,7 @@ def test_sinkhorn_with_identity_sort_is_block_local_attention(lengths):
                                                     sort_logits=identity, **padding)
   allowed = _block_local_mask(batch, length, block_size, lengths, lengths)
   oracle = lambda q, k, v: reference_attention(q, k, v, None, allowed)
-  _assert_same_outputs_and_grads(ours, oracle, query, key, value)
+  assert_same_outputs_and_grads(ours, oracle, query, key, value)
 
 
 @pytest.mark.property("sinkhorn")
@@ -341,7 +321,7 @@ def test_causal_sinkhorn_with_a_hard_previous_block_sort_matches_its_dense_mask(
       block_i, block_j = i // block_size, j // block_size
       allowed[:, :, i, j] &= block_j in (block_i, block_i - 1)
   oracle = lambda q, k, v: reference_attention(q, k, v, None, jnp.asarray(allowed))
-  _assert_same_outputs_and_grads(ours, oracle, query, key, value)
+  assert_same_outputs_and_grads(ours, oracle, query, key, value)
 
 
 @pytest.mark.property("sinkhorn")
@@ -439,7 +419,7 @@ def test_clustered_with_a_cluster_per_query_is_dense_attention(q_len, kv_len):
   allowed = jnp.asarray(loop_mask(batch, q_len, kv_len))
   ours = lambda q, k, v: hashing.clustered_attention(q, k, v, num_clusters=q_len)
   oracle = lambda q, k, v: reference_attention(q, k, v, None, allowed)
-  _assert_same_outputs_and_grads(ours, oracle, query, key, value)
+  assert_same_outputs_and_grads(ours, oracle, query, key, value)
 
 
 @pytest.mark.property("clustered")

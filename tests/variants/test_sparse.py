@@ -17,7 +17,7 @@ from attention_jax import registry
 from attention_jax.core import reference_attention
 from attention_jax.layers.attention import MultiHeadAttention
 from attention_jax.variants import sparse
-from attention_testing import assert_close, random_qkv
+from attention_testing import assert_close, outputs_and_grads, random_qkv
 
 B, H = 2, 4
 Q_LENGTHS = np.array([13, 19])
@@ -37,24 +37,13 @@ def _pattern_mask(length, allowed, *, q_lengths=None, kv_lengths=None, segments=
   return mask
 
 
-def _outputs_and_grads(fn, query, key, value):
-  cotangent = jax.random.normal(jax.random.PRNGKey(7), query.shape[:3] + value.shape[-1:])
-
-  def loss(q, k, v):
-    out = fn(q, k, v)
-    return jnp.sum(out * cotangent), out
-
-  (_, out), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(query, key, value)
-  return out, grads
-
-
 def _assert_parity(attention_fn, allowed, *, length, num_kv_heads=H, **kwargs):
   """attention_fn(q, k, v, **kwargs) equals the reference under `allowed`, with gradients."""
   query, key, value = random_qkv(seed=3, batch=B, q_len=length, num_heads=H,
                                  num_kv_heads=num_kv_heads, head_dim=8, value_dim=6)
-  ours = jax.jit(lambda q, k, v: _outputs_and_grads(
+  ours = jax.jit(lambda q, k, v: outputs_and_grads(
       lambda *a: attention_fn(*a, **kwargs), q, k, v))(query, key, value)
-  theirs = jax.jit(lambda q, k, v: _outputs_and_grads(
+  theirs = jax.jit(lambda q, k, v: outputs_and_grads(
       lambda *a: reference_attention(*a, None, jnp.asarray(allowed)), q, k, v))(query, key, value)
   # Every query must see something for the comparison to say anything.
   assert allowed.any(-1).sum() > 0
@@ -453,10 +442,10 @@ def test_axial_is_row_attention_then_column_attention(causal):
   query, key, value = random_qkv(seed=6, batch=B, q_len=length, num_heads=H, num_kv_heads=2,
                                  head_dim=8, value_dim=6)
   key, value = (jnp.repeat(x, 2, axis=2) for x in (key, value))
-  ours = jax.jit(lambda q, k, v: _outputs_and_grads(
+  ours = jax.jit(lambda q, k, v: outputs_and_grads(
       lambda *a: sparse.axial_attention(*a, shape=(rows, cols), is_causal=causal, **call),
       q, k, v))(query, key, value)
-  theirs = _outputs_and_grads(two_dense_passes, query, key, value)
+  theirs = outputs_and_grads(two_dense_passes, query, key, value)
   for name, got, want in zip(("out", "dq", "dk", "dv"), (ours[0], *ours[1]),
                              (theirs[0], *theirs[1])):
     assert_close(got, want, err_msg=name)
