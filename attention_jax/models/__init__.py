@@ -1,8 +1,9 @@
-"""Models built from names: the encoder, the sequence classifier and `build_model`."""
+"""Models built from names: the encoder, the classifiers (one sequence or a pair),
+the causal language model, and `build_model`."""
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Mapping, Union
 
 import jax.numpy as jnp
 import ml_collections
@@ -11,16 +12,25 @@ from flax.core import FrozenDict
 from attention_jax import positional, registry
 from attention_jax.layers.feedforward import check_activation
 from attention_jax.layers.norms import check_norm
-from attention_jax.models.classifier import POOLINGS, SequenceClassifier, check_pooling
+from attention_jax.models.classifier import (POOLINGS, DualEncoderClassifier, SequenceClassifier,
+                                            check_pooling)
 from attention_jax.models.encoder import Encoder
+from attention_jax.models.language_model import LanguageModel
+
+# What `build_model` makes: a classifier of one sequence, of a pair of sequences
+# (retrieval), or a causal language model.
+MODEL_KINDS = ("classifier", "dual_classifier", "language_model")
+
+Model = Union[SequenceClassifier, DualEncoderClassifier, LanguageModel]
 
 
 def default_model_config() -> ml_collections.ConfigDict:
   """A small classifier; every key `build_model` accepts, with its default."""
   placeholder = ml_collections.config_dict.placeholder
   return ml_collections.ConfigDict(dict(
+      kind="classifier",  # one of MODEL_KINDS
       vocab_size=256,
-      num_classes=2,
+      num_classes=2,  # classifiers only
       num_layers=2,
       embed_dim=64,
       num_heads=4,
@@ -48,14 +58,18 @@ def _as_dict(value: Any) -> FrozenDict:
   return FrozenDict(value or {})
 
 
-def build_model(config: Mapping[str, Any]) -> SequenceClassifier:
-  """A `SequenceClassifier` from a model config; missing keys take their defaults.
+def build_model(config: Mapping[str, Any]) -> Model:
+  """The model of `config.kind` from a model config; missing keys take their defaults.
+
+  "classifier" is a `SequenceClassifier`, "dual_classifier" a
+  `DualEncoderClassifier`, "language_model" a `LanguageModel` (which ignores the
+  classifier keys `num_classes`, `pooling` and `head_mlp_dim`).
 
   Args:
     config: a `ConfigDict` (or mapping) with keys of `default_model_config()`.
 
   Raises:
-    ValueError: on an unknown key, or an unknown attention, position, norm,
+    ValueError: on an unknown key, or an unknown kind, attention, position, norm,
       activation, pooling or dtype name.
   """
   defaults = default_model_config()
@@ -67,7 +81,13 @@ def build_model(config: Mapping[str, Any]) -> SequenceClassifier:
   c = {k: config.get(k, defaults[k]) for k in defaults.keys()}
 
   # Fail when the model is built, not at the first trace.
-  registry.get_variant(c["attention"])
+  if c["kind"] not in MODEL_KINDS:
+    raise ValueError(f"model kind must be one of {MODEL_KINDS}, got {c['kind']!r}.")
+  spec = registry.get_variant(c["attention"])
+  if c["kind"] == "language_model" and not spec.causal:
+    causal = [name for name in registry.list_variants() if registry.get_variant(name).causal]
+    raise ValueError(f"a language model needs causal attention; attention {c['attention']!r} "
+                     f"has no causal form. Causal variants: {', '.join(causal)}.")
   positional.check_position_encoding(c["position"])
   check_norm(c["norm"])
   check_activation(c["activation"])
@@ -86,9 +106,12 @@ def build_model(config: Mapping[str, Any]) -> SequenceClassifier:
       num_kv_heads=c["num_kv_heads"], activation=c["activation"], norm=c["norm"],
       pre_norm=c["pre_norm"], dropout_rate=c["dropout_rate"],
       attention_dropout_rate=c["attention_dropout_rate"], dtype=dtype)
-  return SequenceClassifier(encoder=encoder, num_classes=c["num_classes"],
-                            pooling=c["pooling"], head_mlp_dim=c["head_mlp_dim"],
-                            dropout_rate=c["dropout_rate"])
+  if c["kind"] == "language_model":
+    return LanguageModel(encoder=encoder)
+  classifier = SequenceClassifier if c["kind"] == "classifier" else DualEncoderClassifier
+  return classifier(encoder=encoder, num_classes=c["num_classes"], pooling=c["pooling"],
+                    head_mlp_dim=c["head_mlp_dim"], dropout_rate=c["dropout_rate"])
 
 
-__all__ = ["Encoder", "POOLINGS", "SequenceClassifier", "build_model", "default_model_config"]
+__all__ = ["DualEncoderClassifier", "Encoder", "LanguageModel", "MODEL_KINDS", "POOLINGS",
+           "SequenceClassifier", "build_model", "default_model_config"]

@@ -1,4 +1,5 @@
-"""Sequence classification: an encoder, a pooling of its outputs, a classifier head."""
+"""Sequence classification: an encoder, a pooling of its outputs, a classifier head;
+one sequence or a pair (two towers sharing the encoder)."""
 
 from __future__ import annotations
 
@@ -49,6 +50,53 @@ def masked_max(x: Array, mask: Optional[Array]) -> Array:
   return jnp.where(mask.any(axis=1, keepdims=True), pooled, 0).astype(x.dtype)
 
 
+def _cls_prefix(module: nn.Module, encoder: Encoder, pooling: str) -> Optional[Array]:
+  """The learned [CLS] embedding `[1, 1, E]` for "cls" pooling (a parameter of
+  `module`), else None."""
+  if pooling != "cls":
+    return None
+  return module.param(
+      "cls", nn.with_logical_partitioning(nn.initializers.zeros_init(), (None, None, "embed")),
+      (1, 1, encoder.embed_dim), encoder.param_dtype)
+
+
+def _encode_pooled(encoder: Encoder, tokens: Array, padding_mask: Optional[Array],
+                   prefix: Optional[Array], pooling: str, deterministic: bool) -> Array:
+  """Runs the (bound) encoder and pools its outputs: `[B, T]` ids -> `[B, E]`."""
+  x = encoder(tokens, padding_mask=padding_mask, deterministic=deterministic,
+              prefix=prefix)  # [B, P + T, E]
+  if pooling == "cls":
+    return x[:, 0]
+  if pooling == "mean":
+    return masked_mean(x, padding_mask)
+  return masked_max(x, padding_mask)
+
+
+def _classifier_head(features: Array, *, num_classes: int, head_mlp_dim: Optional[int],
+                     dropout_rate: float, dtype, param_dtype, deterministic: bool) -> Array:
+  """Dropout, then Dense(num_classes), or Dense(head_mlp_dim) -> ReLU -> Dense.
+
+  Called inside a compact method, so its layers belong to the calling module.
+  features: `[B, F]` -> `[B, num_classes]` float32 logits.
+  """
+  features = nn.Dropout(dropout_rate)(features, deterministic=deterministic)
+  dense = lambda size, axes, init, name: nn.Dense(
+      size, dtype=dtype, param_dtype=param_dtype,
+      kernel_init=nn.with_logical_partitioning(init, axes),
+      bias_init=nn.with_logical_partitioning(nn.initializers.zeros_init(), axes[1:]),
+      name=name)
+  in_axis = "embed"
+  if head_mlp_dim:
+    features = nn.relu(dense(head_mlp_dim, ("embed", "mlp"), nn.initializers.lecun_normal(),
+                             "head_hidden")(features))
+    in_axis = "mlp"
+  # A zero-initialised output layer starts at uniform predictions (loss log C),
+  # as in ViT / big_vision.
+  logits = dense(num_classes, (in_axis, "classes"), nn.initializers.zeros_init(),
+                 "head")(features)
+  return logits.astype(jnp.float32)
+
+
 class SequenceClassifier(nn.Module):
   """Logits of one label per sequence.
 
@@ -77,34 +125,45 @@ class SequenceClassifier(nn.Module):
       `[B, num_classes]` float32 logits.
     """
     check_pooling(self.pooling)
-    prefix = None
-    if self.pooling == "cls":
-      prefix = self.param(
-          "cls", nn.with_logical_partitioning(nn.initializers.zeros_init(),
-                                              (None, None, "embed")),
-          (1, 1, self.encoder.embed_dim), self.encoder.param_dtype)
-    x = self.encoder(tokens, padding_mask=padding_mask, deterministic=deterministic,
-                     prefix=prefix)  # [B, P + T, E]
-    if self.pooling == "cls":
-      pooled = x[:, 0]
-    elif self.pooling == "mean":
-      pooled = masked_mean(x, padding_mask)
-    else:
-      pooled = masked_max(x, padding_mask)
+    prefix = _cls_prefix(self, self.encoder, self.pooling)
+    pooled = _encode_pooled(self.encoder, tokens, padding_mask, prefix, self.pooling,
+                            deterministic)
+    return _classifier_head(pooled, num_classes=self.num_classes,
+                            head_mlp_dim=self.head_mlp_dim, dropout_rate=self.dropout_rate,
+                            dtype=self.encoder.dtype, param_dtype=self.encoder.param_dtype,
+                            deterministic=deterministic)
 
-    pooled = nn.Dropout(self.dropout_rate)(pooled, deterministic=deterministic)
-    dense = lambda features, axes, init, name: nn.Dense(
-        features, dtype=self.encoder.dtype, param_dtype=self.encoder.param_dtype,
-        kernel_init=nn.with_logical_partitioning(init, axes),
-        bias_init=nn.with_logical_partitioning(nn.initializers.zeros_init(), axes[1:]),
-        name=name)
-    in_axis = "embed"
-    if self.head_mlp_dim:
-      pooled = nn.relu(dense(self.head_mlp_dim, ("embed", "mlp"), nn.initializers.lecun_normal(),
-                             "head_hidden")(pooled))
-      in_axis = "mlp"
-    # A zero-initialised output layer starts at uniform predictions (loss log C),
-    # as in ViT / big_vision.
-    logits = dense(self.num_classes, (in_axis, "classes"), nn.initializers.zeros_init(),
-                   "head")(pooled)
-    return logits.astype(jnp.float32)
+
+class DualEncoderClassifier(nn.Module):
+  """Logits of one label per pair of sequences (LRA retrieval, "two towers").
+
+  Both sequences go through the same encoder (shared weights) and pooling; the
+  head sees `[u, v, u * v, u - v]` of the pooled vectors u, v, as in the Long
+  Range Arena matching model. Attributes as in `SequenceClassifier`.
+  """
+
+  encoder: Encoder
+  num_classes: int
+  pooling: str = "cls"
+  head_mlp_dim: Optional[int] = None
+  dropout_rate: float = 0.0
+
+  @nn.compact
+  def __call__(self, tokens: Array, tokens2: Array, *, padding_mask: Optional[Array] = None,
+               padding_mask2: Optional[Array] = None, deterministic: bool = True) -> Array:
+    """tokens, tokens2: `[B, T1]`, `[B, T2]` ids; padding masks as in
+    `SequenceClassifier`.
+
+    Returns:
+      `[B, num_classes]` float32 logits.
+    """
+    check_pooling(self.pooling)
+    prefix = _cls_prefix(self, self.encoder, self.pooling)
+    u = _encode_pooled(self.encoder, tokens, padding_mask, prefix, self.pooling, deterministic)
+    v = _encode_pooled(self.encoder, tokens2, padding_mask2, prefix, self.pooling,
+                       deterministic)
+    features = jnp.concatenate([u, v, u * v, u - v], axis=-1)  # [B, 4E]
+    return _classifier_head(features, num_classes=self.num_classes,
+                            head_mlp_dim=self.head_mlp_dim, dropout_rate=self.dropout_rate,
+                            dtype=self.encoder.dtype, param_dtype=self.encoder.param_dtype,
+                            deterministic=deterministic)

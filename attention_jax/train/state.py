@@ -13,7 +13,7 @@ from flax import struct
 from jax.sharding import Mesh
 
 from attention_jax.train import partitioning
-from attention_jax.train.model_calls import ModelCall, classify
+from attention_jax.train.objectives import CLASSIFY, Objective
 
 # Variable collections that are not carried from step to step: the parameters
 # have their own field, sown losses and intermediates are recomputed each call.
@@ -48,8 +48,8 @@ def init_batch(example_batch: Mapping[str, Any]) -> Dict[str, jax.Array]:
 
 
 def _init_state(rng: jax.Array, *, model: nn.Module, optimizer: optax.GradientTransformation,
-                batch: Dict[str, jax.Array], model_call: ModelCall, boxed: bool) -> TrainState:
-  variables = model.init({"params": rng}, batch, True, method=model_call)
+                batch: Dict[str, jax.Array], objective: Objective, boxed: bool) -> TrainState:
+  variables = model.init({"params": rng}, batch, True, method=objective.model_call)
   if not boxed:
     variables = nn.meta.unbox(variables)
   params = variables["params"]
@@ -64,7 +64,7 @@ def _init_state(rng: jax.Array, *, model: nn.Module, optimizer: optax.GradientTr
 def abstract_state_and_shardings(
     model: nn.Module, optimizer: optax.GradientTransformation, example_batch: Mapping[str, Any],
     mesh: Mesh, rules: Sequence[Tuple[str, Any]] = partitioning.LOGICAL_AXIS_RULES, *,
-    model_call: ModelCall = classify) -> Tuple[TrainState, TrainState]:
+    objective: Objective = CLASSIFY) -> Tuple[TrainState, TrainState]:
   """The state's shapes and its shardings, computed without allocating it.
 
   Returns:
@@ -72,7 +72,7 @@ def abstract_state_and_shardings(
     one of `NamedSharding`s (what a checkpoint restore needs as targets).
   """
   init = functools.partial(_init_state, model=model, optimizer=optimizer,
-                           batch=init_batch(example_batch), model_call=model_call)
+                           batch=init_batch(example_batch), objective=objective)
   rng = jax.random.key(0)
   boxed = jax.eval_shape(functools.partial(init, boxed=True), rng)
   abstract = jax.eval_shape(functools.partial(init, boxed=False), rng)
@@ -87,7 +87,7 @@ def create_sharded_state(
     model: nn.Module, optimizer: optax.GradientTransformation, example_batch: Mapping[str, Any],
     mesh: Mesh, rules: Sequence[Tuple[str, Any]] = partitioning.LOGICAL_AXIS_RULES,
     rng: jax.Array | None = None, *,
-    model_call: ModelCall = classify) -> Tuple[TrainState, TrainState]:
+    objective: Objective = CLASSIFY) -> Tuple[TrainState, TrainState]:
   """A freshly initialised train state, each array created on its own shards.
 
   Args:
@@ -97,16 +97,16 @@ def create_sharded_state(
       `jax.ShapeDtypeStruct`s); only shapes and dtypes are used.
     mesh, rules: the device mesh and the logical-axis rules.
     rng: the parameter initialisation key; `jax.random.key(0)` by default.
-    model_call: how the model is called on a batch.
+    objective: how the model is called on a batch (its `model_call`).
 
   Returns:
     `(state, shardings)`; `shardings` is the `TrainState` of `NamedSharding`s the
     steps are compiled with.
   """
   _, shardings = abstract_state_and_shardings(model, optimizer, example_batch, mesh, rules,
-                                              model_call=model_call)
+                                              objective=objective)
   init = functools.partial(_init_state, model=model, optimizer=optimizer,
-                           batch=init_batch(example_batch), model_call=model_call, boxed=False)
+                           batch=init_batch(example_batch), objective=objective, boxed=False)
   rng = jax.random.key(0) if rng is None else rng
   # out_shardings makes every device compute only its own shards: the full
   # parameters never exist on one device.

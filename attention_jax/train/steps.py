@@ -21,7 +21,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from attention_jax.train import partitioning
-from attention_jax.train.model_calls import ModelCall, classify
+from attention_jax.train.objectives import CLASSIFY, Objective
 from attention_jax.train.state import TrainState
 
 Batch = Dict[str, jax.Array]
@@ -37,14 +37,14 @@ def step_rngs(seed: int, step: jax.Array, streams: Sequence[str]) -> Dict[str, j
           for name in streams}
 
 
-def weighted_cross_entropy(logits: jax.Array, batch: Batch) -> Tuple[jax.Array, jax.Array,
-                                                                     jax.Array]:
-  """Sums over the batch of `weight * cross-entropy` and `weight * correct`, and
-  the sum of the weights. logits: `[B, C]`; batch: "label" `[B]`, "weight" `[B]`."""
-  weight = batch["weight"].astype(jnp.float32)
-  cross_entropy = optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"])
-  correct = (jnp.argmax(logits, axis=-1) == batch["label"]).astype(jnp.float32)
-  return (weight * cross_entropy).sum(), (weight * correct).sum(), weight.sum()
+def weighted_cross_entropy(logits: jax.Array, labels: jax.Array,
+                           weights: jax.Array) -> Tuple[jax.Array, jax.Array, jax.Array]:
+  """Sums of `weight * cross-entropy` and `weight * correct`, and the sum of the
+  weights. logits: `[..., C]`; labels: `[...]` int; weights: `[...]`."""
+  weights = weights.astype(jnp.float32)
+  cross_entropy = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+  correct = (jnp.argmax(logits, axis=-1) == labels).astype(jnp.float32)
+  return (weights * cross_entropy).sum(), (weights * correct).sum(), weights.sum()
 
 
 def sown_losses(collections: Dict[str, Any]) -> jax.Array:
@@ -57,13 +57,14 @@ def make_train_step(model: nn.Module, optimizer: optax.GradientTransformation, m
                     state_shardings: TrainState, *, seed: int = 0,
                     rules: Sequence[Tuple[str, Any]] = partitioning.LOGICAL_AXIS_RULES,
                     rng_streams: Sequence[str] = ("dropout",),
-                    model_call: ModelCall = classify) -> Callable[[TrainState, Batch],
+                    objective: Objective = CLASSIFY) -> Callable[[TrainState, Batch],
                                                                    Tuple[TrainState, Metrics]]:
   """`step(state, batch) -> (state, metrics)`, one optimiser update (or micro-step
   of an accumulating optimiser).
 
-  The loss is the weighted mean cross-entropy of the global batch plus the sum
-  of the losses modules sow into "losses". The input state is donated: do not
+  The loss is the weighted mean cross-entropy of the global batch (over its
+  examples, or its tokens for a language model) plus the sum of the losses
+  modules sow into "losses". The input state is donated: do not
   use it after the call.
 
   Args:
@@ -74,7 +75,7 @@ def make_train_step(model: nn.Module, optimizer: optax.GradientTransformation, m
     seed: the RNG seed; each step's keys are `step_rngs(seed, state.step, ...)`.
     rng_streams: the RNG streams the model draws from while training: "dropout",
       and "attention" for variants that redraw random features.
-    model_call: how the model is called on a batch.
+    objective: how the model is called on a batch and scored.
 
   Returns:
     The step. `metrics` holds scalars: "loss" (the optimised objective),
@@ -87,9 +88,10 @@ def make_train_step(model: nn.Module, optimizer: optax.GradientTransformation, m
 
     def loss_fn(params):
       logits, updates = model.apply(
-          {"params": params, **state.collections}, batch, False, method=model_call,
-          rngs=rngs, mutable=[*state.collections, "losses"])
-      cross_entropy_sum, correct, count = weighted_cross_entropy(logits, batch)
+          {"params": params, **state.collections}, batch, False,
+          method=objective.model_call, rngs=rngs, mutable=[*state.collections, "losses"])
+      cross_entropy_sum, correct, count = weighted_cross_entropy(logits,
+                                                                 *objective.targets(batch))
       cross_entropy = cross_entropy_sum / jnp.maximum(count, 1e-8)
       aux_loss = sown_losses(updates)
       return cross_entropy + aux_loss, (updates, cross_entropy, aux_loss, correct, count)
@@ -114,7 +116,7 @@ def make_train_step(model: nn.Module, optimizer: optax.GradientTransformation, m
 
 def make_eval_step(model: nn.Module, mesh: Mesh, state_shardings: TrainState, *,
                    rules: Sequence[Tuple[str, Any]] = partitioning.LOGICAL_AXIS_RULES,
-                   model_call: ModelCall = classify) -> Callable[[TrainState, Batch], Metrics]:
+                   objective: Objective = CLASSIFY) -> Callable[[TrainState, Batch], Metrics]:
   """`step(state, batch) -> sums` without dropout, for adding up over a split.
 
   The sums are "loss_sum" (weighted cross-entropy), "correct" and "count" (sum of
@@ -123,8 +125,8 @@ def make_eval_step(model: nn.Module, mesh: Mesh, state_shardings: TrainState, *,
 
   def eval_step(state: TrainState, batch: Batch) -> Metrics:
     logits = model.apply({"params": state.params, **state.collections}, batch, True,
-                         method=model_call)
-    loss_sum, correct, count = weighted_cross_entropy(logits, batch)
+                         method=objective.model_call)
+    loss_sum, correct, count = weighted_cross_entropy(logits, *objective.targets(batch))
     return dict(loss_sum=loss_sum, correct=correct, count=count)
 
   jitted = jax.jit(eval_step,

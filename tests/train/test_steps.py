@@ -100,3 +100,49 @@ def test_dropout_depends_on_the_step_counter_only_and_collections_are_carried():
 
   centroids = lambda s: jax.tree.leaves(s.collections["kmeans"])[0]
   assert not np.allclose(centroids(new_state), centroids(snapshot))
+
+
+def test_language_model_loss_is_next_token_cross_entropy_over_real_tokens():
+  model = build_model(dict(kind="language_model", vocab_size=VOCAB, num_layers=1, embed_dim=8,
+                           num_heads=2, mlp_dim=16, max_length=T, dropout_rate=0.0))
+  objective = train.get_objective("language_model")
+  mesh, batch = _mesh(), _batch()
+  optimizer = train.make_optimizer(dict(warmup_steps=1, num_train_steps=10))
+  state, shardings = train.create_sharded_state(model, optimizer, batch, mesh,
+                                                objective=objective)
+  params = jax.device_get(state.params)
+  logits = np.asarray(model.apply({"params": params}, jnp.asarray(batch["inputs"]),
+                                  padding_mask=jnp.asarray(batch["inputs"] != 0)), np.float64)
+  # Position t predicts token t + 1; padded targets and zero-weight rows do not count.
+  log_probs = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+  targets = batch["inputs"][:, 1:]
+  picked = np.take_along_axis(log_probs[:, :-1], targets[..., None], -1)[..., 0]
+  weights = (targets != 0) * batch["weight"][:, None]
+  expected = -(picked * weights).sum() / weights.sum()
+
+  step = train.make_train_step(model, optimizer, mesh, shardings, objective=objective)
+  _, metrics = step(state, train.shard_batch(batch, train.batch_sharding(mesh)))
+  np.testing.assert_allclose(metrics["cross_entropy"], expected, rtol=1e-5)
+  assert float(metrics["count"]) == weights.sum() == 18.0
+
+
+def test_dual_classifier_step_reads_both_sequences():
+  model = build_model(dict(kind="dual_classifier", vocab_size=VOCAB, num_classes=CLASSES,
+                           num_layers=1, embed_dim=8, num_heads=2, mlp_dim=16, max_length=T,
+                           head_mlp_dim=8))
+  objective = train.get_objective("dual_classifier")
+  mesh, batch = _mesh(), _batch()
+  batch["inputs2"] = _batch(seed=1)["inputs"]
+  optimizer = train.make_optimizer(dict(learning_rate=0.1, warmup_steps=0, num_train_steps=10,
+                                        schedule="linear"))
+  state, shardings = train.create_sharded_state(model, optimizer, batch, mesh,
+                                                objective=objective)
+  step = train.make_train_step(model, optimizer, mesh, shardings, objective=objective)
+  state, _ = step(state, train.shard_batch(batch, train.batch_sharding(mesh)))
+  evaluate = train.make_eval_step(model, mesh, shardings, objective=objective)
+  sums = evaluate(state, train.shard_batch(batch, train.batch_sharding(mesh)))
+  other = dict(batch, inputs2=_batch(seed=2)["inputs"])
+  other_sums = evaluate(state, train.shard_batch(other, train.batch_sharding(mesh)))
+  assert float(sums["count"]) == 6.0
+  # The second document reaches the logits.
+  assert float(sums["loss_sum"]) != float(other_sums["loss_sum"])

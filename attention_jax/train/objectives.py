@@ -1,0 +1,95 @@
+"""What a model is trained to do: how it is called on a batch and what its
+logits are scored against. One objective per model kind of `build_model`.
+
+An objective's `model_call(module, batch, deterministic) -> logits` is passed to
+flax as `method=`, so the same function initialises the model
+(`model.init(rngs, batch, True, method=call)`) and applies it in the train and
+eval steps. `targets(batch) -> (labels, weights)` gives integer labels of the
+logits' leading shape and a float weight per label (0 for padding), so one
+weighted cross-entropy scores a label per sequence and a label per token alike.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Dict, Tuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+# Token id 0 is padding in every task (see attention_jax.data).
+PAD_ID = 0
+
+Batch = Dict[str, jax.Array]
+ModelCall = Callable[[nn.Module, Batch, bool], jax.Array]
+Targets = Callable[[Batch], Tuple[jax.Array, jax.Array]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Objective:
+  """How a model kind is called and scored.
+
+  Attributes:
+    name: the model kind (`config.model.kind`).
+    model_call: `(module, batch, deterministic) -> logits [B, ..., C]`.
+    targets: `batch -> (labels [B, ...] int, weights [B, ...] float)`.
+    sequence_keys: the batch arrays that are token sequences (the model reads
+      all of their tokens; the trainer counts them for tokens/s).
+  """
+
+  name: str
+  model_call: ModelCall
+  targets: Targets
+  sequence_keys: Tuple[str, ...] = ("inputs",)
+
+
+def _classify(module: nn.Module, batch: Batch, deterministic: bool) -> jax.Array:
+  """`[B, T]` inputs -> `[B, C]` logits."""
+  inputs = batch["inputs"]
+  return module(inputs, padding_mask=inputs != PAD_ID, deterministic=deterministic)
+
+
+def _classify_pair(module: nn.Module, batch: Batch, deterministic: bool) -> jax.Array:
+  """`[B, T1]` inputs and `[B, T2]` inputs2 -> `[B, C]` logits."""
+  inputs, inputs2 = batch["inputs"], batch["inputs2"]
+  return module(inputs, inputs2, padding_mask=inputs != PAD_ID, padding_mask2=inputs2 != PAD_ID,
+                deterministic=deterministic)
+
+
+def _example_labels(batch: Batch) -> Tuple[jax.Array, jax.Array]:
+  return batch["label"], batch["weight"]
+
+
+def _next_token_logits(module: nn.Module, batch: Batch, deterministic: bool) -> jax.Array:
+  """`[B, T]` inputs -> `[B, T - 1, V]` logits of tokens 1..T-1.
+
+  The model sees all T tokens (a length the variants' block sizes divide) and
+  the last position, which has nothing to predict, is dropped.
+  """
+  inputs = batch["inputs"]
+  return module(inputs, padding_mask=inputs != PAD_ID, deterministic=deterministic)[:, :-1]
+
+
+def _next_tokens(batch: Batch) -> Tuple[jax.Array, jax.Array]:
+  """Labels: tokens 1..T-1; weighted by the example weight, 0 where the target is padding."""
+  labels = batch["inputs"][:, 1:]
+  weights = (labels != PAD_ID).astype(jnp.float32) * batch["weight"][:, None]
+  return labels, weights
+
+
+OBJECTIVES: Dict[str, Objective] = {
+    "classifier": Objective("classifier", _classify, _example_labels),
+    "dual_classifier": Objective("dual_classifier", _classify_pair, _example_labels,
+                                 sequence_keys=("inputs", "inputs2")),
+    "language_model": Objective("language_model", _next_token_logits, _next_tokens),
+}
+CLASSIFY = OBJECTIVES["classifier"]
+
+
+def get_objective(kind: str) -> Objective:
+  """The objective of model kind `kind`; an unknown kind raises ValueError."""
+  if kind not in OBJECTIVES:
+    raise ValueError(f"no objective for model kind {kind!r}; valid kinds are: "
+                     f"{', '.join(OBJECTIVES)}.")
+  return OBJECTIVES[kind]

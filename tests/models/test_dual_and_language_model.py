@@ -1,0 +1,97 @@
+"""DualEncoderClassifier (retrieval's two towers) and LanguageModel (causal LM):
+what they compute, checked against the parts they are built from."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from attention_jax.models import (DualEncoderClassifier, Encoder, LanguageModel, build_model)
+from attention_jax.models.classifier import masked_mean
+from attention_testing import assert_close
+
+B, T, V, E = 3, 10, 24, 16
+SMALL = dict(vocab_size=V, num_layers=2, embed_dim=E, num_heads=4, mlp_dim=32, max_length=16)
+
+
+def _tokens(seed, length=T):
+  return jax.random.randint(jax.random.PRNGKey(seed), (B, length), 1, V)
+
+
+def _perturbed(variables, seed=3):
+  """Random parameters everywhere: the zero-initialised head would make every logit 0."""
+  leaves, tree = jax.tree.flatten(nn.meta.unbox(variables))
+  rng = np.random.default_rng(seed)
+  return jax.tree.unflatten(
+      tree, [leaf + 0.3 * rng.standard_normal(leaf.shape, np.float32) for leaf in leaves])
+
+
+@pytest.mark.parametrize("pooling", ["cls", "mean"])
+def test_dual_classifier_is_the_head_on_u_v_product_and_difference(pooling):
+  model = DualEncoderClassifier(encoder=Encoder(**SMALL), num_classes=3, pooling=pooling,
+                                head_mlp_dim=8)
+  tokens, tokens2 = _tokens(0), _tokens(1, length=T - 2)
+  mask = jnp.arange(T)[None] < jnp.array([[T], [6], [3]])
+  mask2 = jnp.ones((B, T - 2), bool)
+  variables = _perturbed(model.init(jax.random.PRNGKey(0), tokens, tokens2))
+  params = variables["params"]
+  # One encoder shared by both towers.
+  assert sorted(params) == sorted(["encoder", "head_hidden", "head"] +
+                                  (["cls"] if pooling == "cls" else []))
+  logits = model.apply(variables, tokens, tokens2, padding_mask=mask, padding_mask2=mask2)
+
+  encoder = Encoder(**SMALL)
+
+  def tower(x, m):
+    prefix = params["cls"] if pooling == "cls" else None
+    out = encoder.apply({"params": params["encoder"]}, x, padding_mask=m, prefix=prefix)
+    return out[:, 0] if pooling == "cls" else masked_mean(out, m)
+
+  u, v = tower(tokens, mask), tower(tokens2, mask2)
+  features = jnp.concatenate([u, v, u * v, u - v], axis=-1)
+  hidden = jax.nn.relu(features @ params["head_hidden"]["kernel"] + params["head_hidden"]["bias"])
+  expected = hidden @ params["head"]["kernel"] + params["head"]["bias"]
+  assert logits.shape == (B, 3)
+  assert_close(logits, expected, rtol=1e-5, atol=1e-5)
+  # The order of the pair matters (u - v), so the towers are not mixed up.
+  swapped = model.apply(variables, tokens2, tokens, padding_mask=mask2, padding_mask2=mask)
+  assert not np.allclose(swapped, logits, atol=1e-4)
+
+
+def test_dual_classifier_ignores_padded_tokens_of_either_document():
+  model = DualEncoderClassifier(encoder=Encoder(**SMALL), num_classes=2, pooling="mean")
+  tokens, tokens2 = _tokens(0), _tokens(1)
+  mask = jnp.broadcast_to(jnp.arange(T)[None] < 6, (B, T))
+  variables = _perturbed(model.init(jax.random.PRNGKey(0), tokens, tokens2))
+  logits = model.apply(variables, tokens, tokens2, padding_mask=mask, padding_mask2=mask)
+  changed = model.apply(variables, tokens.at[:, 6:].set(5), tokens2.at[:, 7:].set(9),
+                        padding_mask=mask, padding_mask2=mask)
+  assert_close(changed, logits, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("attention", ["dot_product", "linear", "local"])
+def test_language_model_logits_never_depend_on_later_tokens(attention):
+  options = {"window_size": 3} if attention == "local" else {}
+  model = LanguageModel(encoder=Encoder(**SMALL, attention=attention,
+                                        attention_options=options))
+  tokens = _tokens(0)
+  variables = _perturbed(model.init(jax.random.PRNGKey(0), tokens))
+  logits = model.apply(variables, tokens)
+  assert logits.shape == (B, T, V) and logits.dtype == jnp.float32
+  for t in (0, 4, T - 2):
+    changed = model.apply(variables, tokens.at[:, t + 1:].set((tokens[:, t + 1:] + 5) % V))
+    assert_close(changed[:, :t + 1], logits[:, :t + 1], rtol=1e-5, atol=1e-5)
+    # ...while the changed positions do move (the test can fail).
+    assert not np.allclose(changed[:, t + 1:], logits[:, t + 1:], atol=1e-3)
+
+
+def test_build_model_makes_each_kind_and_refuses_a_non_causal_language_model():
+  common = dict(vocab_size=V, num_classes=4, num_layers=1, embed_dim=E, num_heads=2, mlp_dim=8,
+                max_length=T)
+  assert isinstance(build_model({**common, "kind": "dual_classifier"}), DualEncoderClassifier)
+  assert isinstance(build_model({**common, "kind": "language_model"}), LanguageModel)
+  with pytest.raises(ValueError, match="kind must be one of"):
+    build_model({**common, "kind": "seq2seq"})
+  with pytest.raises(ValueError, match="'linformer' has no causal form"):
+    build_model({**common, "kind": "language_model", "attention": "linformer"})
