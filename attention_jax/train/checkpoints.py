@@ -21,6 +21,7 @@ Layout: `<directory>/<step>/` as orbax writes it (`default/` holds the state,
 from __future__ import annotations
 
 import json
+import logging
 import math
 import re
 import warnings
@@ -39,6 +40,17 @@ CORRUPT_SUBDIR = "corrupt"
 # The step directory names of orbax's standard name format with no prefix and
 # no zero padding, the format used here.
 _STEP_NAME = re.compile(r"0|[1-9]\d*")
+
+
+class _WithoutMetricsNotice(logging.Filter):
+  """Drops orbax's warning for each save without metrics while a best metric is
+  tracked: periodic checkpoints between evaluations have none by design."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    return "did not provide metrics" not in record.getMessage()
+
+
+logging.getLogger("absl").addFilter(_WithoutMetricsNotice())
 
 
 class CorruptCheckpointWarning(UserWarning):
@@ -236,8 +248,8 @@ class Checkpointer:
       return None
     return self._manager.best_step()
 
-  def save(self, step: int, state: Any, *, metrics: Optional[Mapping[str, Any]] = None,
-           force: bool = False) -> bool:
+  def save(self, step: int, state: Any, *,
+           metrics: Optional[Mapping[str, Any]] = None) -> bool:
     """Saves `state` as the checkpoint of `step`, then applies the retention.
 
     Every call saves (the caller decides when); orbax's save-interval policy is
@@ -250,8 +262,6 @@ class Checkpointer:
       metrics: {name: number} of an evaluation at `step`, e.g.
         {"accuracy": 0.41, "loss": 1.7}; must hold `best_metric` when that is
         set. Stored with the checkpoint only when best tracking is on.
-      force: accepted for the final save's readability: with no interval
-        policy every call saves anyway.
 
     Returns:
       True when a checkpoint was written; False when `step` already has one (a
@@ -261,7 +271,6 @@ class Checkpointer:
       ValueError: on a negative step, a step older than the latest checkpoint,
         metrics that are not numbers or lack `best_metric`.
     """
-    del force  # Every call saves; see the docstring.
     step = int(step)
     if step < 0:
       raise ValueError(f"step must be >= 0, got {step}.")

@@ -7,6 +7,8 @@ already imported jax cannot do. Prints one JSON object on the last line.
 
 import json
 import os
+import pathlib
+import sys
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                            " --xla_force_host_platform_device_count=8").strip()
@@ -92,7 +94,31 @@ def main():
       uneven = {name: array[:12] for name, array in batches[0].items()}
       out["batch_error"] = error_of(
           lambda: train.shard_batch(uneven, train.batch_sharding(train.make_mesh((8, 1, 1)))))
+  out["trainer"] = trainer_runs(pathlib.Path(sys.argv[1])) if len(sys.argv) > 1 else None
   print(json.dumps(out))
+
+
+def trainer_runs(tmp):
+  """The whole training loop (tests/train/tiny_config.py) on three meshes: its
+  per-step train losses, and the error for a batch that does not split."""
+  sys.path.insert(0, str(pathlib.Path(__file__).parent))
+  import tiny_config  # pylint: disable=g-import-not-at-top
+  from attention_jax.train import metrics  # pylint: disable=g-import-not-at-top
+  from attention_jax.train.trainer import train_and_evaluate  # pylint: disable=g-import-not-at-top
+  out = {"losses": {}}
+  for shape in [(8, 1, 1), (2, 4, 1), (2, 2, 2)]:
+    config = tiny_config.get_config()
+    config.update(data_dir=str(tmp / "data"), mesh_shape=shape, num_train_steps=6, log_every=1,
+                  eval_every=6, checkpoint_every=6)
+    workdir = tmp / ("mesh-" + "x".join(map(str, shape)))
+    results = train_and_evaluate(config, workdir)
+    out["losses"][str(shape)] = [r["loss"] for r in metrics.read_metrics(workdir, "train")]
+    out.setdefault("validation", {})[str(shape)] = results["metrics"]["validation"]
+  config = tiny_config.get_config()
+  config.update(data_dir=str(tmp / "data"), mesh_shape=(8, 1, 1), batch_size=12)
+  out["batch_error"] = error_of(lambda: train_and_evaluate(config, tmp / "bad-batch"))
+  out["bad_batch_workdir_exists"] = (tmp / "bad-batch").exists()
+  return out
 
 
 if __name__ == "__main__":

@@ -190,7 +190,7 @@ def test_without_best_metric_only_the_latest_k_remain(tmp_path):
 def test_saving_a_step_twice_is_a_no_op(tmp_path):
   ckpt = Checkpointer(tmp_path, keep=2, best_metric="accuracy", async_save=False)
   assert ckpt.save(5, _state(5))
-  assert not ckpt.save(5, _state(99), force=True)
+  assert not ckpt.save(5, _state(99))
   assert not ckpt.save(5, _state(99), metrics={"accuracy": 1.0})
   state, step = ckpt.restore(*_targets(_state(0)))
   assert step == 5

@@ -15,9 +15,10 @@ SCRIPT = pathlib.Path(__file__).with_name("sharded_run.py")
 
 
 @pytest.fixture(scope="module")
-def run():
-  result = subprocess.run([sys.executable, str(SCRIPT)], capture_output=True, text=True,
-                          env=dict(os.environ), cwd=SCRIPT.parents[2], timeout=600)
+def run(tmp_path_factory):
+  tmp = tmp_path_factory.mktemp("sharded")
+  result = subprocess.run([sys.executable, str(SCRIPT), str(tmp)], capture_output=True,
+                          text=True, env=dict(os.environ), cwd=SCRIPT.parents[2], timeout=600)
   assert result.returncode == 0, result.stderr[-4000:]
   return json.loads(result.stdout.strip().splitlines()[-1])
 
@@ -81,3 +82,27 @@ def test_eval_step_counts_every_example(run):
 def test_batch_that_does_not_divide_over_the_data_axes_raises(run):
   message = run["batch_error"]
   assert message is not None and "12" in message and "8" in message
+
+
+def test_the_training_loop_gives_the_same_losses_on_every_mesh_as_on_one_device(run,
+                                                                                tmp_path):
+  sys.path.insert(0, str(SCRIPT.parent))
+  import tiny_config  # pylint: disable=g-import-not-at-top
+  from attention_jax.train import metrics  # pylint: disable=g-import-not-at-top
+  from attention_jax.train.trainer import train_and_evaluate  # pylint: disable=g-import-not-at-top
+  config = tiny_config.get_config()
+  config.update(data_dir=str(tmp_path / "data"), mesh_shape=(1, 1, 1), num_train_steps=6,
+                log_every=1, eval_every=6, checkpoint_every=6)
+  results = train_and_evaluate(config, tmp_path / "one-device")
+  reference = [r["loss"] for r in metrics.read_metrics(tmp_path / "one-device", "train")]
+  assert len(reference) == 6 and np.ptp(reference) > 1e-3
+  for mesh, losses in run["trainer"]["losses"].items():
+    np.testing.assert_allclose(losses, reference, rtol=2e-5, atol=2e-6, err_msg=mesh)
+    np.testing.assert_allclose(run["trainer"]["validation"][mesh]["loss"],
+                               results["metrics"]["validation"]["loss"], rtol=2e-5)
+
+
+def test_the_training_loop_refuses_a_batch_that_does_not_split_before_writing(run):
+  message = run["trainer"]["batch_error"]
+  assert message is not None and "12" in message and "8" in message
+  assert not run["trainer"]["bad_batch_workdir_exists"]

@@ -1,0 +1,142 @@
+"""The trainer's config: every key it reads, with its default, and the checks
+that run before anything is compiled.
+
+Experiment configs (`configs/lra/<task>.py`) start from `default_config()` and
+set what their task and preset need; `check_config` rejects a key the trainer
+does not know, so a typo in a config file or a `--config.a.b=value` override is
+an error rather than a silently ignored setting.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Iterable, List, Tuple
+
+import ml_collections
+
+from attention_jax.models import default_model_config
+from attention_jax.train.optim import default_optimizer_config
+
+# Keys whose values are free-form options of the component they configure.
+FREE_FORM = ("task_options", "model.attention_options", "model.position_options")
+
+# Keys that may change between a run and its restart: they change how a run is
+# watched or where it reads the same data from, not what it computes.
+RESTARTABLE = ("progress", "data_dir", "prepare_data", "async_checkpoints")
+
+
+def default_config() -> ml_collections.ConfigDict:
+  """Every key the trainer accepts, with its default."""
+  placeholder = ml_collections.config_dict.placeholder
+  config = ml_collections.ConfigDict()
+  config.task = "listops"  # a name of attention_jax.data.list_tasks()
+  config.task_options = {}  # keyword arguments of the task's make_task (sizes, lengths, ...)
+  config.data_dir = "data"  # prepared splits live in <data_dir>/<task>/<split>/
+  config.prepare_data = True  # generate / convert missing splits before training
+
+  config.model = default_model_config()  # vocab_size, num_classes, max_length: from the task
+  config.model.vocab_size = placeholder(int)
+  config.model.num_classes = placeholder(int)
+  config.model.max_length = placeholder(int)
+
+  config.num_train_steps = 1000  # micro-batches; also the optimiser schedule's length
+  config.optimizer = default_optimizer_config()
+  config.optimizer.num_train_steps = config.get_ref("num_train_steps")
+  config.batch_size = 32  # global, over all hosts and devices
+  config.eval_batch_size = placeholder(int)  # None: batch_size
+  config.eval_every = 200  # steps between validation passes (and the final step)
+  config.eval_steps = placeholder(int)  # batches per validation pass; None: the whole split
+  config.test_at_end = True  # evaluate the best checkpoint on the test split
+
+  config.log_every = 50  # steps between train-metric records
+  config.checkpoint_every = 200  # steps between checkpoints (and the final step)
+  config.keep_checkpoints = 2  # the latest K; the best by validation accuracy is kept too
+  config.async_checkpoints = True
+  config.progress = True  # the console progress bar
+
+  config.mesh_shape = (-1, 1, 1)  # ("data", "fsdp", "tensor"); -1: the rest of the devices
+  config.seed = 0  # parameters, data order and dropout all derive from it
+  config.rng_streams = ("dropout",)  # add "attention" for variants that redraw features
+  return config
+
+
+def _flatten(config: ml_collections.ConfigDict, prefix: str = "") -> Dict[str, Any]:
+  """`{"a.b": value}` for every leaf key, not descending into free-form dicts."""
+  flat = {}
+  for key, value in config.items():
+    path = f"{prefix}{key}"
+    if isinstance(value, ml_collections.ConfigDict) and path not in FREE_FORM:
+      flat.update(_flatten(value, path + "."))
+    else:
+      flat[path] = value
+  return flat
+
+
+def check_config(config: ml_collections.ConfigDict) -> None:
+  """Raises ValueError on a key the trainer does not know, or a value out of range.
+
+  The model's and the optimiser's own keys are checked by `build_model` and
+  `make_optimizer`; the task name and options by `attention_jax.data.get_task`.
+  """
+  known = _flatten(default_config())
+  given = _flatten(config)
+  known_prefixes = {".".join(key.split(".")[:n]) for key in known
+                    for n in range(1, key.count(".") + 2)}
+
+  def first_unknown(key: str) -> str:  # "optimiser" rather than "optimiser.learning_rate"
+    parts = key.split(".")
+    return next(".".join(parts[:n]) for n in range(1, len(parts) + 1)
+                if ".".join(parts[:n]) not in known_prefixes)
+
+  unknown = sorted({first_unknown(key) for key in set(given) - set(known)})
+  if unknown:
+    raise ValueError(f"unknown config key(s) {', '.join(map(repr, unknown))}; valid keys are: "
+                     f"{', '.join(sorted(known))}.")
+  positive = ("num_train_steps", "batch_size", "eval_every", "log_every", "checkpoint_every",
+              "keep_checkpoints")
+  for key in positive:
+    if not isinstance(config[key], int) or config[key] < 1:
+      raise ValueError(f"config.{key} must be a positive integer, got {config[key]!r}.")
+  for key in ("eval_batch_size", "eval_steps"):
+    if config[key] is not None and config[key] < 1:
+      raise ValueError(f"config.{key} must be a positive integer or None, got {config[key]!r}.")
+
+
+def config_differences(saved: Dict[str, Any], current: Dict[str, Any]) -> List[Tuple[str, Any,
+                                                                                    Any]]:
+  """`(key, saved value, current value)` for each key where two configs (as
+  `to_dict()`s) differ in something that changes what a run computes."""
+  flat = lambda d, p="": {k2: v2 for k, v in d.items() for k2, v2 in (
+      flat(v, f"{p}{k}.").items() if isinstance(v, dict) and f"{p}{k}" not in FREE_FORM
+      else [(f"{p}{k}", v)])}
+  a, b = flat(saved), flat(current)
+  return [(key, a.get(key), b.get(key)) for key in sorted(set(a) | set(b))
+          if key not in RESTARTABLE and _normalise(a.get(key)) != _normalise(b.get(key))]
+
+
+def _normalise(value: Any) -> Any:
+  """Tuples and lists compare equal (JSON turns tuples into lists)."""
+  if isinstance(value, (tuple, list)):
+    return [_normalise(v) for v in value]
+  if isinstance(value, dict):
+    return {k: _normalise(v) for k, v in value.items()}
+  return value
+
+
+def parse_config_arg(arg: str, presets: Iterable[str]) -> Tuple[str, Tuple[str, ...]]:
+  """Splits a config file's argument `"variant[,preset...]"`.
+
+  Returns:
+    `(variant, presets)`; the variant is checked against the registry.
+
+  Raises:
+    ValueError: on an unknown variant or preset.
+  """
+  from attention_jax.registry import get_variant  # pylint: disable=g-import-not-at-top
+  variant, *chosen = [part.strip() for part in (arg or "dot_product").split(",")]
+  get_variant(variant)
+  presets = tuple(presets)
+  for preset in chosen:
+    if preset not in presets:
+      raise ValueError(f"unknown preset {preset!r} in config argument {arg!r}; valid presets "
+                       f"are: {', '.join(presets)}.")
+  return variant, tuple(chosen)

@@ -1,0 +1,234 @@
+"""The training loop end to end on one CPU device: what a run leaves in its
+workdir, exact resumption (after SIGKILL, after a corrupted checkpoint), and
+bad input refused before anything is compiled or written."""
+
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from attention_jax.train import checkpoints, metrics
+from attention_jax.train.config import default_config
+from attention_jax.train.trainer import WorkdirConflictError, train_and_evaluate
+
+ROOT = pathlib.Path(__file__).parents[2]
+TINY = ROOT / "tests" / "train" / "tiny_config.py"
+
+sys.path.insert(0, str(TINY.parent))
+import tiny_config  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+
+def _config(tmp_path, **overrides):
+  config = tiny_config.get_config()
+  config.data_dir = str(tmp_path / "data")
+  for key, value in overrides.items():
+    config[key] = value
+  return config
+
+
+def _final_params(workdir, step):
+  """The parameters of checkpoint `step`, as NumPy arrays, read without a template."""
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+  with ocp.CheckpointManager(pathlib.Path(workdir) / "checkpoints") as manager:
+    restored = manager.restore(step)
+  state = restored["default"] if "default" in restored else restored
+  params = state["params"] if isinstance(state, dict) else state.params
+  return jax.tree.map(np.asarray, params)
+
+
+def _assert_same_run(results_a, results_b):
+  for split in ("validation", "test"):
+    a, b = results_a["metrics"][split], results_b["metrics"][split]
+    assert a["step"] == b["step"] if "step" in a else True
+    np.testing.assert_allclose(a["loss"], b["loss"], rtol=1e-6, err_msg=split)
+    assert a["accuracy"] == b["accuracy"], split
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+  tmp_path = tmp_path_factory.mktemp("run")
+  workdir = tmp_path / "workdir"
+  results = train_and_evaluate(_config(tmp_path), workdir)
+  return tmp_path, workdir, results
+
+
+def test_run_leaves_config_checkpoints_metrics_events_and_results(finished_run):
+  tmp_path, workdir, results = finished_run
+  on_disk = json.loads((workdir / "results.json").read_text())
+  assert on_disk["metrics"]["validation"] == results["metrics"]["validation"]
+  assert on_disk["config"]["model"]["attention"] == "dot_product"
+  assert on_disk["config"]["model"]["vocab_size"] == 18  # filled in from the task
+  assert on_disk["devices"]["count"] == 1 and on_disk["devices"]["platform"] == "cpu"
+  assert on_disk["git_revision"] is None or len(on_disk["git_revision"]) >= 40
+  m = on_disk["metrics"]
+  assert m["steps_per_s"] > 0 and m["examples_per_s"] == pytest.approx(16 * m["steps_per_s"])
+  assert m["tokens_per_s"] == pytest.approx(m["examples_per_s"] * 40)
+  assert m["peak_memory_bytes"] > 0 and m["memory_source"] == "host_rss"
+  assert m["num_params"] > 1000
+  assert 0.0 <= m["test"]["accuracy"] <= 1.0 and m["test"]["count"] == 48
+  assert m["validation"]["count"] == 64  # every example once, none twice
+
+  records = metrics.read_metrics(workdir)
+  train_steps = [r["step"] for r in records if r["split"] == "train"]
+  assert train_steps == list(range(2, 25, 2))
+  assert [r["step"] for r in records if r["split"] == "validation"] == [8, 16, 24]
+  assert all(np.isfinite(r["loss"]) for r in records)
+  assert list((workdir / "tensorboard").glob("events.out.tfevents.*"))
+
+  # The latest two checkpoints and the best by validation accuracy.
+  validation = {r["step"]: r["accuracy"] for r in records if r["split"] == "validation"}
+  kept = {int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit()}
+  assert {20, 24} <= kept and len(kept) <= 3
+  best_kept = max(validation.get(step, -1.0) for step in kept)
+  assert best_kept == max(validation.values())  # ties between steps may keep either
+  assert m["best_validation"]["accuracy"] == pytest.approx(max(validation.values()))
+
+
+def test_restarting_a_finished_run_trains_nothing_and_reports_the_same(finished_run):
+  tmp_path, workdir, results = finished_run
+  again = train_and_evaluate(_config(tmp_path), workdir)
+  assert again["resumed_from"] == 24
+  _assert_same_run(results, again)
+
+
+def test_a_corrupted_latest_checkpoint_is_skipped_and_training_redone_exactly(finished_run,
+                                                                              tmp_path):
+  source_tmp, workdir, results = finished_run
+  copy = tmp_path / "workdir"
+  subprocess.run(["cp", "-r", str(workdir), str(copy)], check=True)
+  (copy / "results.json").unlink()
+  latest = copy / "checkpoints" / "24"
+  data_files = [p for p in latest.rglob("*") if p.is_file() and p.stat().st_size > 0]
+  for path in data_files:
+    path.write_bytes(b"\0garbage" * 4)
+  with pytest.warns(checkpoints.CorruptCheckpointWarning, match=str(latest)):
+    redone = train_and_evaluate(_config(source_tmp), copy)
+  assert redone["resumed_from"] == 20
+  _assert_same_run(results, redone)
+  # The bad checkpoint is kept aside, not deleted.
+  assert list((copy / "checkpoints").rglob("corrupt*"))
+
+
+def test_sigkill_at_any_moment_then_restart_reaches_the_uninterrupted_result(finished_run,
+                                                                            tmp_path):
+  source_tmp, reference_workdir, reference = finished_run
+  workdir = tmp_path / "killed"
+  command = [sys.executable, "-m", "experiments.train", f"--config={TINY}",
+             f"--workdir={workdir}", f"--config.data_dir={source_tmp / 'data'}",
+             # Slow steps (a longer run of the same kind would do the same) give the
+             # kill a window between checkpoints.
+             "--config.log_every=1"]
+  env = dict(os.environ, PYTHONUNBUFFERED="1")
+  process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE)
+  deadline = time.time() + 300
+  killed_after = None
+  while time.time() < deadline and process.poll() is None:
+    steps = [r["step"] for r in _safe_read(workdir) if r["split"] == "train"]
+    if steps and steps[-1] >= 10:  # after checkpoint 8, before checkpoint 12
+      process.send_signal(signal.SIGKILL)
+      killed_after = steps[-1]
+      break
+    time.sleep(0.005)
+  process.wait()
+  assert killed_after is not None, "the run finished before it could be killed"
+  assert not (workdir / "results.json").exists()
+
+  # The restart uses the same command; log_every differs from the reference run
+  # only in how often it writes train records.
+  finished = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True,
+                            timeout=600)
+  assert finished.returncode == 0, finished.stderr[-3000:]
+  resumed = json.loads((workdir / "results.json").read_text())
+  # The newest checkpoint that was complete when killed (an async save may
+  # still have been writing the one before the kill).
+  assert resumed["resumed_from"] in (4, 8, 12) and resumed["resumed_from"] <= killed_after
+  _assert_same_run(reference, resumed)
+  for a, b in zip(jax.tree.leaves(_final_params(reference_workdir, 24)),
+                  jax.tree.leaves(_final_params(workdir, 24))):
+    np.testing.assert_array_equal(a, b)
+  # The train records of the steps redone after the restart are not duplicated.
+  steps = [r["step"] for r in metrics.read_metrics(workdir) if r["split"] == "train"]
+  assert steps == list(range(1, 25))
+
+
+def _safe_read(workdir):
+  try:
+    return metrics.read_metrics(workdir)
+  except ValueError:  # a line being written
+    return []
+
+
+# ---------------------------------------------------------------------------
+# Bad input: refused before compiling, nothing in the workdir touched.
+# ---------------------------------------------------------------------------
+
+
+def _snapshot(folder):
+  return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*"))
+          if p.is_file()}
+
+
+def test_a_workdir_of_another_config_is_refused_untouched_unless_overwritten(finished_run,
+                                                                             tmp_path):
+  source_tmp, workdir, _ = finished_run
+  copy = tmp_path / "workdir"
+  subprocess.run(["cp", "-r", str(workdir), str(copy)], check=True)
+  before = _snapshot(copy)
+  other = _config(source_tmp)
+  other.model.embed_dim = 32
+  with pytest.raises(WorkdirConflictError, match=r"model\.embed_dim: 16 there, 32 now"):
+    train_and_evaluate(other, copy)
+  assert _snapshot(copy) == before
+
+  other.num_train_steps = 2
+  other.optimizer.warmup_steps = 1
+  other.eval_every = other.checkpoint_every = other.log_every = 2
+  train_and_evaluate(other, copy, overwrite=True)
+  moved = [p for p in tmp_path.iterdir() if p.name.startswith("workdir.replaced-")]
+  assert len(moved) == 1 and _snapshot(moved[0]) == before
+  assert json.loads((copy / "config.json").read_text())["model"]["embed_dim"] == 32
+
+
+@pytest.mark.parametrize("key, value, words", [
+    ("mesh_shape", (3, 1, 1), ["(3, 1, 1)", "3 devices", "there are 1"]),
+    ("task", "listopz", ["unknown task 'listopz'", "listops"]),
+    ("num_train_steps", 0, ["num_train_steps", "positive", "0"]),
+])
+def test_bad_values_are_refused_before_anything_is_written(tmp_path, key, value, words):
+  config = _config(tmp_path)
+  config[key] = value
+  with pytest.raises(ValueError) as error:
+    train_and_evaluate(config, tmp_path / "workdir")
+  for word in words:
+    assert word in str(error.value)
+  assert not (tmp_path / "workdir").exists()
+
+
+def test_unknown_config_keys_and_variants_are_refused(tmp_path):
+  config = _config(tmp_path)
+  config.unlock()
+  config.optimiser = {"learning_rate": 1.0}
+  with pytest.raises(ValueError, match="unknown config key.*'optimiser'"):
+    train_and_evaluate(config, tmp_path / "workdir")
+  config = _config(tmp_path)
+  config.model.attention = "performr"
+  with pytest.raises(ValueError, match="performr"):
+    train_and_evaluate(config, tmp_path / "workdir")
+  assert not (tmp_path / "workdir").exists()
+
+
+def test_command_line_reports_bad_overrides_without_a_traceback(tmp_path):
+  command = [sys.executable, "-m", "experiments.train", f"--config={TINY}",
+             f"--workdir={tmp_path / 'w'}", "--config.model.embed_dims=8"]
+  result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
+  assert result.returncode != 0
+  assert "embed_dims" in result.stderr
+  assert not (tmp_path / "w").exists()
