@@ -38,8 +38,11 @@ def default_config() -> ml_collections.ConfigDict:
   config.model.num_classes = placeholder(int)
   config.model.max_length = placeholder(int)
 
-  config.num_train_steps = 1000  # micro-batches; also the optimiser schedule's length
+  config.num_train_steps = 1000  # batches (micro-batches when accumulating gradients)
   config.optimizer = default_optimizer_config()
+  # The schedule's length in updates: set from num_train_steps by the trainer
+  # (divided by optimizer.grad_accum_steps); the reference keeps it in step for
+  # code that builds the optimiser from a config directly.
   config.optimizer.num_train_steps = config.get_ref("num_train_steps")
   config.batch_size = 32  # global, over all hosts and devices
   config.eval_batch_size = placeholder(int)  # None: batch_size

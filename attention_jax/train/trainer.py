@@ -256,6 +256,13 @@ def _completed(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
                      f"{config.task!r}'s sequences of {info.seq_len} tokens.")
   if config.eval_batch_size is None:
     config.eval_batch_size = config.batch_size
+  # num_train_steps counts batches; the optimiser's schedule counts updates,
+  # one per `grad_accum_steps` batches.
+  accum = int(config.optimizer.grad_accum_steps)
+  if config.num_train_steps % accum:
+    raise ValueError(f"num_train_steps={config.num_train_steps} must be a multiple of "
+                     f"optimizer.grad_accum_steps={accum}.")
+  config.optimizer.num_train_steps = config.num_train_steps // accum
   return config
 
 

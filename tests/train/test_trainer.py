@@ -232,3 +232,19 @@ def test_command_line_reports_bad_overrides_without_a_traceback(tmp_path):
   assert result.returncode != 0
   assert "embed_dims" in result.stderr
   assert not (tmp_path / "w").exists()
+
+
+def test_a_language_model_and_gradient_accumulation_train_through_the_same_loop(tmp_path):
+  config = _config(tmp_path, num_train_steps=8, eval_every=8, checkpoint_every=8)
+  config.model.kind = "language_model"
+  config.optimizer.grad_accum_steps = 2
+  config.optimizer.update(warmup_steps=1, learning_rate=1e-2)
+  results = train_and_evaluate(config, tmp_path / "lm")
+  validation = results["metrics"]["validation"]
+  # Token-level: the count is the number of real next tokens, not of examples.
+  assert validation["count"] > 64 * 5
+  assert np.isfinite(validation["loss"])
+  losses = [r["loss"] for r in metrics.read_metrics(tmp_path / "lm", "train")]
+  assert losses[-1] < losses[0] - 0.1  # it learns
+  # 8 batches are 4 optimiser updates: the schedule ends at update 4.
+  assert results["config"]["optimizer"]["num_train_steps"] == 4
