@@ -6,7 +6,10 @@
 Each variant runs as its own `python -m experiments.train` process in
 `<workdir>/<variant>` (so peak memory is that variant's alone, and a crash
 stops only its row); a variant whose workdir already holds results is not run
-again, and an interrupted one resumes from its checkpoint. The table (test
+again, and an interrupted one resumes from its checkpoint. The runs go through
+`experiments.reproduce`'s cell runner; for grids of tasks x variants x seeds
+with paper numbers and plots, use `experiments.reproduce` with a
+`configs/tables/` file. The table (test
 accuracy at the best validation checkpoint, steps/s, peak memory) is printed
 and written to `<workdir>/table.md`.
 """
@@ -14,28 +17,24 @@ and written to `<workdir>/table.md`.
 from __future__ import annotations
 
 import argparse
-import json
 import pathlib
-import subprocess
 import sys
 from typing import Dict, List, Optional, Sequence
 
 from attention_jax.train.trainer import RESULTS_FILE
+from experiments.reproduce import run_cell, training_command
 
 
 def run_variant(config: str, variant: str, presets: Sequence[str], workdir: pathlib.Path,
                 overrides: Sequence[str] = ()) -> Optional[Dict]:
   """Trains `config:variant[,presets]` in `workdir` (unless finished there) and
-  returns its results, or None when the run failed (its output is printed)."""
-  results_path = workdir / RESULTS_FILE
-  if not results_path.is_file():
-    arg = ",".join([variant, *presets])
-    command = [sys.executable, "-m", "experiments.train", f"--config={config}:{arg}",
-               f"--workdir={workdir}", *overrides]
-    print(f"== {variant}: {' '.join(command[1:])}", flush=True)
-    if subprocess.run(command).returncode != 0:
-      return None
-  return json.loads(results_path.read_text())
+  returns its results, or None when the run failed (its output is printed).
+
+  The run goes through `experiments.reproduce.run_cell`, the one cell runner."""
+  # Absolute: orbax refuses relative checkpoint paths.
+  workdir = pathlib.Path(workdir).resolve()
+  command = training_command(config, variant, presets, workdir, overrides)
+  return run_cell(command, workdir / RESULTS_FILE)
 
 
 def table_rows(results: Dict[str, Optional[Dict]]) -> List[Dict[str, str]]:

@@ -1,0 +1,215 @@
+r"""The LRA paper's efficiency benchmark (Tay et al. 2020, Table 2) for one cell.
+
+  python -m experiments.benchmark_lra_speed --variant=performer --length=4096 --batch=4 \
+      --out=results/lra_speed/runs/performer/len4096/results.json
+
+Times train steps of the byte-level text classifier (the model settings of
+`configs/lra/text.py`: 4 layers of width 256, 4 heads, MLP 1024) at one
+sequence length on random byte tokens, so no dataset is needed. The step is the
+trainer's own (`attention_jax.train.create_sharded_state` and
+`make_train_step`): AdamW, gradient and all. One variant and length per process,
+so that the peak memory is that cell's alone; `experiments.reproduce` runs the
+grid of `configs/tables/lra_speed.py` cell by cell.
+
+What is recorded in the results file (JSON):
+
+* `steps_per_s`: timed steps over their wall time, after compilation and
+  `--warmup` untimed steps;
+* `memory`: the cell's peak memory. On GPU/TPU the allocator's
+  `peak_bytes_in_use`; on CPU, whose backend keeps no statistics, XLA's
+  compiled memory analysis of the train step (arguments + temporaries +
+  outputs not aliased to the donated state), which is what a device would have
+  to hold. The process's peak RSS during the timed steps is recorded beside it.
+* `status`: "ok"; "oom" when the step ran out of memory; "refused" when XLA's
+  analysis says the step needs more than this machine's RAM (it is then not
+  run). Such cells still exit 0: their status is the result.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import pathlib
+import sys
+import time
+from typing import Any, Dict, Optional, Sequence
+
+TEXT_CONFIG = "configs/lra/text.py"
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def text_model_config(variant: str, length: int,
+                      overrides: Optional[Dict[str, Any]] = None) -> Any:
+  """The text task's config (`configs/lra/text.py`, no preset) for `variant` at
+  sequence length `length`, with the nested `overrides` merged in (as
+  `configs/tables/cell.py` does, e.g. `{"model": {"pooling": "mean"}}`).
+
+  Raises:
+    ValueError: on an unknown variant or a length below 1.
+  """
+  from attention_jax import data as lra_data  # pylint: disable=g-import-not-at-top
+  if not isinstance(length, int) or length < 1:
+    raise ValueError(f"length must be a positive integer, got {length!r}.")
+  config = _load_config_file(REPO_ROOT / TEXT_CONFIG, variant)
+  if overrides:
+    cell = _load_module(REPO_ROOT / "configs" / "tables" / "cell.py")
+    with config.unlocked():
+      cell.merge(config, overrides)
+  info = lra_data.get_task("text", seq_len=length).info
+  model = config.model
+  model.vocab_size, model.num_classes, model.max_length = info.vocab_size, info.num_classes, length
+  return config
+
+
+def _load_module(path: pathlib.Path) -> Any:
+  import importlib.util  # pylint: disable=g-import-not-at-top
+  spec = importlib.util.spec_from_file_location(f"_lra_speed_{path.stem}", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def _load_config_file(path: pathlib.Path, arg: str) -> Any:
+  """`get_config(arg)` of a config file, loaded by path."""
+  return _load_module(path).get_config(arg)
+
+
+def measure(variant: str, length: int, batch_size: int, steps: int = 10, warmup: int = 2,
+            seed: int = 0, overrides: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+  """Compiles and times the text model's train step for one (variant, length).
+
+  Args:
+    variant: a registry name.
+    length: tokens per example, T.
+    batch_size: examples per step, B (the batch is `[B, T]` random bytes).
+    steps: timed steps (>= 1).
+    warmup: untimed steps after compilation (>= 0).
+    seed: of the parameters and the random tokens.
+    overrides: nested config overrides (see `text_model_config`).
+
+  Returns:
+    The record written to the results file (see the module docstring); on
+    running out of memory `status` is "oom" and `error` the message.
+
+  Raises:
+    ValueError: on an unknown variant or a non-positive size.
+  """
+  import jax  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from attention_jax.models import build_model  # pylint: disable=g-import-not-at-top
+  from attention_jax.train import partitioning  # pylint: disable=g-import-not-at-top
+  from attention_jax.train.optim import make_optimizer  # pylint: disable=g-import-not-at-top
+  from attention_jax.train.state import create_sharded_state  # pylint: disable=g-import-not-at-top
+  from attention_jax.train.steps import make_train_step  # pylint: disable=g-import-not-at-top
+  from attention_jax.train.trainer import device_summary, git_revision  # pylint: disable=g-import-not-at-top
+  from experiments import benchmark_attention as bench  # pylint: disable=g-import-not-at-top
+
+  for name, value, minimum in (("batch_size", batch_size, 1), ("steps", steps, 1),
+                               ("warmup", warmup, 0)):
+    if not isinstance(value, int) or value < minimum:
+      raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}.")
+  config = text_model_config(variant, length, overrides)
+  record: Dict[str, Any] = dict(
+      variant=variant, length=length, batch_size=batch_size, steps=steps, warmup=warmup,
+      overrides=overrides or {},
+      model={k: config.model[k] for k in ("num_layers", "embed_dim", "num_heads", "mlp_dim",
+                                          "pooling")},
+      devices=device_summary(), git_revision=git_revision(), status="ok", error=None)
+  on_cpu = jax.default_backend() == "cpu"
+  try:
+    model = build_model(config.model)
+    optimizer = make_optimizer(config.optimizer)
+    mesh = partitioning.make_mesh((1, 1, 1), devices=jax.devices()[:1])
+    rng = np.random.default_rng(seed)
+    host_batch = dict(
+        inputs=rng.integers(1, config.model.vocab_size, (batch_size, length), dtype=np.int32),
+        label=rng.integers(0, config.model.num_classes, (batch_size,), dtype=np.int32),
+        weight=np.ones((batch_size,), np.float32))
+    batch = partitioning.shard_batch(host_batch, partitioning.batch_sharding(mesh))
+    state, shardings = create_sharded_state(model, optimizer, host_batch, mesh,
+                                            rng=jax.random.key(seed))
+    train_step = make_train_step(model, optimizer, mesh, shardings, seed=seed,
+                                 rng_streams=tuple(config.rng_streams))
+    started = time.perf_counter()
+    # make_train_step wraps the jitted step in the mesh context (functools.wraps
+    # keeps it as __wrapped__): lower it there for XLA's memory analysis.
+    compiled = partitioning.under_mesh(lambda s, b: train_step.__wrapped__.lower(s, b).compile(),
+                                       mesh)(state, batch)
+    record["compile_s"] = time.perf_counter() - started
+    analysed = bench.compiled_memory(compiled)
+    record["compiled_memory"] = analysed
+    if analysed:
+      needed = sum(analysed.get(f, 0) for f in ("argument_size_in_bytes", "temp_size_in_bytes",
+                                                 "output_size_in_bytes"))
+      record["compiled_memory_bytes"] = needed - analysed.get("alias_size_in_bytes", 0)
+    if on_cpu:
+      try:
+        bench.check_fits_in_memory(analysed, "process")
+      except MemoryError as e:
+        record.update(status="refused", error=str(e))
+        return record
+    for _ in range(warmup):
+      state, metrics = train_step(state, batch)
+    jax.block_until_ready(state)
+    with bench.PeakMemory("process" if on_cpu else "device") as peak:
+      started = time.perf_counter()
+      for _ in range(steps):
+        state, metrics = train_step(state, batch)
+      jax.block_until_ready((state, metrics))
+      seconds = time.perf_counter() - started
+    record.update(steps_per_s=steps / seconds, step_ms=1e3 * seconds / steps,
+                  loss=float(metrics["loss"]), rss=peak.result if on_cpu else None)
+    if on_cpu:
+      record["memory"] = dict(bytes=record.get("compiled_memory_bytes"),
+                              source="xla_memory_analysis")
+    else:
+      stats = bench.device_memory(jax.devices()[0])
+      record["memory"] = dict(bytes=stats.get("peak_bytes_in_use"), source="device")
+  except MemoryError as e:
+    record.update(status="oom", error=str(e))
+  except Exception as e:  # pylint: disable=broad-except
+    if "RESOURCE_EXHAUSTED" not in str(e) and "out of memory" not in str(e).lower():
+      raise
+    record.update(status="oom", error=str(e).splitlines()[0][:500])
+  return record
+
+
+def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--variant", required=True, help="a registry name, e.g. performer")
+  parser.add_argument("--length", type=int, required=True, help="sequence length T")
+  parser.add_argument("--batch", type=int, default=32, help="batch size (the paper's: 32)")
+  parser.add_argument("--steps", type=int, default=10, help="timed train steps")
+  parser.add_argument("--warmup", type=int, default=2, help="untimed steps after compiling")
+  parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--overrides", default="{}",
+                      help='nested config overrides as JSON, e.g. {"model": {"pooling": "mean"}}')
+  parser.add_argument("--out", type=pathlib.Path, required=True,
+                      help="the results file to write (JSON)")
+  return parser.parse_args(argv)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+  """Measures one cell and writes its results file; 2 on bad arguments."""
+  args = parse_args(argv)
+  try:
+    overrides = json.loads(args.overrides)
+    record = measure(args.variant, args.length, args.batch, args.steps, args.warmup, args.seed,
+                     overrides)
+  except ValueError as e:  # json.JSONDecodeError is a ValueError too.
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  record["finished"] = datetime.datetime.now(datetime.timezone.utc).isoformat()
+  args.out.parent.mkdir(parents=True, exist_ok=True)
+  partial = args.out.with_name(args.out.name + ".partial")
+  partial.write_text(json.dumps(record, indent=2, sort_keys=True, default=str) + "\n")
+  partial.replace(args.out)
+  summary = {k: record.get(k) for k in ("variant", "length", "status", "steps_per_s")}
+  summary["memory_mib"] = ((record.get("memory") or {}).get("bytes") or 0) / 2**20
+  print(json.dumps(summary))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,289 @@
+"""experiments.reproduce: grids, filters, resuming, tables and plots; and one
+tiny cell of experiments.benchmark_lra_speed."""
+
+from __future__ import annotations
+
+import csv
+import json
+import pathlib
+import signal
+import sys
+import textwrap
+
+import pytest
+
+from experiments import benchmark_lra_speed, reproduce
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+SMOKE = str(REPO / "configs" / "tables" / "lra_smoke.py")
+FULL = str(REPO / "configs" / "tables" / "lra.py")
+SPEED = str(REPO / "configs" / "tables" / "lra_speed.py")
+PAPER_VARIANTS = {"dot_product", "local", "fixed", "longformer", "linformer", "lsh", "sinkhorn",
+                  "synthesizer_dense", "bigbird", "linear", "performer"}
+
+
+class StubRunner:
+  """Records the cells it is asked to run and writes fake results for them,
+  optionally raising KeyboardInterrupt before the `interrupt_at`-th run."""
+
+  def __init__(self, interrupt_at: int | None = None):
+    self.ran: list[pathlib.Path] = []
+    self.interrupt_at = interrupt_at
+
+  def __call__(self, command, results_path, **kwargs):
+    if self.interrupt_at is not None and len(self.ran) + 1 == self.interrupt_at:
+      raise KeyboardInterrupt
+    self.ran.append(results_path)
+    results_path.parent.mkdir(parents=True, exist_ok=True)
+    results = fake_training_results(seed=0, accuracy=0.5)
+    results_path.write_text(json.dumps(results))
+    return results
+
+
+def fake_training_results(seed: int, accuracy: float, steps_per_s: float = 10.0) -> dict:
+  return dict(config=dict(seed=seed, task="listops"), git_revision="abc123def",
+              devices=dict(kind="cpu", platform="cpu", count=1),
+              metrics=dict(test=dict(accuracy=accuracy, step=600),
+                           best_validation=dict(accuracy=accuracy + 0.01, step=600),
+                           steps_per_s=steps_per_s, peak_memory_bytes=300 * 2**20,
+                           memory_source="host_rss"))
+
+
+def write_table(tmp_path: pathlib.Path, body: str) -> str:
+  path = tmp_path / "table_config.py"
+  path.write_text(textwrap.dedent(body))
+  return str(path)
+
+
+TINY_ACCURACY = """
+import ml_collections
+def get_config():
+  c = ml_collections.ConfigDict()
+  c.name = "tiny"
+  c.kind = "accuracy"
+  c.tasks = {"listops": "configs/lra/listops.py"}
+  c.variants = ("dot_product", "linear")
+  c.seeds = (0, 1, 2)
+  c.presets = ("smoke",)
+  return c
+"""
+
+
+def test_smoke_grid_is_every_paper_variant_on_listops_with_two_seeds(tmp_path):
+  cells = reproduce.expand(reproduce.load_table(SMOKE), tmp_path / "out")
+  assert len(cells) == 22
+  assert {c.key["variant"] for c in cells} == PAPER_VARIANTS
+  assert {c.key["task"] for c in cells} == {"listops"}
+  # Seed-major: all of seed 0 before any of seed 1.
+  assert [c.key["seed"] for c in cells] == [0] * 11 + [1] * 11
+  cell = next(c for c in cells if c.key["variant"] == "performer" and c.key["seed"] == 1)
+  assert cell.workdir == (tmp_path / "out" / "runs" / "listops" / "performer" / "seed1").resolve()
+  assert "--config=configs/lra/listops.py:performer,smoke" in cell.command
+  assert "--config.seed=1" in cell.command
+  lsh = next(c for c in cells if c.key["variant"] == "lsh")
+  config_arg = next(a for a in lsh.command if a.startswith("--config="))
+  assert config_arg.startswith("--config=configs/tables/cell.py:configs/lra/listops.py|lsh,smoke|")
+  assert json.loads(config_arg.split("|", 2)[2])["model"]["pooling"] == "mean"
+
+
+def test_full_grid_and_only_filters(tmp_path):
+  cells = reproduce.expand(reproduce.load_table(FULL), tmp_path)
+  assert len(cells) == 6 * 11 * 3
+  only = reproduce.parse_only(["task=listops", "variant=performer,linear"])
+  selected = reproduce.select(cells, only)
+  assert len(selected) == 2 * 3
+  assert {(c.key["task"], c.key["variant"]) for c in selected} == {
+      ("listops", "performer"), ("listops", "linear")}
+  assert len(reproduce.select(cells, reproduce.parse_only(["seed=2"]))) == 66
+
+
+@pytest.mark.parametrize("filters, message", [
+    (["colour=red"], "no field 'colour'"),
+    (["variant=transformer"], "no cell has variant 'transformer'"),
+    (["variant"], "expected FIELD=VALUE"),
+    (["variant="], "expected FIELD=VALUE"),
+])
+def test_bad_filters_are_clear_errors(tmp_path, capsys, filters, message):
+  argv = [f"--table={SMOKE}", f"--results={tmp_path}"]
+  for text in filters:
+    argv += ["--only", text]
+  runner = StubRunner()
+  assert reproduce.main(argv, runner=runner) == 2
+  assert message in capsys.readouterr().err
+  assert not runner.ran
+
+
+def test_bad_tables_are_clear_errors(tmp_path, capsys):
+  assert reproduce.main([f"--table={tmp_path / 'nope.py'}", f"--results={tmp_path}"]) == 2
+  assert "no such file" in capsys.readouterr().err
+  bad = write_table(tmp_path, """
+      import ml_collections
+      def get_config():
+        return ml_collections.ConfigDict(dict(name="x", kind="plots"))
+      """)
+  assert reproduce.main([f"--table={bad}", f"--results={tmp_path}"]) == 2
+  assert "kind must be one of" in capsys.readouterr().err
+  with pytest.raises(ValueError, match="lacks tasks"):
+    reproduce.load_table(write_table(tmp_path, """
+        import ml_collections
+        def get_config():
+          return ml_collections.ConfigDict(dict(name="x", kind="accuracy", variants=("a",),
+                                                seeds=(0,)))
+        """))
+
+
+def test_dry_run_runs_and_writes_nothing(tmp_path, capsys):
+  runner = StubRunner()
+  out = tmp_path / "out"
+  assert reproduce.main([f"--table={SMOKE}", f"--results={out}", "--dry-run",
+                         "--only", "variant=linear"], runner=runner) == 0
+  assert not runner.ran
+  printed = capsys.readouterr().out
+  assert printed.count("would run") == 2
+  assert "experiments.train" in printed and "linear,smoke" in printed
+  assert not (out / "table.md").exists()
+  assert not (out / "runs").exists()
+
+
+def test_finished_cells_are_skipped(tmp_path):
+  table = write_table(tmp_path, TINY_ACCURACY)
+  out = tmp_path / "out"
+  finished = out / "runs" / "listops" / "linear" / "seed1" / "results.json"
+  finished.parent.mkdir(parents=True)
+  finished.write_text(json.dumps(fake_training_results(1, 0.3)))
+  runner = StubRunner()
+  assert reproduce.main([f"--table={table}", f"--results={out}"], runner=runner) == 0
+  assert len(runner.ran) == 5
+  assert finished.resolve() not in {p.resolve() for p in runner.ran}
+
+
+def test_an_interrupted_grid_continues_with_the_rest(tmp_path):
+  table = write_table(tmp_path, TINY_ACCURACY)
+  out = tmp_path / "out"
+  first = StubRunner(interrupt_at=3)
+  with pytest.raises(KeyboardInterrupt):
+    reproduce.main([f"--table={table}", f"--results={out}"], runner=first)
+  assert len(first.ran) == 2
+  second = StubRunner()
+  assert reproduce.main([f"--table={table}", f"--results={out}"], runner=second) == 0
+  assert len(second.ran) == 4
+  assert not {p.resolve() for p in first.ran} & {p.resolve() for p in second.ran}
+  third = StubRunner()
+  reproduce.main([f"--table={table}", f"--results={out}"], runner=third)
+  assert third.ran == []
+
+
+def test_accuracy_table_csv_and_plot_from_fake_results(tmp_path):
+  table = write_table(tmp_path, TINY_ACCURACY)
+  out = tmp_path / "out"
+  # dot_product: 30, 34, 32 % -> mean 32.0, sample std 2.0; linear: seed 0 only.
+  for seed, accuracy in enumerate((0.30, 0.34, 0.32)):
+    path = out / "runs" / "listops" / "dot_product" / f"seed{seed}" / "results.json"
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps(fake_training_results(seed, accuracy, steps_per_s=10 + seed)))
+  path = out / "runs" / "listops" / "linear" / "seed0" / "results.json"
+  path.parent.mkdir(parents=True)
+  path.write_text(json.dumps(fake_training_results(0, 0.25)))
+  assert reproduce.main([f"--table={table}", f"--results={out}", "--no-run"]) == 0
+
+  text = (out / "table.md").read_text()
+  assert "1 x cpu (cpu)" in text and "abc123def" in text
+  assert "cells finished: 4 of 6" in text
+  row = next(line for line in text.splitlines() if line.startswith("| dot_product |"))
+  assert "32.0 ± 2.0 (n=3) / 36.37" in row  # the LRA paper's Transformer on ListOps
+  row = next(line for line in text.splitlines() if line.startswith("| linear |"))
+  assert "25.0 (n=1) / 16.13" in row  # the paper's Linear Trans.
+  assert "| listops | dot_product | 33.0 ± 2.0 (n=3) | 11.0 ± 1.0 (n=3) |" in text
+
+  with (out / "table.csv").open() as f:
+    rows = {r["variant"]: r for r in csv.DictReader(f)}
+  assert float(rows["dot_product"]["test_mean"]) == pytest.approx(32.0)
+  assert float(rows["dot_product"]["test_std"]) == pytest.approx(2.0)
+  assert rows["dot_product"]["test_n"] == "3"
+  assert float(rows["dot_product"]["paper"]) == pytest.approx(36.37)
+  assert rows["dot_product"]["seeds"] == "0 1 2"
+  assert (out / "accuracy.png").stat().st_size > 1000
+
+
+def test_speed_table_ratios_statuses_and_plots(tmp_path):
+  out = tmp_path / "out"
+
+  def record(variant, length, steps_per_s, mib, status="ok"):
+    path = out / "runs" / variant / f"len{length}" / "results.json"
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps(dict(
+        variant=variant, length=length, batch_size=2, status=status,
+        steps_per_s=steps_per_s,
+        memory=dict(bytes=mib and mib * 2**20, source="xla_memory_analysis"),
+        devices=dict(kind="cpu", platform="cpu", count=1), git_revision="fedcba")))
+
+  record("dot_product", 1024, 2.0, 100)
+  record("performer", 1024, 5.0, 40)
+  record("dot_product", 2048, 1.0, 300)
+  record("performer", 2048, None, None, status="oom")
+  assert reproduce.main([f"--table={SPEED}", f"--results={out}", "--no-run",
+                         "--only", "length=1024,2048"]) == 0
+  text = (out / "table.md").read_text()
+  assert "fedcba" in text and "Batch size 2" in text
+  speed_row, memory_row = [line for line in text.splitlines() if line.startswith("| performer |")]
+  # Paper, Table 2: Performer 9.5 vs Transformer 8.1 steps/s at 1K -> 1.17x;
+  # 0.37 vs 0.85 GB -> 0.44x.
+  assert "5 (2.50x) / 1.17x" in speed_row
+  assert "oom / " in speed_row
+  assert "40 (0.40x) / 0.44x" in memory_row
+  assert (out / "speed.png").stat().st_size > 1000
+  assert (out / "memory.png").stat().st_size > 1000
+
+
+def test_speed_cells_carry_the_batch_override_and_their_config_overrides(tmp_path):
+  cells = reproduce.expand(reproduce.load_table(SPEED), tmp_path, batch_size=2)
+  assert len(cells) == 11 * 4
+  synth = next(c for c in cells if c.key == dict(variant="synthesizer_dense", length=3072))
+  assert "--batch=2" in synth.command
+  overrides = json.loads(next(a for a in synth.command if a.startswith("--overrides="))
+                         .split("=", 1)[1])
+  assert overrides == {"model": {"attention_options": {"max_length": 3073}}}
+  assert all(c.record_failure for c in cells)
+
+
+def test_run_cell_runs_once_and_records_kills_and_timeouts(tmp_path):
+  results = tmp_path / "a" / "results.json"
+  write = f"import json, pathlib; p = pathlib.Path({str(results)!r}); " \
+          "p.parent.mkdir(parents=True, exist_ok=True); p.write_text(json.dumps({'x': 1}))"
+  assert reproduce.run_cell([sys.executable, "-c", write], results) == {"x": 1}
+  marker = tmp_path / "ran"
+  touch = f"import pathlib; pathlib.Path({str(marker)!r}).touch()"
+  assert reproduce.run_cell([sys.executable, "-c", touch], results) == {"x": 1}
+  assert not marker.exists()  # finished: not run again
+
+  failing = tmp_path / "b" / "results.json"
+  assert reproduce.run_cell([sys.executable, "-c", "raise SystemExit(3)"], failing,
+                            record_failure=True) is None
+  assert not failing.exists()  # an ordinary failure is retried next time
+
+  killed = tmp_path / "c" / "results.json"
+  kill = f"import os, signal; os.kill(os.getpid(), {int(signal.SIGKILL)})"
+  assert reproduce.run_cell([sys.executable, "-c", kill], killed,
+                            record_failure=True)["status"] == "killed"
+  assert json.loads(killed.read_text())["status"] == "killed"
+
+  slow = tmp_path / "d" / "results.json"
+  result = reproduce.run_cell([sys.executable, "-c", "import time; time.sleep(30)"], slow,
+                              timeout_s=1, record_failure=True)
+  assert result["status"] == "timeout"
+
+
+def test_benchmark_lra_speed_one_tiny_cell(tmp_path, capsys):
+  out = tmp_path / "cell" / "results.json"
+  assert benchmark_lra_speed.main(["--variant=linear", "--length=64", "--batch=1",
+                                   "--steps=2", "--warmup=0", f"--out={out}"]) == 0
+  record = json.loads(out.read_text())
+  assert record["status"] == "ok"
+  assert (record["variant"], record["length"], record["batch_size"], record["steps"]) == (
+      "linear", 64, 1, 2)
+  assert record["steps_per_s"] > 0
+  assert record["memory"]["bytes"] > 0
+  # The text model of configs/lra/text.py: 4 layers of width 256.
+  assert record["model"]["num_layers"] == 4 and record["model"]["embed_dim"] == 256
+  assert benchmark_lra_speed.main(["--variant=nope", "--length=64", f"--out={out}"]) == 2
+  assert "nope" in capsys.readouterr().err
