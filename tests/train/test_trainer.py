@@ -248,3 +248,48 @@ def test_a_language_model_and_gradient_accumulation_train_through_the_same_loop(
   assert losses[-1] < losses[0] - 0.1  # it learns
   # 8 batches are 4 optimiser updates: the schedule ends at update 4.
   assert results["config"]["optimizer"]["num_train_steps"] == 4
+
+
+# ---------------------------------------------------------------------------
+# Every task plugs into the trainer by its config file (data this machine
+# cannot download: tfds's mock data, a release-format TSV written here).
+# ---------------------------------------------------------------------------
+
+
+def _lra_config(name, tmp_path, **task_options):
+  import importlib.util  # pylint: disable=g-import-not-at-top
+  spec = importlib.util.spec_from_file_location("lra_config", ROOT / "configs" / "lra" / name)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  config = module.get_config("linear,smoke")
+  config.task_options.update(task_options)
+  config.update(data_dir=str(tmp_path / "data"), num_train_steps=2, eval_every=2,
+                checkpoint_every=2, log_every=1, progress=False, batch_size=4,
+                eval_batch_size=4)
+  config.optimizer.warmup_steps = 1
+  return config
+
+
+@pytest.mark.parametrize("name", ["text.py", "image.py"])
+def test_tfds_tasks_train_by_config_name(tmp_path, name):
+  import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
+  config = _lra_config(name, tmp_path, train_size=8, validation_size=4, test_size=4)
+  with tfds.testing.mock_data(num_examples=8):
+    results = train_and_evaluate(config, tmp_path / "workdir")
+  assert results["metrics"]["validation"]["count"] == 4
+  assert results["metrics"]["test"]["count"] == 4
+
+
+def test_retrieval_trains_the_dual_tower_by_config_name(tmp_path):
+  release = tmp_path / "release"
+  release.mkdir()
+  rng = np.random.default_rng(0)
+  for name in ("train", "eval", "test"):
+    lines = [f"{i % 2}\tid{i}\tid{i + 1}\tpaper {rng.integers(1000)} cites\tother {i}\n"
+             for i in range(8)]
+    (release / f"new_aan_pairs.{name}.tsv").write_text("".join(lines))
+  config = _lra_config("retrieval.py", tmp_path, release_dir=str(release), seq_len=32,
+                       train_size=8, validation_size=4, test_size=4)
+  results = train_and_evaluate(config, tmp_path / "workdir")
+  assert results["config"]["model"]["kind"] == "dual_classifier"
+  assert results["metrics"]["validation"]["count"] == 4
