@@ -57,7 +57,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
       to `<workdir>.replaced-<time>` and start afresh (otherwise an error).
 
   Returns:
-    The contents of `results.json`.
+    The contents of `results.json` (read back, without training, when the
+    workdir holds a finished run of this config).
 
   Raises:
     ValueError: on an unknown config key or name, a mesh shape that does not fit
@@ -74,6 +75,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
   objective = get_objective(config.model.kind)
   optimizer = make_optimizer(config.optimizer)
   _claim_workdir(workdir, config, overwrite)
+  if (workdir / RESULTS_FILE).is_file():  # This run finished before.
+    return json.loads((workdir / RESULTS_FILE).read_text())
 
   task = lra_data.get_task(config.task, **task_options(config))
   data_dir = task_data_dir(config)
@@ -163,6 +166,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
     logger.advance(step, **({"loss": last_train["loss"]} if last_train else {}))
 
     evaluated = step % config.eval_every == 0 or step == total
+    if evaluated or step % config.checkpoint_every == 0:
+      # Dispatch is asynchronous: wait for the train steps to finish before
+      # stopping their clock.
+      jax.block_until_ready(state)
     if evaluated:
       timer.pause()
       validation = evaluate(state, "validation")

@@ -93,8 +93,20 @@ def test_run_leaves_config_checkpoints_metrics_events_and_results(finished_run):
 
 def test_restarting_a_finished_run_trains_nothing_and_reports_the_same(finished_run):
   tmp_path, workdir, results = finished_run
+  before = _snapshot(workdir)
   again = train_and_evaluate(_config(tmp_path), workdir)
-  assert again["resumed_from"] == 24
+  assert again == json.loads(json.dumps(results, default=str))
+  assert _snapshot(workdir) == before
+
+
+def test_a_run_killed_after_its_last_checkpoint_finishes_without_training(finished_run,
+                                                                          tmp_path):
+  source_tmp, workdir, results = finished_run
+  copy = tmp_path / "workdir"
+  subprocess.run(["cp", "-r", str(workdir), str(copy)], check=True)
+  (copy / "results.json").unlink()
+  again = train_and_evaluate(_config(source_tmp), copy)
+  assert again["resumed_from"] == 24 and again["metrics"]["compile_s"] is None
   _assert_same_run(results, again)
 
 
