@@ -432,13 +432,51 @@ def _header(table: Any, cells: Sequence[Cell], command: str) -> List[str]:
           f"- cells finished: {finished} of {len(cells)}",
           f"- command: `{command}`",
           f"- generated: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}",
-          f"- paper numbers: {lra_paper.PAPER}, see experiments/lra_paper.py", ""]
+          f"- paper numbers: {lra_paper.PAPER}, see experiments/lra_paper.py"
+          + (f"; the paper's are at its full settings, these cells at the preset "
+             f"{', '.join(table.presets)}" if table.get("presets") else ""), ""]
 
 
-def accuracy_markdown(table: Any, rows: Sequence[Dict[str, Any]]) -> List[str]:
+def majority_class(config_file: str, presets: Sequence[str], data_dir: str,
+                   split: str = "test") -> Optional[float]:
+  """The share (%) of the most common label in a task's prepared `split`, the
+  accuracy of always guessing it; None when the data is not there (or the task
+  is not a classification of single labels)."""
+  try:
+    from attention_jax import data as lra_data  # pylint: disable=g-import-not-at-top
+    # pylint: disable-next=g-import-not-at-top
+    from attention_jax.train.trainer import task_data_dir, task_options
+    spec = importlib.util.spec_from_file_location("_majority_config", config_file)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    config = module.get_config(",".join(["dot_product", *presets]))
+    config.data_dir = data_dir
+    folder = task_data_dir(config)
+    if not folder.is_dir():
+      return None
+    source = lra_data.get_task(config.task, **task_options(config)).splits(folder)[split]
+    counts: Dict[int, int] = {}
+    for batch in lra_data.batches(source, batch_size=256, seed=0, shuffle=False,
+                                  num_steps=math.ceil(len(source) / 256)):
+      for label, weight in zip(batch["label"].tolist(), batch["weight"].tolist()):
+        if weight > 0:
+          counts[label] = counts.get(label, 0) + 1
+    return 100 * max(counts.values()) / sum(counts.values()) if counts else None
+  except Exception:  # pylint: disable=broad-except
+    return None  # A missing or unreadable dataset: the table just goes without it.
+
+
+def accuracy_markdown(table: Any, rows: Sequence[Dict[str, Any]],
+                      data_dir: str = "data") -> List[str]:
   tasks = list(table.tasks)
   by = {(r["task"], r["variant"]): r for r in rows}
-  lines = ["## Test accuracy (%): measured mean ± std (n seeds) / LRA paper", "",
+  majority = {task: majority_class(table.tasks[task], tuple(table.get("presets", ())), data_dir)
+              for task in tasks}
+  lines = []
+  known = [f"{task} {value:.1f}%" for task, value in majority.items() if value is not None]
+  if known:
+    lines += [f"Majority class of the test split (always guessing it): {', '.join(known)}.", ""]
+  lines += ["## Test accuracy (%): measured mean ± std (n seeds) / LRA paper", "",
            "| variant | " + " | ".join(tasks) + " |", "|---|" + "---|" * len(tasks)]
   for variant in table.variants:
     cells = []
@@ -464,7 +502,7 @@ def _ratio(value: Optional[float]) -> str:
   return "-" if value is None else f"{value:.2f}x"
 
 
-def speed_markdown(table: Any, rows: Sequence[Dict[str, Any]]) -> List[str]:
+def speed_markdown(table: Any, rows: Sequence[Dict[str, Any]], data_dir: str = "") -> List[str]:
   by = {(r["variant"], r["length"]): r for r in rows}
   lengths = list(table.lengths)
   batches = sorted({r["batch_size"] for r in rows if r.get("batch_size")})
@@ -503,7 +541,7 @@ def _mib(value: Optional[float]) -> str:
   return "-" if value is None else f"{value:.1f}"
 
 
-def kernels_markdown(table: Any, rows: Sequence[Dict[str, Any]]) -> List[str]:
+def kernels_markdown(table: Any, rows: Sequence[Dict[str, Any]], data_dir: str = "") -> List[str]:
   lines = ["| impl | T | mode | causal | ms | peak MiB | vs best peer | best peer |",
            "|---|---|---|---|---|---|---|---|"]
   for r in rows:
@@ -645,7 +683,7 @@ def plot_kernels(table: Any, rows: Sequence[Dict[str, Any]], out: pathlib.Path) 
 
 
 def write_outputs(table: Any, cells: Sequence[Cell], results_dir: pathlib.Path,
-                  command: str) -> List[str]:
+                  command: str, data_dir: str = "data") -> List[str]:
   """Writes table.md, table.csv and the plots from the finished cells.
 
   Returns:
@@ -657,7 +695,7 @@ def write_outputs(table: Any, cells: Sequence[Cell], results_dir: pathlib.Path,
       kernels=(summarize_kernels, kernels_markdown, plot_kernels))[table.kind]
   rows = summarize(table, cells)
   results_dir.mkdir(parents=True, exist_ok=True)
-  text = "\n".join(_header(table, cells, command) + markdown(table, rows)) + "\n"
+  text = "\n".join(_header(table, cells, command) + markdown(table, rows, data_dir)) + "\n"
   (results_dir / "table.md").write_text(text)
   write_csv(results_dir / "table.csv", rows)
   return ["table.md", "table.csv", *plot(table, rows, results_dir)]
@@ -708,7 +746,7 @@ def main(argv: Optional[Sequence[str]] = None,
     return 0
   command = shlex.join(["python", "-m", "experiments.reproduce", *(
       argv if argv is not None else sys.argv[1:])])
-  written = write_outputs(table, cells, args.results, command)
+  written = write_outputs(table, cells, args.results, command, args.data_dir)
   print(f"wrote {', '.join(written)} to {args.results}")
   print((args.results / "table.md").read_text())
   return 1 if counts["failed"] else 0

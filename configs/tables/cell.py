@@ -2,9 +2,8 @@
 flags cannot express, such as new keys of the free-form
 `model.attention_options` (an LSH chunk size, a Synthesizer's length).
 
-  python -m experiments.train \\
-      --config='configs/tables/cell.py:configs/lra/listops.py|lsh,smoke|{"model": {"pooling": "mean"}}' \\
-      --workdir=...
+  python -m experiments.train --workdir=... \\
+      '--config=configs/tables/cell.py:configs/lra/text.py|lsh|{"model":{"pooling":"mean"}}'
 
 The argument is `<task config file>|<that file's argument>|<JSON overrides>`;
 the overrides are nested dicts merged key by key into the task config (a key
