@@ -152,7 +152,8 @@ def test_finished_cells_are_skipped(tmp_path):
   finished.parent.mkdir(parents=True)
   finished.write_text(json.dumps(fake_training_results(1, 0.3)))
   runner = StubRunner()
-  assert reproduce.main([f"--table={table}", f"--results={out}"], runner=runner) == 0
+  assert reproduce.main([f"--table={table}", f"--results={out}",
+                         f"--data-dir={tmp_path / 'data'}"], runner=runner) == 0
   assert len(runner.ran) == 5
   assert finished.resolve() not in {p.resolve() for p in runner.ran}
 
@@ -165,11 +166,12 @@ def test_an_interrupted_grid_continues_with_the_rest(tmp_path):
     reproduce.main([f"--table={table}", f"--results={out}"], runner=first)
   assert len(first.ran) == 2
   second = StubRunner()
-  assert reproduce.main([f"--table={table}", f"--results={out}"], runner=second) == 0
+  no_data = f"--data-dir={tmp_path / 'data'}"
+  assert reproduce.main([f"--table={table}", f"--results={out}", no_data], runner=second) == 0
   assert len(second.ran) == 4
   assert not {p.resolve() for p in first.ran} & {p.resolve() for p in second.ran}
   third = StubRunner()
-  reproduce.main([f"--table={table}", f"--results={out}"], runner=third)
+  reproduce.main([f"--table={table}", f"--results={out}", no_data], runner=third)
   assert third.ran == []
 
 
@@ -184,7 +186,8 @@ def test_accuracy_table_csv_and_plot_from_fake_results(tmp_path):
   path = out / "runs" / "listops" / "linear" / "seed0" / "results.json"
   path.parent.mkdir(parents=True)
   path.write_text(json.dumps(fake_training_results(0, 0.25)))
-  assert reproduce.main([f"--table={table}", f"--results={out}", "--no-run"]) == 0
+  assert reproduce.main([f"--table={table}", f"--results={out}", "--no-run",
+                         f"--data-dir={tmp_path / 'data'}"]) == 0
 
   text = (out / "table.md").read_text()
   assert "1 x cpu (cpu)" in text and "abc123def" in text
