@@ -614,7 +614,9 @@ def plot_accuracy(table: Any, rows: Sequence[Dict[str, Any]], out: pathlib.Path)
     papers = [(x, p) for x, p in papers if p is not None]
     if papers:
       ax.scatter([x for x, _ in papers], [p for _, p in papers], marker="_", s=200,
-                 color="black", zorder=3, label="LRA paper" if i == 0 else None)
+                 color="black", zorder=3,
+                 label=("LRA paper" + (" (full settings)" if table.get("presets") else ""))
+                 if i == 0 else None)
   ax.set_xticks(range(len(variants)))
   ax.set_xticklabels(variants, rotation=45, ha="right")
   ax.set_ylabel("test accuracy (%)")
