@@ -249,7 +249,9 @@ class MetricsLogger:
       # tqdm's own rate (step/s) and ETA; they count from `initial`, so a resumed
       # run's rate is not inflated by the restored steps.
       self._bar = tqdm.tqdm(total=self.total_steps, initial=self.start_step, unit="step",
-                            desc=description, dynamic_ncols=True, smoothing=0.1)
+                            desc=description, dynamic_ncols=True, smoothing=0.1,
+                            # A redirected log gets a line every 30 s, a terminal 10 a second.
+                            mininterval=0.1 if sys.stderr.isatty() else 30.0)
 
   @property
   def path(self) -> pathlib.Path:
