@@ -638,11 +638,12 @@ def plot_speed(table: Any, rows: Sequence[Dict[str, Any]], out: pathlib.Path) ->
                            ("memory.png", "memory_mib", "peak memory (MiB)")):
     fig, ax = plt.subplots(figsize=(6, 4.5))
     drawn = False
-    for variant in table.variants:
+    for i, variant in enumerate(table.variants):
       points = sorted((r["length"], r[key]) for r in rows
                       if r["variant"] == variant and r.get("status") == "ok" and r.get(key))
-      if points:
-        ax.plot(*zip(*points), marker="o", label=variant)
+      if points:  # Eleven lines: tab20 colours and alternating markers keep them apart.
+        ax.plot(*zip(*points), marker="os^vD"[i % 5], color=plt.cm.tab20(i % 20),
+                label=variant)
         drawn = True
     if not drawn:
       plt.close(fig)
