@@ -66,7 +66,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
       (`WorkdirConflictError`) a workdir holding a different run. All of these
       are raised before anything is compiled or written.
   """
-  workdir = pathlib.Path(workdir)
+  # orbax needs absolute checkpoint paths.
+  workdir = pathlib.Path(workdir).absolute()
   config = _completed(config)
   mesh = partitioning.make_mesh(config.mesh_shape)
   partitioning.check_batch_size(config.batch_size, mesh)

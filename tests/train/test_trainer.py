@@ -246,12 +246,14 @@ def test_command_line_reports_bad_overrides_without_a_traceback(tmp_path):
   assert not (tmp_path / "w").exists()
 
 
-def test_a_language_model_and_gradient_accumulation_train_through_the_same_loop(tmp_path):
+def test_a_language_model_and_gradient_accumulation_train_through_the_same_loop(tmp_path,
+                                                                               monkeypatch):
   config = _config(tmp_path, num_train_steps=8, eval_every=8, checkpoint_every=8)
+  monkeypatch.chdir(tmp_path)  # a relative workdir (orbax itself wants absolute paths)
   config.model.kind = "language_model"
   config.optimizer.grad_accum_steps = 2
   config.optimizer.update(warmup_steps=1, learning_rate=1e-2)
-  results = train_and_evaluate(config, tmp_path / "lm")
+  results = train_and_evaluate(config, "lm")
   validation = results["metrics"]["validation"]
   # Token-level: the count is the number of real next tokens, not of examples.
   assert validation["count"] > 64 * 5
