@@ -282,6 +282,12 @@ def _claim_workdir(workdir: pathlib.Path, config: ml_collections.ConfigDict,
   if saved_path.is_file():
     saved = json.loads(saved_path.read_text())
     differences = config_differences(saved, current)
+    # A run that stopped before writing any metrics or checkpoint (e.g. a config
+    # its variant refused at the first trace) leaves nothing to protect.
+    holds_a_run = (workdir / "metrics.jsonl").exists() or any(
+        path.name.isdigit() for path in (workdir / "checkpoints").glob("*"))
+    if differences and not holds_a_run:
+      differences = []
     if differences and not overwrite:
       listed = "; ".join(f"{key}: {old!r} there, {new!r} now" for key, old, new in
                          differences[:8])

@@ -307,3 +307,16 @@ def test_retrieval_trains_the_dual_tower_by_config_name(tmp_path):
   results = train_and_evaluate(config, tmp_path / "workdir")
   assert results["config"]["model"]["kind"] == "dual_classifier"
   assert results["metrics"]["validation"]["count"] == 4
+
+
+def test_a_workdir_holding_only_the_config_of_a_run_that_never_started_is_reused(tmp_path):
+  workdir = tmp_path / "workdir"
+  workdir.mkdir()
+  stale = _config(tmp_path)
+  stale.model.embed_dim = 32
+  (workdir / "config.json").write_text(stale.to_json())
+  config = _config(tmp_path, num_train_steps=2, eval_every=2, checkpoint_every=2, log_every=2)
+  config.optimizer.warmup_steps = 1
+  results = train_and_evaluate(config, workdir)
+  assert results["config"]["model"]["embed_dim"] == 16
+  assert json.loads((workdir / "config.json").read_text())["model"]["embed_dim"] == 16
