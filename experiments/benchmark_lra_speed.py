@@ -49,30 +49,18 @@ def text_model_config(variant: str, length: int,
     ValueError: on an unknown variant or a length below 1.
   """
   from attention_jax import data as lra_data  # pylint: disable=g-import-not-at-top
+  from attention_jax.train.config import load_config_module  # pylint: disable=g-import-not-at-top
   if not isinstance(length, int) or length < 1:
     raise ValueError(f"length must be a positive integer, got {length!r}.")
-  config = _load_config_file(REPO_ROOT / TEXT_CONFIG, variant)
+  config = load_config_module(REPO_ROOT / TEXT_CONFIG).get_config(variant)
   if overrides:
-    cell = _load_module(REPO_ROOT / "configs" / "tables" / "cell.py")
+    cell = load_config_module(REPO_ROOT / "configs" / "tables" / "cell.py")
     with config.unlocked():
       cell.merge(config, overrides)
   info = lra_data.get_task("text", seq_len=length).info
   model = config.model
   model.vocab_size, model.num_classes, model.max_length = info.vocab_size, info.num_classes, length
   return config
-
-
-def _load_module(path: pathlib.Path) -> Any:
-  import importlib.util  # pylint: disable=g-import-not-at-top
-  spec = importlib.util.spec_from_file_location(f"_lra_speed_{path.stem}", path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
-
-
-def _load_config_file(path: pathlib.Path, arg: str) -> Any:
-  """`get_config(arg)` of a config file, loaded by path."""
-  return _load_module(path).get_config(arg)
 
 
 def measure(variant: str, length: int, batch_size: int, steps: int = 10, warmup: int = 2,

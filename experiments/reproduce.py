@@ -33,7 +33,6 @@ import argparse
 import csv
 import dataclasses
 import datetime
-import importlib.util
 import json
 import math
 import pathlib
@@ -43,6 +42,7 @@ import subprocess
 import sys
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
+from attention_jax.train.config import load_config_module
 from experiments import lra_paper
 
 RESULTS_FILE = "results.json"  # the same name the trainer writes (trainer.RESULTS_FILE)
@@ -95,11 +95,10 @@ def load_table(path: str | pathlib.Path) -> Any:
   path = pathlib.Path(path)
   if not path.is_file():
     raise ValueError(f"--table: no such file {str(path)!r}; expected a configs/tables/*.py file.")
-  spec = importlib.util.spec_from_file_location(f"_table_{path.stem}", path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  if not hasattr(module, "get_config"):
-    raise ValueError(f"--table: {str(path)!r} has no get_config().")
+  try:
+    module = load_config_module(path)
+  except ValueError as e:
+    raise ValueError(f"--table: {e}") from e
   table = module.get_config()
   kind = table.get("kind")
   if kind not in KINDS:
@@ -446,10 +445,7 @@ def majority_class(config_file: str, presets: Sequence[str], data_dir: str,
     from attention_jax import data as lra_data  # pylint: disable=g-import-not-at-top
     # pylint: disable-next=g-import-not-at-top
     from attention_jax.train.trainer import task_data_dir, task_options
-    spec = importlib.util.spec_from_file_location("_majority_config", config_file)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    config = module.get_config(",".join(["dot_product", *presets]))
+    config = load_config_module(config_file).get_config(",".join(["dot_product", *presets]))
     config.data_dir = data_dir
     folder = task_data_dir(config)
     if not folder.is_dir():

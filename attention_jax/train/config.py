@@ -9,6 +9,9 @@ an error rather than a silently ignored setting.
 
 from __future__ import annotations
 
+import importlib.util
+import pathlib
+from types import ModuleType
 from typing import Any, Dict, Iterable, List, Tuple
 
 import ml_collections
@@ -123,6 +126,24 @@ def _normalise(value: Any) -> Any:
   if isinstance(value, dict):
     return {k: _normalise(v) for k, v in value.items()}
   return value
+
+
+def load_config_module(path: str | pathlib.Path) -> ModuleType:
+  """The Python config file at `path` as a module (configs are files, not a
+  package: `--config=configs/lra/listops.py` loads them by path too).
+
+  Raises:
+    ValueError: when `path` is not a file or has no `get_config`.
+  """
+  path = pathlib.Path(path)
+  if not path.is_file():
+    raise ValueError(f"config file {str(path)!r} does not exist.")
+  spec = importlib.util.spec_from_file_location(f"_config_{path.stem}", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  if not hasattr(module, "get_config"):
+    raise ValueError(f"config file {str(path)!r} has no get_config().")
+  return module
 
 
 def parse_config_arg(arg: str, presets: Iterable[str]) -> Tuple[str, Tuple[str, ...]]:

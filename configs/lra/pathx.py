@@ -9,25 +9,19 @@ Path-X like Pathfinder; every model it reports stays at chance, 50%). Presets:
   variant runs at this length, it does not learn in that time.
 """
 
-from attention_jax.train.config import default_config, parse_config_arg
+import pathlib
+
+from attention_jax.train.config import load_config_module, parse_config_arg
 
 PRESETS = ("smoke",)
-TRAIN_EXAMPLES = 159_840
 
 
 def get_config(arg: str = "dot_product"):
   variant, presets = parse_config_arg(arg, PRESETS)
-  config = default_config()
+  # Pathfinder's settings, on the 128-pixel task.
+  config = load_config_module(pathlib.Path(__file__).with_name("pathfinder32.py")).get_config(
+      variant)
   config.task = "pathfinder128"
-  config.model.attention = variant
-  config.model.update(num_layers=1, embed_dim=128, num_heads=4, mlp_dim=128, head_mlp_dim=128,
-                      pooling="mean", position="sinusoidal", dropout_rate=0.2)
-  config.batch_size = 512
-  steps_per_epoch = TRAIN_EXAMPLES // config.batch_size
-  config.num_train_steps = 200 * steps_per_epoch
-  config.optimizer.update(learning_rate=1e-3, warmup_steps=steps_per_epoch, schedule="cosine",
-                          weight_decay=0.0, grad_clip_norm=0.0)
-  config.eval_every = config.checkpoint_every = 5 * steps_per_epoch
 
   if "smoke" in presets:
     config.task_options = dict(train_size=512, validation_size=128, test_size=128,

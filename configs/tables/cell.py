@@ -14,29 +14,20 @@ carry `cell_overrides`; other cells use the task config file directly.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import pathlib
 from typing import Any, Mapping
 
 import ml_collections
 
+from attention_jax.train.config import load_config_module
+
 SEPARATOR = "|"
 
 
 def load_config_file(path: str | pathlib.Path, arg: str) -> ml_collections.ConfigDict:
-  """`get_config(arg)` of the config file at `path`.
-
-  Raises:
-    ValueError: when `path` is not a file.
-  """
-  path = pathlib.Path(path)
-  if not path.is_file():
-    raise ValueError(f"config file {str(path)!r} does not exist.")
-  spec = importlib.util.spec_from_file_location(f"_table_cell_{path.stem}", path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module.get_config(arg)
+  """`get_config(arg)` of the config file at `path` (ValueError if it is missing)."""
+  return load_config_module(path).get_config(arg)
 
 
 def merge(config: ml_collections.ConfigDict, overrides: Mapping[str, Any]) -> None:
