@@ -8,6 +8,7 @@ and mode. The peers:
 * ``jax.nn:xla``: `jax.nn.dot_product_attention(implementation="xla")`, everywhere;
 * ``jax.nn:cudnn``: its cuDNN fused kernel (GPU);
 * ``jax.pallas:gpu``: JAX's own Pallas attention, `jax.experimental.pallas.ops.gpu.attention.mha` (GPU);
+* ``jax.pallas:mgpu``: JAX's own Mosaic GPU attention, `...ops.gpu.attention_mgpu` (Hopper GPUs);
 * ``jax.pallas:tpu``: JAX's own Pallas flash attention, `...ops.tpu.flash_attention` (TPU).
 
 Each record carries its ratio to every peer of the same shape and to the best
@@ -70,6 +71,7 @@ PEERS = {
     PEER: None,
     "jax.nn:cudnn": ("gpu",),  # cuDNN's fused attention exists for NVIDIA GPUs only.
     "jax.pallas:gpu": ("gpu",),
+    "jax.pallas:mgpu": ("gpu",),  # Hopper or newer only (see available_peers).
     "jax.pallas:tpu": ("tpu",),
 }
 MODES = ("fwd", "fwd_bwd")
@@ -137,7 +139,15 @@ def attention_jax_implementations() -> tuple[str, ...]:
 def available_peers(backend: str | None = None) -> list[str]:
   """The peer labels that run on `backend`."""
   backend = backend or jax.default_backend()
-  return [label for label, backends in PEERS.items() if backends is None or backend in backends]
+  peers = [label for label, backends in PEERS.items() if backends is None or backend in backends]
+  if "jax.pallas:mgpu" in peers and not _is_hopper_or_newer():
+    peers.remove("jax.pallas:mgpu")
+  return peers
+
+
+def _is_hopper_or_newer() -> bool:
+  from attention_jax.kernels.flash_attention import pallas_mgpu  # pylint: disable=import-outside-toplevel
+  return pallas_mgpu.is_hopper_or_newer()
 
 
 def available_labels(backend: str | None = None) -> list[str]:
@@ -164,6 +174,15 @@ def _jax_pallas_gpu(q, k, v, is_causal):
   return attention.mha(q, k, v, None, sm_scale=q.shape[-1] ** -0.5, causal=is_causal)
 
 
+def _jax_pallas_mgpu(q, k, v, is_causal):
+  """JAX's Mosaic GPU (Hopper) flash attention: 16-bit inputs, D and T multiples of 64/128."""
+  from jax.experimental.pallas.ops.gpu import attention_mgpu  # pylint: disable=import-outside-toplevel
+  config = attention_mgpu.TuningConfig(block_q=64, block_kv=128 if q.shape[-1] <= 128 else 64,
+                                       max_concurrent_steps=2, causal=is_causal)
+  # The kernel's own scale is fixed at 1; pre-scaling q gives the usual 1/sqrt(D).
+  return attention_mgpu.attention(q * jnp.asarray(q.shape[-1] ** -0.5, q.dtype), k, v, config)
+
+
 def _jax_pallas_tpu(q, k, v, is_causal):
   """JAX's Mosaic TPU flash attention, which takes the layout [B, H, T, D]."""
   from jax.experimental.pallas.ops.tpu import flash_attention  # pylint: disable=import-outside-toplevel
@@ -177,7 +196,8 @@ def attention_function(label: str) -> Callable[..., jax.Array]:
   """Returns `f(q, k, v, is_causal)` for a label such as "attention_jax:xla"."""
   library, implementation = label.split(":", 1)
   if library == "jax.pallas":
-    return {"gpu": _jax_pallas_gpu, "tpu": _jax_pallas_tpu}[implementation]
+    return {"gpu": _jax_pallas_gpu, "mgpu": _jax_pallas_mgpu,
+            "tpu": _jax_pallas_tpu}[implementation]
   attend = {
       "attention_jax": lambda: attention_jax.dot_product_attention,
       "jax.nn": lambda: jax.nn.dot_product_attention,

@@ -82,11 +82,15 @@ def test_best_peer_is_the_fastest_peer_that_ran():
   assert records[3]["speedup_vs_best_peer"] is None
 
 
-def test_peers_per_backend():
+def test_peers_per_backend(monkeypatch):
   assert benchmark_attention.available_peers("cpu") == ["jax.nn:xla"]
   assert benchmark_attention.available_peers("gpu") == ["jax.nn:xla", "jax.nn:cudnn",
                                                         "jax.pallas:gpu"]
   assert benchmark_attention.available_peers("tpu") == ["jax.nn:xla", "jax.pallas:tpu"]
+  # JAX's Mosaic GPU kernel joins on Hopper and newer only.
+  monkeypatch.setattr(benchmark_attention, "_is_hopper_or_newer", lambda: True)
+  assert benchmark_attention.available_peers("gpu") == ["jax.nn:xla", "jax.nn:cudnn",
+                                                        "jax.pallas:gpu", "jax.pallas:mgpu"]
 
 
 def test_a_program_larger_than_the_machine_is_refused_with_its_size():

@@ -6,11 +6,14 @@ log-sum-exp saved for a backward pass that recomputes the probabilities.
 
   blockwise.py   pure JAX (lax loops), every backend; the portable fallback
   pallas_gpu.py  Pallas on Triton (NVIDIA/AMD GPUs)
+  pallas_mgpu.py Pallas on Mosaic GPU (NVIDIA Hopper): the forward pass, with
+                 the Triton backward
   pallas_tpu.py  Pallas on Mosaic (TPUs)
 
-Importing this package registers `implementation="blockwise"` and
-`implementation="pallas"` with `attention_jax.dot_product_attention`, and the
-variants `blockwise` and `flash` with the registry.
+Importing this package registers `implementation="blockwise"`,
+`implementation="pallas"` and (on Hopper GPUs) `implementation="pallas_mgpu"`
+with `attention_jax.dot_product_attention`, and the variants `blockwise` and
+`flash` with the registry.
 """
 
 from typing import Optional
@@ -20,10 +23,11 @@ import jax
 from attention_jax import registry
 from attention_jax.variants.dense import AttentionInputs, prepare_inputs, register_implementation
 
-from . import pallas_gpu, pallas_tpu
+from . import pallas_gpu, pallas_mgpu, pallas_tpu
 from .blockwise import blockwise_attention, blockwise_dot_product_attention, default_block_sizes
 from .common import BlockSizes
 from .pallas_gpu import default_block_sizes_gpu, flash_attention_gpu, gpu_dot_product_attention
+from .pallas_mgpu import default_block_sizes_mgpu, flash_attention_mgpu, mgpu_dot_product_attention
 from .pallas_tpu import default_block_sizes_tpu, flash_attention_tpu, tpu_dot_product_attention
 
 # Tq * Tk from which `implementation=None` prefers blockwise to dense on CPU
@@ -69,11 +73,23 @@ def flash_dot_product_attention(query, key, value, bias=None, mask=None, *,
   return out[0] if unbatched else out
 
 
+def mosaic_gpu_attention(inputs: AttentionInputs, block_sizes: Optional[BlockSizes] = None, *,
+                         interpret: Optional[bool] = None) -> jax.Array:
+  """The Mosaic GPU forward kernel with the Triton backward (Hopper GPUs)."""
+  return flash_attention_mgpu(inputs, block_sizes, interpret=interpret)
+
+
 register_implementation("blockwise", blockwise_attention, priority=_blockwise_priority)
 # The best on GPU and TPU whenever it takes the inputs (every mask, bias and
 # head layout; head dims up to 256; float32 and bfloat16).
 register_implementation("pallas", pallas_attention, priority=2, rejects=_pallas_rejects,
                         is_available=lambda: jax.default_backend() in ("gpu", "tpu"))
+# Below the Triton kernel, so `implementation=None` never picks it: it has only
+# run in the GPU interpreter and been lowered for CUDA, not timed on a Hopper
+# GPU yet. Ask for it by name (or benchmark it: experiments/benchmark_attention).
+register_implementation("pallas_mgpu", mosaic_gpu_attention, priority=1,
+                        rejects=pallas_mgpu.mgpu_rejects,
+                        is_available=pallas_mgpu.is_hopper_or_newer)
 
 _EXACT_KERNEL = dict(family="kernels", complexity="O(T^2)", subquadratic=False, exact=True,
                      causal=True, cross=True)

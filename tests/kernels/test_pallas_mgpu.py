@@ -1,0 +1,210 @@
+"""The Mosaic GPU (Hopper) flash-attention forward kernel against the dense reference.
+
+There is no GPU in CI: the kernel runs in the Pallas GPU interpreter on CPU
+(TMA copies, barriers and wgmma simulated), its Triton backward in the Pallas
+interpreter, and `test_lowers_for_cuda` checks that the very same kernel lowers
+through Mosaic GPU to a CUDA custom call (no device needed).
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import export
+
+import attention_jax
+from attention_jax.core import reference_attention
+from attention_jax.kernels.flash_attention import BlockSizes, pallas_mgpu
+from attention_testing import assert_close, loop_mask, random_qkv
+
+# Several key blocks per row at the smallest legal key block; lengths that are
+# not multiples of 64 (Tq = 100 pads to two query blocks, Tk = 150 to three).
+SMALL_KEY_BLOCKS = BlockSizes(block_q=64, block_k=64, block_q_dkv=32, block_k_dkv=32)
+BATCH, TQ, TK, HEADS, KV_HEADS = 2, 100, 150, 4, 2
+KV_LENGTHS = np.array([70, 0])  # batch 1 sees nothing at all
+Q_LENGTHS = np.array([90, 33])
+SCALE = 0.2
+
+# name -> (keyword arguments of dot_product_attention, arguments of loop_mask)
+CASES = {
+    "plain": ({}, {}),
+    "causal": (dict(is_causal=True), dict(is_causal=True)),
+    "window": (dict(local_window_size=(40, 20)), dict(window=(40, 20))),
+    "causal_window": (dict(is_causal=True, local_window_size=(70, 5)),
+                      dict(is_causal=True, window=(70, 5))),
+    "lengths": (dict(key_value_seq_lengths=jnp.array(KV_LENGTHS),
+                     query_seq_lengths=jnp.array(Q_LENGTHS)),
+                dict(kv_lengths=KV_LENGTHS, q_lengths=Q_LENGTHS)),
+    "everything": (dict(is_causal=True, local_window_size=(80, 0),
+                        key_value_seq_lengths=jnp.array([140, 64]),
+                        query_seq_lengths=jnp.array(Q_LENGTHS)),
+                   dict(is_causal=True, window=(80, 0), kv_lengths=np.array([140, 64]),
+                        q_lengths=Q_LENGTHS)),
+}
+
+
+def _output_and_grads(fn, args, cotangent):
+  out, vjp = jax.vjp(fn, *args)
+  return out, vjp(cotangent.astype(out.dtype))
+
+
+def _compare(case, *, dtype=jnp.bfloat16, head_dim=64, block_sizes=SMALL_KEY_BLOCKS,
+             q_len=TQ, kv_len=TK, heads=HEADS, kv_heads=KV_HEADS, grads=True):
+  """Output (and q/k/v gradients) equal the float32 reference on the same 16-bit inputs."""
+  kwargs, mask_args = CASES[case]
+  query, key, value = random_qkv(seed=head_dim, batch=BATCH, q_len=q_len, kv_len=kv_len,
+                                 num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
+                                 dtype=dtype)
+  allowed = jnp.array(loop_mask(BATCH, q_len, kv_len, **mask_args))
+
+  def ours(q, k, v):
+    return pallas_mgpu.mgpu_dot_product_attention(q, k, v, scale=SCALE, block_sizes=block_sizes,
+                                                  **kwargs)
+
+  def oracle(q, k, v):
+    f32 = lambda x: x.astype(jnp.float32)
+    return reference_attention(f32(q), f32(k), f32(v), None, allowed, scale=SCALE)
+
+  args = (query, key, value)
+  if not grads:
+    out = jax.jit(ours)(*args)
+    assert out.dtype == dtype
+    assert_close(out, oracle(*args), rtol=2e-2, atol=2e-2)
+    return
+  cotangent = jax.random.normal(jax.random.PRNGKey(7), query.shape)
+  out, got = jax.jit(lambda *a: _output_and_grads(ours, a, cotangent))(*args)
+  expected_out, expected = jax.jit(lambda *a: _output_and_grads(oracle, a, cotangent))(*args)
+  assert out.dtype == dtype
+  assert_close(out, expected_out, rtol=2e-2, atol=2e-2)
+  for name, g, want in zip("qkv", got, expected):
+    assert g.dtype == dtype
+    # Gradients sum over a row's keys (or a key's queries) in 16-bit inputs:
+    # the tolerance is relative to the gradient's own scale.
+    scale = float(jnp.max(jnp.abs(want)))
+    assert_close(g, want, rtol=2e-2, atol=2e-2 * max(scale, 1.0), err_msg=f"gradient of {name}")
+
+
+@pytest.mark.parity("flash")
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_matches_reference_outputs_and_gradients(case):
+  _compare(case)
+
+
+@pytest.mark.parity("flash")
+@pytest.mark.parametrize("case", ["plain", "causal"])
+def test_float16_head_dim_128_default_blocks(case):
+  _compare(case, dtype=jnp.float16, head_dim=128, block_sizes=None, kv_heads=1)
+
+
+@pytest.mark.parity("flash")
+def test_head_dim_256_forward():
+  _compare("causal", head_dim=256, block_sizes=None, q_len=64, kv_len=130, heads=2,
+           kv_heads=2, grads=False)
+
+
+def test_fully_masked_rows_give_zeros_and_zero_gradients():
+  query, key, value = random_qkv(seed=4, batch=2, q_len=70, kv_len=90, num_heads=2,
+                                 head_dim=64, dtype=jnp.bfloat16)
+  lengths = jnp.array([90, 0])  # batch 1 sees nothing
+
+  def loss(q, k, v):
+    out = pallas_mgpu.mgpu_dot_product_attention(q, k, v, key_value_seq_lengths=lengths,
+                                                 block_sizes=SMALL_KEY_BLOCKS)
+    return jnp.sum(out.astype(jnp.float32) * jnp.arange(out.size).reshape(out.shape) / out.size), out
+
+  (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(
+      query, key, value)
+  for x in (out,) + grads:
+    assert np.isfinite(np.asarray(x, np.float32)).all()
+  np.testing.assert_array_equal(np.asarray(out[1], np.float32), 0.0)
+  for grad in grads:
+    np.testing.assert_array_equal(np.asarray(grad[1], np.float32), 0.0)
+  assert np.abs(np.asarray(out[0], np.float32)).sum() > 0
+
+
+@pytest.mark.parametrize("case", ["causal", "window"])
+def test_blocks_nobody_can_see_are_never_read(case):
+  """NaN in every key/value block outside the band changes nothing: it is never loaded."""
+  kwargs = dict(is_causal=True) if case == "causal" else dict(local_window_size=(10, 10))
+  query, key, value = random_qkv(seed=5, batch=1, q_len=128, kv_len=256, num_heads=1,
+                                 head_dim=64, dtype=jnp.bfloat16)
+  fn = jax.jit(functools.partial(pallas_mgpu.mgpu_dot_product_attention,
+                                 block_sizes=SMALL_KEY_BLOCKS, **kwargs))
+  clean = fn(query, key, value)
+  # Query blocks cover rows 0-127, so neither mask reaches keys 192-255 (block 3).
+  poisoned = lambda x: x.at[:, 192:].set(jnp.nan)
+  np.testing.assert_array_equal(np.asarray(fn(query, poisoned(key), poisoned(value)), np.float32),
+                                np.asarray(clean, np.float32))
+
+
+def test_default_block_sizes_follow_the_head_dim():
+  assert pallas_mgpu.default_block_sizes_mgpu(64).block_k == 128
+  assert pallas_mgpu.default_block_sizes_mgpu(128).block_k == 128
+  assert pallas_mgpu.default_block_sizes_mgpu(256).block_k == 64
+  assert pallas_mgpu.default_block_sizes_mgpu(128).block_q == 64
+
+
+@pytest.mark.parametrize("dtype, head_dim, value_dim, extra, match", [
+    (jnp.float32, 64, 64, {}, "bfloat16 or float16 inputs, got float32"),
+    (jnp.bfloat16, 80, 80, {}, "multiples of 64 up to 256, got 80"),
+    (jnp.bfloat16, 320, 320, {}, "multiples of 64 up to 256, got 320"),
+    (jnp.bfloat16, 64, 128, {}, "value head dim == head dim, got 128 != 64"),
+    (jnp.bfloat16, 64, 64, dict(bias=True), "does not take bias"),
+    (jnp.bfloat16, 64, 64, dict(segment_ids=True), "does not take segment ids"),
+])
+def test_rejects_what_it_does_not_take_by_name(dtype, head_dim, value_dim, extra, match):
+  query, key, value = random_qkv(q_len=8, head_dim=head_dim, value_dim=value_dim, dtype=dtype)
+  kwargs = {}
+  if "bias" in extra:
+    kwargs["bias"] = jnp.zeros((1, 1, 8, 8), dtype)
+  if "segment_ids" in extra:
+    kwargs["segment_ids"] = jnp.zeros((2, 8), jnp.int32)
+  with pytest.raises(ValueError, match=match):
+    pallas_mgpu.mgpu_dot_product_attention(query, key, value, **kwargs)
+
+
+@pytest.mark.parametrize("blocks, match", [
+    (BlockSizes(block_q=128, block_k=64), "block_q=64 .*got 128"),
+    (BlockSizes(block_q=64, block_k=96), "block_k to be a multiple of 64 up to 256, got 96"),
+    (BlockSizes(block_q=64, block_k=64, block_q_dkv=48), "block_q_dkv=48"),
+])
+def test_rejects_block_sizes_it_cannot_tile(blocks, match):
+  query, key, value = random_qkv(q_len=8, head_dim=64, dtype=jnp.bfloat16)
+  with pytest.raises(ValueError, match=match):
+    pallas_mgpu.mgpu_dot_product_attention(query, key, value, block_sizes=blocks)
+
+
+def test_registered_but_only_available_on_hopper():
+  """Asked for by name on CPU, the error names the backend and what is available."""
+  query, key, value = random_qkv(q_len=8, head_dim=64, dtype=jnp.bfloat16)
+  assert not pallas_mgpu.is_hopper_or_newer()
+  with pytest.raises(ValueError, match="'pallas_mgpu' is not available on backend 'cpu'"):
+    attention_jax.dot_product_attention(query, key, value, implementation="pallas_mgpu")
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_lowers_for_cuda(head_dim):
+  """Forward (Mosaic GPU) and backward (Triton) lower for CUDA without a GPU.
+
+  Lowering runs Mosaic GPU's layout inference and wgmma/TMA checks; it does not
+  compile to PTX or check shared-memory capacity.
+  """
+  query, key, value = random_qkv(batch=2, q_len=300, kv_len=520, num_heads=4, num_kv_heads=2,
+                                 head_dim=head_dim, dtype=jnp.bfloat16)
+  kwargs = dict(is_causal=True, local_window_size=(200, 0),
+                key_value_seq_lengths=jnp.array([500, 3]))
+
+  def loss(q, k, v):
+    out = pallas_mgpu.mgpu_dot_product_attention(q, k, v, interpret=False, **kwargs)
+    return jnp.sum(out.astype(jnp.float32))
+
+  exported = export.export(
+      jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))), platforms=["cuda"],
+      disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
+  )(query, key, value)
+  module = exported.mlir_module()
+  assert "stablehlo.custom_call @mosaic_gpu" in module
+  for kernel in ("flash_attention_dq", "flash_attention_dkv"):
+    assert f'name = "{kernel}"' in module
