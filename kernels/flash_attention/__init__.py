@@ -6,8 +6,7 @@ log-sum-exp saved for a backward pass that recomputes the probabilities.
 
   blockwise.py   pure JAX (lax loops), every backend; the portable fallback
   pallas_gpu.py  Pallas on Triton (NVIDIA/AMD GPUs)
-  pallas_mgpu.py Pallas on Mosaic GPU (NVIDIA Hopper): the forward pass, with
-                 the Triton backward
+  pallas_mgpu.py Pallas on Mosaic GPU (NVIDIA Hopper)
   pallas_tpu.py  Pallas on Mosaic (TPUs)
 
 Importing this package registers `implementation="blockwise"`,
@@ -75,7 +74,7 @@ def flash_dot_product_attention(query, key, value, bias=None, mask=None, *,
 
 def mosaic_gpu_attention(inputs: AttentionInputs, block_sizes: Optional[BlockSizes] = None, *,
                          interpret: Optional[bool] = None) -> jax.Array:
-  """The Mosaic GPU forward kernel with the Triton backward (Hopper GPUs)."""
+  """The Mosaic GPU kernels (Hopper GPUs)."""
   return flash_attention_mgpu(inputs, block_sizes, interpret=interpret)
 
 
@@ -84,7 +83,7 @@ register_implementation("blockwise", blockwise_attention, priority=_blockwise_pr
 # head layout; head dims up to 256; float32 and bfloat16).
 register_implementation("pallas", pallas_attention, priority=2, rejects=_pallas_rejects,
                         is_available=lambda: jax.default_backend() in ("gpu", "tpu"))
-# Below the Triton kernel, so `implementation=None` never picks it: it has only
+# Below the Triton kernels, so `implementation=None` never picks it: it has only
 # run in the GPU interpreter and been lowered for CUDA, not timed on a Hopper
 # GPU yet. Ask for it by name (or benchmark it: experiments/benchmark_attention).
 register_implementation("pallas_mgpu", mosaic_gpu_attention, priority=1,

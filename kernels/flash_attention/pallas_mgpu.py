@@ -1,36 +1,35 @@
-"""Flash attention's forward pass as a Pallas Mosaic GPU kernel (NVIDIA Hopper).
+"""Flash attention as Pallas Mosaic GPU kernels (NVIDIA Hopper): forward and backward.
 
-The Triton kernel (`pallas_gpu.py`) runs on every NVIDIA GPU; this one is
-written for Hopper's own units: TMA copies bring K/V blocks into shared memory
-through a two-slot pipeline (`plgpu.emit_pipeline`, the copy of block j+1 in
-flight while block j is computed) and both matrix products are warpgroup MMAs
-(`plgpu.wgmma`) from shared memory into float32 accumulators. One CTA is one
-warpgroup computing 64 query rows of one head against the key blocks they can
-see.
+The Triton kernels (`pallas_gpu.py`) run on every NVIDIA GPU; these are
+written for Hopper's own units: TMA copies stream blocks into shared memory
+through `plgpu.emit_pipeline` (the copy of step j+1 in flight while step j
+computes) and every matrix product is a warpgroup MMA (`plgpu.wgmma`) from
+shared memory into a float32 accumulator. A CTA is one warpgroup owning 64
+rows: query rows in the forward and dq passes (a pipeline over the key blocks
+they see), key rows in the dk/dv pass (a pipeline over the query blocks that
+see them). The backward recomputes each block's probabilities from the saved
+log-sum-exp; dk/dv are computed per query head and summed over the group.
 
-The backward pass is the Triton kernels' (`pallas_gpu._backward`): both
-kernels save the same residuals (the output and the log-sum-exp, `[B, H, Tq']`
-float32, -inf on rows that attend nothing), so the Mosaic forward hands them
-over unchanged.
+Layout. Each product reads its operands as they lie in shared memory, so a
+block that is the right-hand operand transposed comes from an array
+transposed once in HBM (O(T*D) each, against the O(T^2*D) of the kernels):
+K^T and V^T `[B, Hkv, D, Tk']` (S = Q K^T, dP = dO V^T) and Q^T, dO^T
+`[B, H, D, Tq']` (S^T = K Q^T, dP^T = V dO^T, in the dk/dv pass). Mosaic GPU
+could transpose a shared-memory operand for free on hardware, but the Pallas
+GPU interpreter (how these kernels are tested without a GPU) cannot apply
+`transpose_ref` to a wgmma operand; this keeps one code path for both. For the
+same reason probabilities and their gradients are staged in shared memory for
+the second product rather than fed to wgmma from registers. Everything else
+(q, k, v, d_out and the outputs) is read and written in place in `[B, T, H, D]`.
 
-Layout:
-  * q `[B, Tq', H, D]` and v `[B, Tk', Hkv, D]` are read in place; K arrives
-    transposed, `[B, Hkv, D, Tk']`, so that Q K^T is a plain wgmma. Mosaic GPU
-    can transpose a shared-memory operand for free on hardware, but the Pallas
-    GPU interpreter (how this kernel is tested without a GPU) cannot apply
-    `transpose_ref` to a wgmma operand; one O(T*D) transpose in HBM keeps a
-    single code path for both.
-  * The probabilities go through shared memory for the second product (wgmma
-    takes its left operand from registers on hardware, not in the
-    interpreter): 64 x block_k 16-bit values per step.
-
-What it takes (everything else is `mgpu_rejects`' reason and stays with the
-Triton kernel): 16-bit inputs, head dims that are multiples of 64 up to 256
+What they take (everything else is `mgpu_rejects`' reason and stays with the
+Triton kernels): 16-bit inputs, head dims that are multiples of 64 up to 256
 with Dv == D, causal and sliding-window masks (blocks outside the reach are
-never loaded), `key_value_seq_lengths` (masked by position, and the key loop
-stops at the batch's length), `query_seq_lengths` (zeroed after the kernel),
-grouped K/V heads, any scale, sequence lengths that are not multiples of the
-blocks (zero padding, masked by position).
+never loaded), `key_value_seq_lengths` (masked by position; the key loop stops
+at the batch's length), `query_seq_lengths` (zeroed after the kernel), grouped
+K/V heads, any scale, lengths that are not multiples of the blocks (zero
+padding, masked by position). A query that may attend to nothing gets output
+0, lse -inf and zero gradients.
 """
 
 from __future__ import annotations
@@ -58,6 +57,8 @@ HEAD_DIM_MULTIPLE = 64  # one 128-byte swizzle row of 16-bit values
 MAX_HEAD_DIM = 256
 BLOCK_Q = 64  # wgmma's M: one warpgroup's rows
 BLOCK_MULTIPLE = 64
+DQ_BLOCK_K = 64  # the dq pass streams three key-side operands: 64 keys a step
+SHARED_MEMORY_BYTES = 227 * 1024  # what one CTA may opt into on an H100
 _SWIZZLE_BYTES = 128
 _LOG2_E = math.log2(math.e)
 
@@ -72,8 +73,10 @@ def _smem_transforms(dtype) -> tuple:
 class _Config:
   """Everything about a call that is fixed at trace time."""
 
-  block_q: int
-  block_k: int
+  block_q: int  # forward and dq: query rows of a CTA (one warpgroup)
+  block_k: int  # forward and dq: keys of a pipeline step
+  block_q_dkv: int  # dk/dv: queries of a pipeline step
+  block_k_dkv: int  # dk/dv: key rows of a CTA (one warpgroup)
   q_len: int  # padded Tq
   kv_len: int  # padded Tk
   true_kv_len: int
@@ -85,104 +88,325 @@ class _Config:
   interpret: bool
 
 
+# ---------------------------------------------------------------------------
+# Pieces every kernel uses.
+# ---------------------------------------------------------------------------
+
+
+def _matmul(lhs_smem, rhs_smem, shape):
+  """`lhs @ rhs` of two shared-memory operands as one wgmma: float32 `shape`."""
+
+  def product(acc_ref):
+    plgpu.wgmma(acc_ref, lhs_smem, rhs_smem)
+    return acc_ref[...]
+
+  return pl.run_scoped(product, plgpu.ACC(shape, jnp.float32))
+
+
+def _stage(smem, x):
+  """Writes registers to shared memory for a wgmma or a TMA store to read."""
+  smem[...] = x.astype(smem.dtype)
+  plgpu.commit_smem()
+
+
+def _kv_limit(cfg: _Config, kv_lengths_ref, batch):
+  """Keys at or past this position are masked: the true Tk or the batch's length."""
+  limit = jnp.int32(cfg.true_kv_len)
+  if cfg.has_kv_lengths:
+    limit = jnp.minimum(limit, kv_lengths_ref[batch])
+  return limit
+
+
+def _steps(lo, hi, num_blocks):
+  """(first block, number of steps) of a pipeline over blocks [lo, hi).
+
+  A block that sees nothing still runs one fully masked step, so that no
+  pipeline has an empty grid; `lo` is clamped to a block that exists.
+  """
+  return jnp.minimum(lo, num_blocks - 1), jnp.maximum(hi - lo, 1)
+
+
+def _kv_steps(cfg: _Config, q_block, block_q: int, block_k: int, kv_limit):
+  """The key blocks a query block sees (causal, window, length)."""
+  num_blocks = cfg.kv_len // block_k
+  lo, hi = common.kv_block_range(q_block, block_q, block_k, num_blocks, cfg.reach)
+  return _steps(lo, jnp.minimum(hi, (kv_limit + block_k - 1) // block_k), num_blocks)
+
+
+def _q_steps(cfg: _Config, kv_block, block_q: int, block_k: int, kv_limit):
+  """The query blocks that see a key block (none when it lies past the length)."""
+  num_blocks = cfg.q_len // block_q
+  lo, hi = common.q_block_range(kv_block, block_q, block_k, num_blocks, cfg.reach)
+  return _steps(lo, jnp.where(kv_block * block_k < kv_limit, hi, lo), num_blocks)
+
+
+def _allowed(q_pos, k_pos, kv_limit, reach):
+  return mask_lib.and_masks(mask_lib.length_predicate(k_pos, kv_limit),
+                            mask_lib.reach_predicate(q_pos, k_pos, reach))
+
+
+def _positions(start, shape, axis):
+  return start + lax.broadcasted_iota(jnp.int32, shape, axis)
+
+
+def _pipeline_slots(cfg: _Config, fixed_bytes: int, bytes_per_slot: int, kernel: str) -> int:
+  """As many pipeline slots as fit next to the fixed buffers, up to `max_concurrent_steps`.
+
+  Lowering refuses a kernel over the SM's shared memory; choosing here keeps
+  any legal block size compiling (with less overlap) and names the blocks
+  when even one slot does not fit.
+  """
+  slots = cfg.max_concurrent_steps
+  while slots > 1 and fixed_bytes + slots * bytes_per_slot > SHARED_MEMORY_BYTES:
+    slots -= 1
+  if fixed_bytes + bytes_per_slot > SHARED_MEMORY_BYTES:
+    raise ValueError(
+        f"the Mosaic GPU {kernel} kernel needs {fixed_bytes + bytes_per_slot} bytes of shared "
+        f"memory at block_q={cfg.block_q}, block_k={cfg.block_k}, block_q_dkv="
+        f"{cfg.block_q_dkv}, more than the {SHARED_MEMORY_BYTES} of a Hopper SM; use smaller "
+        "key/query steps.")
+  return slots
+
+
+def _launch(kernel, cfg: _Config, slots: int, out_type, grid, grid_names, scratch_types):
+  return plgpu.kernel(
+      functools.partial(kernel, cfg=cfg, slots=slots), out_type=out_type, grid=grid,
+      grid_names=grid_names,
+      scratch_types=scratch_types,
+      compiler_params=plgpu.CompilerParams(
+          lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+      interpret=_interpret_params() if cfg.interpret else None)
+
+
+def _interpret_params():
+  from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams  # pylint: disable=import-outside-toplevel
+  return InterpretGPUParams()
+
+
+def _row_block_spec(rows: int, cols: int, dtype, row_of_step):
+  """A `[rows, cols]` wgmma operand whose block along axis 0 moves with the step."""
+  return plgpu.BlockSpec((rows, cols), lambda j: (row_of_step(j), 0),
+                         transforms=_smem_transforms(dtype))
+
+
+def _col_block_spec(rows: int, cols: int, dtype, col_of_step):
+  """A `[rows, cols]` wgmma operand whose block along axis 1 moves with the step."""
+  return plgpu.BlockSpec((rows, cols), lambda j: (0, col_of_step(j)),
+                         transforms=_smem_transforms(dtype))
+
+
+# ---------------------------------------------------------------------------
+# Kernels.
+# ---------------------------------------------------------------------------
+
+
 def _forward_kernel(q_ref, k_t_ref, v_ref, kv_lengths_ref, out_ref, lse_ref,
-                    q_smem, probs_smem, lse_smem, q_barrier, *, cfg: _Config):
+                    q_smem, probs_smem, lse_smem, barriers, *, cfg: _Config,
+                    slots: int):
   """One block of 64 queries of one head: out `[64, D]`, lse `[64]`.
 
   GMEM refs: q `[B, Tq', H, D]`, k_t `[B, Hkv, D, Tk']`, v `[B, Tk', Hkv, D]`,
-  kv_lengths `[B]` int32 (a placeholder of zeros when the call has none),
-  out like q, lse `[B, H, Tq']` float32.
+  kv_lengths `[B]` int32 (zeros when the call has none), out like q,
+  lse `[B, H, Tq']` float32 (natural log).
   """
   bq, bk = cfg.block_q, cfg.block_k
-  q_block = lax.axis_index("q_blocks")
-  head = lax.axis_index("heads")
-  batch = lax.axis_index("batch")
+  q_block, head, batch = (lax.axis_index(n) for n in ("q_blocks", "heads", "batch"))
   kv_head = lax.div(head, jnp.int32(cfg.group))
   q_start = q_block * bq
   head_dim = q_smem.shape[-1]
-
-  plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(q_start, bq), head], q_smem, q_barrier.at[0])
-
-  kv_limit = jnp.int32(cfg.true_kv_len)
-  if cfg.has_kv_lengths:
-    kv_limit = jnp.minimum(kv_limit, kv_lengths_ref[batch])
-  num_kv_blocks = cfg.kv_len // bk
-  lo, hi = common.kv_block_range(q_block, bq, bk, num_kv_blocks, cfg.reach)
-  hi = jnp.minimum(hi, (kv_limit + bk - 1) // bk)
-  # A query block that sees no key still runs one (fully masked) step, so the
-  # pipeline never has an empty grid; `lo` is clamped to a block that exists.
-  lo = jnp.minimum(lo, num_kv_blocks - 1)
-  num_steps = jnp.maximum(hi - lo, 1)
+  plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(q_start, bq), head], q_smem, barriers.at[0])
+  kv_limit = _kv_limit(cfg, kv_lengths_ref, batch)
+  lo, num_steps = _kv_steps(cfg, q_block, bq, bk, kv_limit)
   # Logits are kept in base 2 (scale * log2 e folded in) so each probability is one exp2.
   logit_scale = cfg.scale * _LOG2_E
 
   def step(indices, k_t_smem, v_smem, carry):
     acc, row_max, row_sum = carry
-    kv_block = lo + indices[0]
-
-    def scores(acc_ref):
-      plgpu.wgmma(acc_ref, q_smem, k_t_smem)
-      return acc_ref[...]
-
-    logits = pl.run_scoped(scores, plgpu.ACC((bq, bk), jnp.float32)) * logit_scale
-    q_pos = q_start + lax.broadcasted_iota(jnp.int32, (bq, bk), 0)
-    k_pos = kv_block * bk + lax.broadcasted_iota(jnp.int32, (bq, bk), 1)
-    allowed = mask_lib.and_masks(mask_lib.length_predicate(k_pos, kv_limit),
-                                 mask_lib.reach_predicate(q_pos, k_pos, cfg.reach))
+    k_start = (lo + indices[0]) * bk
+    logits = _matmul(q_smem, k_t_smem, (bq, bk)) * logit_scale
+    allowed = _allowed(_positions(q_start, (bq, bk), 0), _positions(k_start, (bq, bk), 1),
+                       kv_limit, cfg.reach)
     logits = jnp.where(allowed, logits, -jnp.inf)
-
     new_max = jnp.maximum(row_max, logits.max(axis=1))
     # A row with nothing allowed so far keeps max -inf; exponentiate against 0 then.
     safe_max = jnp.where(new_max == -jnp.inf, 0.0, new_max)
     probs = jnp.exp2(logits - lax.broadcast_in_dim(safe_max, logits.shape, [0]))
     correction = jnp.exp2(row_max - safe_max)
     row_sum = row_sum * correction + probs.sum(axis=1)
-    probs_smem[...] = probs.astype(probs_smem.dtype)
-    plgpu.commit_smem()
-
-    def weighted_values(acc_ref):
-      plgpu.wgmma(acc_ref, probs_smem, v_smem)
-      return acc_ref[...]
-
-    block_out = pl.run_scoped(weighted_values, plgpu.ACC((bq, head_dim), jnp.float32))
+    _stage(probs_smem, probs)
+    block_out = _matmul(probs_smem, v_smem, (bq, head_dim))
     acc = acc * lax.broadcast_in_dim(correction, acc.shape, [0]) + block_out
     return acc, new_max, row_sum
 
-  transforms = _smem_transforms(q_smem.dtype)
+  dtype = q_smem.dtype
   pipeline = plgpu.emit_pipeline(
-      step,
-      grid=(num_steps,),
-      in_specs=[
-          plgpu.BlockSpec((head_dim, bk), lambda j: (0, lo + j), transforms=transforms),
-          plgpu.BlockSpec((bk, head_dim), lambda j: (lo + j, 0), transforms=transforms),
-      ],
-      max_concurrent_steps=cfg.max_concurrent_steps,
+      step, grid=(num_steps,),
+      in_specs=[_col_block_spec(head_dim, bk, dtype, lambda j: lo + j),
+                _row_block_spec(bk, head_dim, dtype, lambda j: lo + j)],
+      max_concurrent_steps=slots,
       init_carry=(jnp.zeros((bq, head_dim), jnp.float32),
                   jnp.full((bq,), -jnp.inf, jnp.float32),
                   jnp.zeros((bq,), jnp.float32)))
-  plgpu.barrier_wait(q_barrier.at[0])
+  plgpu.barrier_wait(barriers.at[0])
   acc, row_max, row_sum = pipeline(k_t_ref.at[batch, kv_head], v_ref.at[batch, :, kv_head, :])
 
   empty = row_sum == 0.0  # nothing to attend: output 0, lse -inf
   safe_sum = jnp.where(empty, 1.0, row_sum)
   # The query block's shared memory is free again: it stages the output.
-  q_smem[...] = (acc / lax.broadcast_in_dim(safe_sum, acc.shape, [0])).astype(q_smem.dtype)
-  lse_smem[...] = jnp.where(empty, -jnp.inf, (row_max + jnp.log2(safe_sum)) / _LOG2_E)
-  plgpu.commit_smem()
+  _stage(q_smem, acc / lax.broadcast_in_dim(safe_sum, acc.shape, [0]))
+  _stage(lse_smem, jnp.where(empty, -jnp.inf, (row_max + jnp.log2(safe_sum)) / _LOG2_E))
   plgpu.copy_smem_to_gmem(q_smem, out_ref.at[batch, pl.ds(q_start, bq), head])
   plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[batch, head, pl.ds(q_start, bq)])
   plgpu.wait_smem_to_gmem(0)
 
 
+def _dq_kernel(q_ref, do_ref, k_ref, k_t_ref, v_t_ref, lse_ref, delta_ref, kv_lengths_ref,
+               dq_ref, q_smem, do_smem, d_logits_smem, lse_smem, delta_smem, barriers, *,
+               cfg: _Config, slots: int):
+  """dq `[64, D]` of one block of 64 queries of one head.
+
+  GMEM refs: q, d_out `[B, Tq', H, D]`; k `[B, Tk', Hkv, D]`; k_t, v_t
+  `[B, Hkv, D, Tk']`; lse (+inf on rows that attend nothing) and delta
+  `[B, H, Tq']` float32; dq like q.
+  """
+  bq, bk = cfg.block_q, DQ_BLOCK_K
+  q_block, head, batch = (lax.axis_index(n) for n in ("q_blocks", "heads", "batch"))
+  kv_head = lax.div(head, jnp.int32(cfg.group))
+  q_start = q_block * bq
+  head_dim = q_smem.shape[-1]
+  rows = pl.ds(q_start, bq)
+  for i, (src, dst) in enumerate(((q_ref.at[batch, rows, head], q_smem),
+                                  (do_ref.at[batch, rows, head], do_smem),
+                                  (lse_ref.at[batch, head, rows], lse_smem),
+                                  (delta_ref.at[batch, head, rows], delta_smem))):
+    plgpu.copy_gmem_to_smem(src, dst, barriers.at[i])
+  kv_limit = _kv_limit(cfg, kv_lengths_ref, batch)
+  lo, num_steps = _kv_steps(cfg, q_block, bq, bk, kv_limit)
+  logit_scale = cfg.scale * _LOG2_E
+  for i in range(4):
+    plgpu.barrier_wait(barriers.at[i])
+  lse = lax.broadcast_in_dim(lse_smem[...] * _LOG2_E, (bq, bk), [0])
+  delta = lax.broadcast_in_dim(delta_smem[...], (bq, bk), [0])
+
+  def step(indices, k_t_smem, v_t_smem, k_smem, dq):
+    k_start = (lo + indices[0]) * bk
+    logits = _matmul(q_smem, k_t_smem, (bq, bk)) * logit_scale
+    allowed = _allowed(_positions(q_start, (bq, bk), 0), _positions(k_start, (bq, bk), 1),
+                       kv_limit, cfg.reach)
+    probs = jnp.where(allowed, jnp.exp2(logits - lse), 0.0)
+    d_probs = _matmul(do_smem, v_t_smem, (bq, bk))
+    _stage(d_logits_smem, probs * (d_probs - delta))
+    return dq + _matmul(d_logits_smem, k_smem, (bq, head_dim))
+
+  dtype = q_smem.dtype
+  pipeline = plgpu.emit_pipeline(
+      step, grid=(num_steps,),
+      in_specs=[_col_block_spec(head_dim, bk, dtype, lambda j: lo + j),
+                _col_block_spec(head_dim, bk, dtype, lambda j: lo + j),
+                _row_block_spec(bk, head_dim, dtype, lambda j: lo + j)],
+      max_concurrent_steps=slots,
+      init_carry=jnp.zeros((bq, head_dim), jnp.float32))
+  dq = pipeline(k_t_ref.at[batch, kv_head], v_t_ref.at[batch, kv_head],
+                k_ref.at[batch, :, kv_head, :])
+  _stage(q_smem, dq * cfg.scale)
+  plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[batch, rows, head])
+  plgpu.wait_smem_to_gmem(0)
+
+
+def _dkv_kernel(k_ref, v_ref, q_ref, q_t_ref, do_ref, do_t_ref, lse_ref, delta_ref,
+                kv_lengths_ref, dk_ref, dv_ref, k_smem, v_smem, probs_t_smem, d_logits_t_smem,
+                barriers, *, cfg: _Config, slots: int):
+  """dk and dv `[64, D]` of one block of 64 keys, as seen by one query head.
+
+  Works on transposed blocks (keys along rows) so that every product reads
+  its operands as they lie: S^T = K Q^T, dV = P^T dO, dP^T = V dO^T,
+  dK = dS^T Q. GMEM refs: k, v `[B, Tk', Hkv, D]`; q, d_out `[B, Tq', H, D]`;
+  q_t, d_out_t `[B, H, D, Tq']`; lse (+inf on rows that attend nothing),
+  delta `[B, H, Tq']`; dk, dv `[B, Tk', H, D]` float32 (summed over grouped
+  heads by the caller).
+  """
+  bq, bk = cfg.block_q_dkv, cfg.block_k_dkv
+  kv_block, head, batch = (lax.axis_index(n) for n in ("kv_blocks", "heads", "batch"))
+  kv_head = lax.div(head, jnp.int32(cfg.group))
+  k_start = kv_block * bk
+  head_dim = k_smem.shape[-1]
+  keys = pl.ds(k_start, bk)
+  plgpu.copy_gmem_to_smem(k_ref.at[batch, keys, kv_head], k_smem, barriers.at[0])
+  plgpu.copy_gmem_to_smem(v_ref.at[batch, keys, kv_head], v_smem, barriers.at[1])
+  kv_limit = _kv_limit(cfg, kv_lengths_ref, batch)
+  lo, num_steps = _q_steps(cfg, kv_block, bq, bk, kv_limit)
+  logit_scale = cfg.scale * _LOG2_E
+
+  def step(indices, q_t_smem, q_smem, do_t_smem, do_smem, lse_smem, delta_smem, carry):
+    dk, dv = carry
+    q_start = (lo + indices[0]) * bq
+    logits_t = _matmul(k_smem, q_t_smem, (bk, bq)) * logit_scale
+    allowed = _allowed(_positions(q_start, (bk, bq), 1), _positions(k_start, (bk, bq), 0),
+                       kv_limit, cfg.reach)
+    lse = lax.broadcast_in_dim(lse_smem[...] * _LOG2_E, (bk, bq), [1])
+    probs_t = jnp.where(allowed, jnp.exp2(logits_t - lse), 0.0)
+    _stage(probs_t_smem, probs_t)
+    dv = dv + _matmul(probs_t_smem, do_smem, (bk, head_dim))
+    d_probs_t = _matmul(v_smem, do_t_smem, (bk, bq))
+    delta = lax.broadcast_in_dim(delta_smem[...], (bk, bq), [1])
+    _stage(d_logits_t_smem, probs_t * (d_probs_t - delta))
+    dk = dk + _matmul(d_logits_t_smem, q_smem, (bk, head_dim))
+    return dk, dv
+
+  dtype = k_smem.dtype
+  block_of = lambda j: lo + j
+  pipeline = plgpu.emit_pipeline(
+      step, grid=(num_steps,),
+      in_specs=[_col_block_spec(head_dim, bq, dtype, block_of),
+                _row_block_spec(bq, head_dim, dtype, block_of),
+                _col_block_spec(head_dim, bq, dtype, block_of),
+                _row_block_spec(bq, head_dim, dtype, block_of),
+                plgpu.BlockSpec((bq,), lambda j: (lo + j,)),
+                plgpu.BlockSpec((bq,), lambda j: (lo + j,))],
+      max_concurrent_steps=slots,
+      init_carry=(jnp.zeros((bk, head_dim), jnp.float32),
+                  jnp.zeros((bk, head_dim), jnp.float32)))
+  plgpu.barrier_wait(barriers.at[0])
+  plgpu.barrier_wait(barriers.at[1])
+  dk, dv = pipeline(q_t_ref.at[batch, head], q_ref.at[batch, :, head, :],
+                    do_t_ref.at[batch, head], do_ref.at[batch, :, head, :],
+                    lse_ref.at[batch, head], delta_ref.at[batch, head])
+
+  def write(dk_smem, dv_smem):
+    # float32 staging lives only now, in the shared memory the pipeline released.
+    _stage(dk_smem, dk * cfg.scale)
+    _stage(dv_smem, dv)
+    plgpu.copy_smem_to_gmem(dk_smem, dk_ref.at[batch, keys, head])
+    plgpu.copy_smem_to_gmem(dv_smem, dv_ref.at[batch, keys, head])
+    plgpu.wait_smem_to_gmem(0)
+
+  pl.run_scoped(write, plgpu.SMEM((bk, head_dim), jnp.float32),
+                plgpu.SMEM((bk, head_dim), jnp.float32))
+
+
+# ---------------------------------------------------------------------------
+# The passes, under one custom_vjp.
+# ---------------------------------------------------------------------------
+
+
+def _heads_major_transposed(x):
+  """`[B, T, H, D]` -> `[B, H, D, T]`: the right-hand operand layout of a wgmma."""
+  return jnp.transpose(x, (0, 2, 3, 1))
+
+
+def _lengths_or_zeros(kv_lengths, batch: int):
+  return jnp.zeros((batch,), jnp.int32) if kv_lengths is None else kv_lengths
+
+
 def _forward(cfg: _Config, q, k, v, kv_lengths):
   """out `[B, Tq', H, D]` and lse `[B, H, Tq']` float32 of padded inputs."""
   batch, _, num_heads, head_dim = q.shape
-  k_t = jnp.transpose(k, (0, 2, 3, 1))  # [B, Hkv, D, Tk']
-  if kv_lengths is None:
-    kv_lengths = jnp.zeros((batch,), jnp.int32)
   transforms = _smem_transforms(q.dtype)
-  kernel = plgpu.kernel(
-      functools.partial(_forward_kernel, cfg=cfg),
+  bq, bk, size = cfg.block_q, cfg.block_k, q.dtype.itemsize
+  slots = _pipeline_slots(cfg, (bq * head_dim + bq * bk) * size + bq * 4,
+                          2 * bk * head_dim * size, "forward")
+  kernel = _launch(
+      _forward_kernel, cfg, slots,
       out_type=[jax.ShapeDtypeStruct(q.shape, q.dtype),
                 jax.ShapeDtypeStruct((batch, num_heads, cfg.q_len), jnp.float32)],
       grid=(cfg.q_len // cfg.block_q, num_heads, batch),
@@ -192,40 +416,73 @@ def _forward(cfg: _Config, q, k, v, kv_lengths):
           plgpu.SMEM((cfg.block_q, cfg.block_k), q.dtype, transforms=transforms),
           plgpu.SMEM((cfg.block_q,), jnp.float32),
           plgpu.Barrier(num_barriers=1),
-      ],
-      compiler_params=plgpu.CompilerParams(
-          lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-      interpret=_interpret_params() if cfg.interpret else None,
-  )
-  return kernel(q, k_t, v, kv_lengths)
+      ])
+  return kernel(q, _heads_major_transposed(k), v, _lengths_or_zeros(kv_lengths, batch))
 
 
-def _interpret_params():
-  from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams  # pylint: disable=import-outside-toplevel
-  return InterpretGPUParams()
+def _backward(cfg: _Config, q, k, v, kv_lengths, out, lse, d_out):
+  """Gradients of q, k and v (padded shapes, input dtypes)."""
+  batch, _, num_heads, head_dim = q.shape
+  dtype = q.dtype
+  transforms = _smem_transforms(dtype)
+  # Rows with nothing to attend have lse = -inf; +inf makes their probabilities 0.
+  lse = jnp.where(lse == -jnp.inf, jnp.inf, lse)
+  delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
+  delta = delta.transpose(0, 2, 1)  # [B, H, Tq']
+  d_out = d_out.astype(dtype)
+  kv_lengths = _lengths_or_zeros(kv_lengths, batch)
+
+  bq, bk, size = cfg.block_q, DQ_BLOCK_K, dtype.itemsize
+  slots = _pipeline_slots(cfg, (2 * bq * head_dim + bq * bk) * size + 2 * bq * 4,
+                          3 * bk * head_dim * size, "dq")
+  dq = _launch(
+      _dq_kernel, cfg, slots,
+      out_type=jax.ShapeDtypeStruct(q.shape, dtype),
+      grid=(cfg.q_len // bq, num_heads, batch), grid_names=("q_blocks", "heads", "batch"),
+      scratch_types=[
+          plgpu.SMEM((bq, head_dim), dtype, transforms=transforms),
+          plgpu.SMEM((bq, head_dim), dtype, transforms=transforms),
+          plgpu.SMEM((bq, bk), dtype, transforms=transforms),
+          plgpu.SMEM((bq,), jnp.float32),
+          plgpu.SMEM((bq,), jnp.float32),
+          plgpu.Barrier(num_barriers=4),
+      ])(q, d_out, k, _heads_major_transposed(k), _heads_major_transposed(v), lse, delta,
+         kv_lengths)
+
+  bq, bk = cfg.block_q_dkv, cfg.block_k_dkv
+  # (The float32 staging of dk and dv comes after the pipeline, in its space.)
+  slots = _pipeline_slots(cfg, (2 * bk * head_dim + 2 * bk * bq) * size,
+                          4 * bq * head_dim * size + 2 * bq * 4, "dk/dv")
+  grad_type = jax.ShapeDtypeStruct((batch, cfg.kv_len, num_heads, head_dim), jnp.float32)
+  dk, dv = _launch(
+      _dkv_kernel, cfg, slots,
+      out_type=[grad_type, grad_type],
+      grid=(cfg.kv_len // bk, num_heads, batch), grid_names=("kv_blocks", "heads", "batch"),
+      scratch_types=[
+          plgpu.SMEM((bk, head_dim), dtype, transforms=transforms),
+          plgpu.SMEM((bk, head_dim), dtype, transforms=transforms),
+          plgpu.SMEM((bk, bq), dtype, transforms=transforms),
+          plgpu.SMEM((bk, bq), dtype, transforms=transforms),
+          plgpu.Barrier(num_barriers=2),
+      ])(k, v, q, _heads_major_transposed(q), d_out, _heads_major_transposed(d_out), lse,
+         delta, kv_lengths)
+  sum_groups = lambda grad: pallas_gpu._sum_groups(grad, cfg.group, dtype)  # pylint: disable=protected-access
+  return dq, sum_groups(dk).astype(dtype), sum_groups(dv).astype(dtype)
 
 
-# ---------------------------------------------------------------------------
-# Mosaic forward, Triton backward, under one custom_vjp.
-# ---------------------------------------------------------------------------
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _attention(cfg: _Config, triton_cfg, q, k, v, kv_lengths):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _attention(cfg: _Config, q, k, v, kv_lengths):
   return _forward(cfg, q, k, v, kv_lengths)[0]
 
 
-def _attention_fwd(cfg, triton_cfg, q, k, v, kv_lengths):
+def _attention_fwd(cfg, q, k, v, kv_lengths):
   out, lse = _forward(cfg, q, k, v, kv_lengths)
   return out, (q, k, v, kv_lengths, out, lse)
 
 
-def _attention_bwd(cfg, triton_cfg, residuals, d_out):
+def _attention_bwd(cfg, residuals, d_out):
   q, k, v, kv_lengths, out, lse = residuals
-  masks = pallas_gpu._MaskArrays(mask=None, q_segment_ids=None, kv_segment_ids=None,  # pylint: disable=protected-access
-                                 kv_lengths=kv_lengths)
-  dq, dk, dv, _ = pallas_gpu._backward(triton_cfg, q, k, v, None, masks, out, lse, d_out)  # pylint: disable=protected-access
-  return dq, dk, dv, None
+  return _backward(cfg, q, k, v, kv_lengths, out, lse, d_out) + (None,)
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
@@ -237,16 +494,16 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
 def default_block_sizes_mgpu(head_dim: int) -> common.BlockSizes:
-  """Block sizes of the Mosaic forward (and of the Triton backward it uses).
+  """Block sizes of the three kernels by head dim; not tuned on hardware.
 
-  block_q is one warpgroup's 64 rows. A key block of 128 keeps two K and two V
-  blocks, the query block and the probabilities at 96 KiB of shared memory for
-  head dim 128 (bf16); at 256 the key block halves. The backward blocks are
-  the Triton kernel's defaults. Not tuned on hardware.
+  A CTA is one warpgroup: 64 query rows (forward, dq) or 64 key rows (dk/dv).
+  The forward streams key blocks of 128 for head dims up to 128 (two K and two
+  V blocks, the query block and the probabilities: 160 KiB of shared memory at
+  head dim 128, bf16) and 64 at 256. The backward streams blocks of 64: the dq
+  pass has three operands per step in flight, the dk/dv pass four.
   """
-  triton = pallas_gpu.default_block_sizes_gpu(head_dim, jnp.bfloat16)
   return common.BlockSizes(block_q=BLOCK_Q, block_k=128 if head_dim <= 128 else 64,
-                           block_q_dkv=triton.dkv[0], block_k_dkv=triton.dkv[1])
+                           block_q_dkv=64, block_k_dkv=BLOCK_Q)
 
 
 def mgpu_rejects(inputs: AttentionInputs) -> Optional[str]:
@@ -272,16 +529,20 @@ def mgpu_rejects(inputs: AttentionInputs) -> Optional[str]:
 def flash_attention_mgpu(inputs: AttentionInputs, block_sizes: Optional[common.BlockSizes] = None,
                          *, interpret: Optional[bool] = None,
                          max_concurrent_steps: int = 2) -> Array:
-  """Exact attention over `inputs`: Mosaic GPU forward, Triton backward; `[B, Tq, H, D]`.
+  """Exact attention over `inputs` with Mosaic GPU kernels; `[B, Tq, H, D]`.
 
   Args:
     inputs: validated arguments of `attention_jax.dot_product_attention`.
-    block_sizes: `block_q` must be 64 (one warpgroup), `block_k` a multiple of
-      64; the `*_dkv` fields and `block_k` also tile the Triton backward.
-      `default_block_sizes_mgpu()` when None.
-    interpret: run in the Pallas GPU interpreter (and the Triton backward in
-      the Pallas interpreter); None means "unless the default backend is a GPU".
-    max_concurrent_steps: K/V blocks in flight (shared-memory slots).
+    block_sizes: `block_q` and `block_k_dkv` must be 64 (one warpgroup's rows);
+      `block_k` (the forward and dq key step) and `block_q_dkv` (the dk/dv
+      query step) multiples of 64 up to 256. `default_block_sizes_mgpu()`
+      when None, and for the `*_dkv` fields left None. The dq pass has query
+      blocks of 64 and streams keys 64 at a time (`DQ_BLOCK_K`).
+    interpret: run in the Pallas GPU interpreter; None means "unless the
+      default backend is a GPU".
+    max_concurrent_steps: blocks in flight per streamed operand (shared-memory
+      slots), at most; a kernel takes fewer where they would not fit in
+      shared memory (the backward at head dim 256).
 
   Raises:
     ValueError: for inputs `mgpu_rejects` names, or block sizes it cannot tile.
@@ -290,44 +551,42 @@ def flash_attention_mgpu(inputs: AttentionInputs, block_sizes: Optional[common.B
   if reason is not None:
     raise ValueError(reason)
   head_dim = inputs.query.shape[-1]
+  defaults = default_block_sizes_mgpu(head_dim)
   if block_sizes is None:
-    block_sizes = default_block_sizes_mgpu(head_dim)
+    block_sizes = defaults
+  # Unset dk/dv blocks take this kernel's defaults, not the forward's (its
+  # key rows are a warpgroup's 64, whatever the forward streams).
+  block_sizes = dataclasses.replace(
+      block_sizes, block_q_dkv=block_sizes.block_q_dkv or defaults.block_q_dkv,
+      block_k_dkv=block_sizes.block_k_dkv or defaults.block_k_dkv)
   _check_block_sizes(block_sizes)
   if not isinstance(max_concurrent_steps, int) or max_concurrent_steps < 1:
     raise ValueError(f"max_concurrent_steps must be a positive int, got {max_concurrent_steps!r}.")
   if interpret is None:
     interpret = jax.default_backend() != "gpu"
-  interpret = bool(interpret)
 
   q_len, kv_len = inputs.query.shape[1], inputs.key.shape[1]
-  # The backward is the Triton kernels' (their dq blocks, these dk/dv blocks).
-  # Both passes read the same padded arrays, so lengths are padded to whole
-  # blocks of either kernel (all powers of two or multiples of 64).
-  triton_defaults = pallas_gpu.default_block_sizes_gpu(head_dim, inputs.query.dtype)
-  triton_blocks = common.BlockSizes(
-      block_q=triton_defaults.block_q, block_k=triton_defaults.block_k,
-      block_q_dkv=block_sizes.dkv[0], block_k_dkv=block_sizes.dkv[1])
-  triton_cfg = pallas_gpu._config(inputs, triton_blocks, interpret, None, None)  # pylint: disable=protected-access
-  padded_q = _round_up(q_len, math.lcm(block_sizes.block_q, triton_cfg.block_q,
-                                       triton_cfg.block_q_dkv))
-  padded_kv = _round_up(kv_len, math.lcm(block_sizes.block_k, triton_cfg.block_k,
-                                         triton_cfg.block_k_dkv))
-  triton_cfg = dataclasses.replace(triton_cfg, q_len=padded_q, kv_len=padded_kv)
+  block_q_dkv, block_k_dkv = block_sizes.dkv
+  # Every kernel reads the same padded arrays: whole blocks of each of them.
+  padded_q = _round_up(q_len, math.lcm(block_sizes.block_q, block_q_dkv))
+  padded_kv = _round_up(kv_len, math.lcm(block_sizes.block_k, block_k_dkv, DQ_BLOCK_K))
   cfg = _Config(block_q=block_sizes.block_q, block_k=block_sizes.block_k,
+                block_q_dkv=block_q_dkv, block_k_dkv=block_k_dkv,
                 q_len=padded_q, kv_len=padded_kv, true_kv_len=kv_len,
                 group=inputs.query.shape[2] // inputs.key.shape[2],
                 scale=float(inputs.scale),
                 reach=common.reach_of(inputs.is_causal, inputs.local_window_size),
                 has_kv_lengths=inputs.key_value_seq_lengths is not None,
-                max_concurrent_steps=max_concurrent_steps, interpret=interpret)
+                max_concurrent_steps=max_concurrent_steps, interpret=bool(interpret))
 
   dtype = inputs.query.dtype
-  q = pallas_gpu._pad_to(inputs.query, 1, padded_q)  # pylint: disable=protected-access
-  k = pallas_gpu._pad_to(inputs.key.astype(dtype), 1, padded_kv)  # pylint: disable=protected-access
-  v = pallas_gpu._pad_to(inputs.value.astype(dtype), 1, padded_kv)  # pylint: disable=protected-access
+  pad = pallas_gpu._pad_to  # pylint: disable=protected-access
+  q = pad(inputs.query, 1, padded_q)
+  k = pad(inputs.key.astype(dtype), 1, padded_kv)
+  v = pad(inputs.value.astype(dtype), 1, padded_kv)
   kv_lengths = (None if inputs.key_value_seq_lengths is None
                 else jnp.asarray(inputs.key_value_seq_lengths, jnp.int32))
-  out = _attention(cfg, triton_cfg, q, k, v, kv_lengths)[:, :q_len]
+  out = _attention(cfg, q, k, v, kv_lengths)[:, :q_len]
   if inputs.query_seq_lengths is not None:
     # Queries past their length output zeros; their cotangents, hence gradients, vanish.
     valid = mask_lib.length_predicate(jnp.arange(q_len)[None, :],
@@ -363,16 +622,15 @@ def is_hopper_or_newer() -> bool:
 
 
 def _check_block_sizes(block_sizes: common.BlockSizes) -> None:
-  if block_sizes.block_q != BLOCK_Q:
-    raise ValueError(f"the Mosaic GPU kernel needs BlockSizes.block_q={BLOCK_Q} (one warpgroup's "
-                     f"rows), got {block_sizes.block_q}.")
-  if block_sizes.block_k % BLOCK_MULTIPLE or block_sizes.block_k > 256:
-    raise ValueError(f"the Mosaic GPU kernel needs BlockSizes.block_k to be a multiple of "
-                     f"{BLOCK_MULTIPLE} up to 256, got {block_sizes.block_k}.")
-  for name, value in zip(("block_q_dkv", "block_k_dkv"), block_sizes.dkv):
-    if value < pallas_gpu.MIN_BLOCK or value & (value - 1):
-      raise ValueError(f"the Triton backward needs block sizes that are powers of two and at "
-                       f"least {pallas_gpu.MIN_BLOCK}, got BlockSizes.{name}={value}.")
+  block_q_dkv, block_k_dkv = block_sizes.dkv
+  for name, value in (("block_q", block_sizes.block_q), ("block_k_dkv", block_k_dkv)):
+    if value != BLOCK_Q:
+      raise ValueError(f"the Mosaic GPU kernels need BlockSizes.{name}={BLOCK_Q} (one "
+                       f"warpgroup's rows), got {value}.")
+  for name, value in (("block_k", block_sizes.block_k), ("block_q_dkv", block_q_dkv)):
+    if value % BLOCK_MULTIPLE or value > 256:
+      raise ValueError(f"the Mosaic GPU kernels need BlockSizes.{name} to be a multiple of "
+                       f"{BLOCK_MULTIPLE} up to 256, got {value}.")
 
 
 def _round_up(n: int, multiple: int) -> int:
