@@ -541,9 +541,11 @@ def format_table(records: list[dict[str, Any]], backend: str) -> str:
 
 
 def environment() -> dict[str, Any]:
-  """What the numbers were measured on."""
+  """What the numbers were measured on, and with which commit."""
+  from attention_jax.train.trainer import git_revision  # pylint: disable=import-outside-toplevel
   device = jax.devices()[0]
   return {
+      "git_revision": git_revision(),
       "backend": jax.default_backend(),
       "device_kind": device.device_kind,
       "device_count": jax.device_count(),

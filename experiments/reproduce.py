@@ -417,23 +417,26 @@ def provenance(cells: Sequence[Cell]) -> Dict[str, Any]:
     env = results.get("environment")
     if env:
       devices.add(f"{env.get('device_count')} x {env.get('device_kind')} ({env.get('backend')})")
-    if results.get("git_revision"):
-      revisions.add(results["git_revision"])
+    revision = results.get("git_revision") or (env or {}).get("git_revision")
+    if revision:
+      revisions.add(revision)
   return dict(devices=sorted(devices), git_revisions=sorted(revisions))
 
 
 def _header(table: Any, cells: Sequence[Cell], command: str) -> List[str]:
   info = provenance(cells)
   finished = sum(cell.results_path.is_file() for cell in cells)
-  return [f"# {table.get('description', table.name)}", "",
-          f"- device: {', '.join(info['devices']) or 'unknown (no finished cell)'}",
-          f"- git revision: {', '.join(info['git_revisions']) or 'unknown'}",
-          f"- cells finished: {finished} of {len(cells)}",
-          f"- command: `{command}`",
-          f"- generated: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}",
-          f"- paper numbers: {lra_paper.PAPER}, see experiments/lra_paper.py"
-          + (f"; the paper's are at its full settings, these cells at the preset "
-             f"{', '.join(table.presets)}" if table.get("presets") else ""), ""]
+  lines = [f"# {table.get('description', table.name)}", "",
+           f"- device: {', '.join(info['devices']) or 'unknown (no finished cell)'}",
+           f"- git revision: {', '.join(info['git_revisions']) or 'unknown'}",
+           f"- cells finished: {finished} of {len(cells)}",
+           f"- command: `{command}`",
+           f"- generated: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}"]
+  if table.kind != "kernels":  # the LRA tables print the paper's number beside each cell
+    lines.append(f"- paper numbers: {lra_paper.PAPER}, see experiments/lra_paper.py"
+                 + (f"; the paper's are at its full settings, these cells at the preset "
+                    f"{', '.join(table.presets)}" if table.get("presets") else ""))
+  return lines + [""]
 
 
 def majority_class(config_file: str, presets: Sequence[str], data_dir: str,

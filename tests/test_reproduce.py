@@ -18,6 +18,7 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 SMOKE = str(REPO / "configs" / "tables" / "lra_smoke.py")
 FULL = str(REPO / "configs" / "tables" / "lra.py")
 SPEED = str(REPO / "configs" / "tables" / "lra_speed.py")
+KERNELS = str(REPO / "configs" / "tables" / "kernels.py")
 PAPER_VARIANTS = {"dot_product", "local", "fixed", "longformer", "linformer", "lsh", "sinkhorn",
                   "synthesizer_dense", "bigbird", "linear", "performer"}
 
@@ -236,6 +237,30 @@ def test_speed_table_ratios_statuses_and_plots(tmp_path):
   assert "40 (0.40x) / 0.44x" in memory_row
   assert (out / "speed.png").stat().st_size > 1000
   assert (out / "memory.png").stat().st_size > 1000
+
+
+def test_kernels_table_from_benchmark_records(tmp_path):
+  out = tmp_path / "out"
+  path = out / "runs" / "len1024" / "results.json"
+  path.parent.mkdir(parents=True)
+  shape = dict(seq_len=1024, mode="fwd", causal=True, head_dim=64)
+  path.write_text(json.dumps(dict(
+      environment=dict(backend="cpu", device_kind="cpu", device_count=1, git_revision="0ddba11"),
+      records=[
+          dict(shape, impl="attention_jax:blockwise", ms=25.0, speedup_vs_best_peer=2.0,
+               best_peer="jax.nn:xla", memory=dict(peak_delta_bytes=58 * 2**20), error=None),
+          dict(shape, impl="jax.nn:xla", ms=50.0, speedup_vs_best_peer=1.0,
+               best_peer="jax.nn:xla", memory=dict(peak_delta_bytes=77 * 2**20), error=None),
+          dict(shape, impl="attention_jax:xla", ms=None, error="MemoryError: too big"),
+      ])))
+  assert reproduce.main([f"--table={KERNELS}", f"--results={out}", "--no-run"]) == 0
+  text = (out / "table.md").read_text()
+  assert "1 x cpu (cpu)" in text and "0ddba11" in text
+  assert "cells finished: 1 of 4" in text
+  assert "paper numbers" not in text  # the LRA paper has no kernel table
+  assert "| attention_jax:blockwise | 1024 | fwd | True | 25.00 | 58.0 | 2.00x | jax.nn:xla |" in text
+  assert "| attention_jax:xla | 1024 | fwd | True | failed: MemoryError: too big |" in text
+  assert (out / "kernels.png").stat().st_size > 1000
 
 
 def test_speed_cells_carry_the_batch_override_and_their_config_overrides(tmp_path):
