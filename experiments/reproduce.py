@@ -661,23 +661,31 @@ def plot_speed(table: Any, rows: Sequence[Dict[str, Any]], out: pathlib.Path) ->
 
 
 def plot_kernels(table: Any, rows: Sequence[Dict[str, Any]], out: pathlib.Path) -> List[str]:
-  """`kernels.png`: milliseconds against length, log-log, per (impl, mode, causal)."""
+  """`kernels.png`: milliseconds against length, log-log; one panel per mode,
+  one colour per implementation, dashed when causal."""
   plt = _pyplot()
-  series: Dict[str, List[Tuple[int, float]]] = {}
+  series: Dict[Tuple[str, str, bool], List[Tuple[int, float]]] = {}
   for r in rows:
     if r.get("ms"):
-      series.setdefault(f"{r['impl']} {r['mode']}{' causal' if r['causal'] else ''}",
-                        []).append((r["length"], r["ms"]))
+      series.setdefault((r["mode"], r["impl"], bool(r["causal"])), []).append(
+          (r["length"], r["ms"]))
   if not series:
     return []
-  fig, ax = plt.subplots(figsize=(7, 5))
-  for label, points in sorted(series.items()):
-    ax.plot(*zip(*sorted(points)), marker="o", label=label)
-  ax.set_xscale("log", base=2)
-  ax.set_yscale("log")
-  ax.set_xlabel("sequence length")
-  ax.set_ylabel("ms")
-  ax.legend(fontsize=6)
+  modes = sorted({mode for mode, _, _ in series})
+  impls = sorted({impl for _, impl, _ in series})
+  colours = {impl: f"C{i}" for i, impl in enumerate(impls)}
+  fig, axes = plt.subplots(1, len(modes), figsize=(6 * len(modes), 4.5), squeeze=False)
+  for ax, mode in zip(axes[0], modes):
+    for (m, impl, causal), points in sorted(series.items()):
+      if m == mode:
+        ax.plot(*zip(*sorted(points)), marker="o", color=colours[impl],
+                linestyle="--" if causal else "-", label=f"{impl}{' causal' if causal else ''}")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_title(mode)
+    ax.set_xlabel("sequence length")
+    ax.set_ylabel("ms")
+    ax.legend(fontsize=7)
   fig.tight_layout()
   fig.savefig(out / "kernels.png", dpi=120)
   plt.close(fig)
