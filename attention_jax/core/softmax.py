@@ -10,6 +10,7 @@ normaliser is 0, which is then divided out safely.
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import jax
@@ -32,13 +33,29 @@ def masked_softmax(logits: Array, mask: Optional[Array] = None, axis: int = -1) 
   Returns:
     float32 weights with the shape of `logits`.
   """
-  logits = logits.astype(jnp.float32)
+  return _softmax(logits.astype(jnp.float32), mask, axis)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(2,))
+def _softmax(logits: Array, mask: Optional[Array], axis: int) -> Array:
   if mask is not None:
     logits = jnp.where(mask, logits, -jnp.inf)
   row_max = jnp.max(logits, axis=axis, keepdims=True)
-  # The maximum only stabilises the exponent; it does not change the result,
-  # so it is treated as a constant and an all -inf row gets 0 instead of -inf.
-  row_max = jax.lax.stop_gradient(jnp.where(jnp.isfinite(row_max), row_max, 0.0))
+  # The maximum only stabilises the exponent; an all -inf row exponentiates
+  # against 0 instead, which gives exp(-inf) = 0 and a zero normaliser.
+  row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
   unnormalized = jnp.exp(logits - row_max)
   normalizer = jnp.sum(unnormalized, axis=axis, keepdims=True)
   return unnormalized / jnp.where(normalizer == 0.0, 1.0, normalizer)
+
+
+@_softmax.defjvp
+def _softmax_jvp(axis, primals, tangents):
+  """d softmax = y * (t - <t, y>), written in the weights y alone, so reverse
+  mode keeps one array of the logits' size (autodiff of the mask, the exp and
+  the division would keep the exponentials and more). Masked entries get no
+  tangent (even a NaN one from logits nobody should see); the mask has none."""
+  logits, mask = primals
+  weights = _softmax(logits, mask, axis)
+  tangent = tangents[0] if mask is None else jnp.where(mask, tangents[0], 0.0)
+  return weights, weights * (tangent - jnp.sum(tangent * weights, axis=axis, keepdims=True))
