@@ -179,7 +179,13 @@ def _launch(kernel, cfg: _Config, slots: int, out_type, grid, grid_names, scratc
 
 
 def _interpret_params():
-  from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams  # pylint: disable=import-outside-toplevel
+  """The Pallas GPU interpreter's settings (JAX 0.10 has no public name for them)."""
+  try:
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams  # pylint: disable=import-outside-toplevel
+  except ImportError as e:
+    raise NotImplementedError(
+        f"interpreting the Mosaic GPU kernels needs the Pallas GPU interpreter (JAX >= 0.10), "
+        f"not found in JAX {jax.__version__}; run them on a Hopper GPU instead.") from e
   return InterpretGPUParams()
 
 
