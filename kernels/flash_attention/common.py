@@ -95,6 +95,19 @@ def block_mask(q_pos: Array, k_pos: Array, *, kv_len: int, reach: Reach,
   return allowed
 
 
+def zero_padded_queries(out: Array, query_seq_lengths: Optional[Array]) -> Array:
+  """`out` `[B, Tq, H, Dv]` with the queries past their length set to zero.
+
+  The kernels apply `query_seq_lengths` here rather than inside: such queries
+  output zeros, so their cotangents, hence all the gradients they would
+  contribute, vanish, as in the reference.
+  """
+  if query_seq_lengths is None:
+    return out
+  valid = masks.length_predicate(jnp.arange(out.shape[1])[None, :], query_seq_lengths[:, None])
+  return jnp.where(valid[:, :, None, None], out, jnp.zeros((), out.dtype))
+
+
 def pad_axis(x: Array, axis: int, multiple: int, value=0) -> Array:
   """Pads `axis` of `x` up to a multiple of `multiple` (axes of size 1 stay broadcast)."""
   size = x.shape[axis]

@@ -549,12 +549,7 @@ def flash_attention_gpu(inputs: AttentionInputs, block_sizes: Optional[common.Bl
 
   q_len = query.shape[1]
   out = _attention(cfg, q, k, v, bias, m)[:, :q_len, :, :value.shape[-1]]
-  if inputs.query_seq_lengths is not None:
-    # Queries past their length output zeros; their cotangents, hence gradients, vanish.
-    valid = mask_lib.length_predicate(jnp.arange(q_len)[None, :],
-                                      inputs.query_seq_lengths[:, None])
-    out = jnp.where(valid[:, :, None, None], out, jnp.zeros((), out.dtype))
-  return out
+  return common.zero_padded_queries(out, inputs.query_seq_lengths)
 
 
 def _config(inputs: AttentionInputs, block_sizes: common.BlockSizes, interpret: bool,

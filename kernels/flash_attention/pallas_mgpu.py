@@ -593,12 +593,7 @@ def flash_attention_mgpu(inputs: AttentionInputs, block_sizes: Optional[common.B
   kv_lengths = (None if inputs.key_value_seq_lengths is None
                 else jnp.asarray(inputs.key_value_seq_lengths, jnp.int32))
   out = _attention(cfg, q, k, v, kv_lengths)[:, :q_len]
-  if inputs.query_seq_lengths is not None:
-    # Queries past their length output zeros; their cotangents, hence gradients, vanish.
-    valid = mask_lib.length_predicate(jnp.arange(q_len)[None, :],
-                                      inputs.query_seq_lengths[:, None])
-    out = jnp.where(valid[:, :, None, None], out, jnp.zeros((), out.dtype))
-  return out
+  return common.zero_padded_queries(out, inputs.query_seq_lengths)
 
 
 def mgpu_dot_product_attention(query, key, value, bias=None, mask=None, *,

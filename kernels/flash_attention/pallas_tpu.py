@@ -645,11 +645,7 @@ def flash_attention_tpu(inputs: AttentionInputs,
 
   out = _attention(cfg, q, k, v, bias, masks)  # [B, H, Tq', Dv]
   out = out[:, :, :q_len].transpose(0, 2, 1, 3)
-  if inputs.query_seq_lengths is not None:
-    # Padded queries attend nothing: zero outputs, hence zero gradients, as in the reference.
-    valid = jnp.arange(q_len)[None, :] < inputs.query_seq_lengths[:, None]
-    out = jnp.where(valid[:, :, None, None], out, jnp.zeros((), out.dtype))
-  return out
+  return common.zero_padded_queries(out, inputs.query_seq_lengths)
 
 
 def _pad_pairwise(x: Array, q_multiple: int, kv_multiple: int) -> Array:
