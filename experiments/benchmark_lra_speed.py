@@ -13,8 +13,9 @@ grid of `configs/tables/lra_speed.py` cell by cell.
 
 What is recorded in the results file (JSON):
 
-* `steps_per_s`: timed steps over their wall time, after compilation and
-  `--warmup` untimed steps;
+* `steps_per_s`: one over the median time of the `--steps` timed steps (each
+  waited for), after compilation and `--warmup` untimed steps; every step's
+  time is in `step_times_ms`;
 * `memory`: the cell's peak memory. On GPU/TPU the allocator's
   `peak_bytes_in_use`; on CPU, whose backend keeps no statistics, XLA's
   compiled memory analysis of the train step (arguments + temporaries +
@@ -141,13 +142,18 @@ def measure(variant: str, length: int, batch_size: int, steps: int = 10, warmup:
     for _ in range(warmup):
       state, metrics = train_step(state, batch)
     jax.block_until_ready(state)
+    step_seconds = []
     with bench.PeakMemory("process" if on_cpu else "device") as peak:
-      started = time.perf_counter()
       for _ in range(steps):
+        started = time.perf_counter()
         state, metrics = train_step(state, batch)
-      jax.block_until_ready((state, metrics))
-      seconds = time.perf_counter() - started
-    record.update(steps_per_s=steps / seconds, step_ms=1e3 * seconds / steps,
+        jax.block_until_ready((state, metrics))
+        step_seconds.append(time.perf_counter() - started)
+    # The median step, not the mean: one step slowed by another process on a
+    # shared machine then moves nothing.
+    median = float(np.median(step_seconds))
+    record.update(steps_per_s=1.0 / median, step_ms=1e3 * median,
+                  step_times_ms=[1e3 * s for s in step_seconds],
                   loss=float(metrics["loss"]), rss=peak.result if on_cpu else None)
     if on_cpu:
       record["memory"] = dict(bytes=record.get("compiled_memory_bytes"),

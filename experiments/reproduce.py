@@ -432,6 +432,7 @@ def _header(table: Any, cells: Sequence[Cell], command: str) -> List[str]:
            f"- cells finished: {finished} of {len(cells)}",
            f"- command: `{command}`",
            f"- generated: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}"]
+  lines += [f"- note: {note}" for note in table.get("notes", ())]
   if table.kind != "kernels":  # the LRA tables print the paper's number beside each cell
     lines.append(f"- paper numbers: {lra_paper.PAPER}, see experiments/lra_paper.py"
                  + (f"; the paper's are at its full settings, these cells at the preset "
@@ -529,11 +530,37 @@ def speed_markdown(table: Any, rows: Sequence[Dict[str, Any]], data_dir: str = "
                        f"({_ratio(row.get(ratio_key))}) / {_ratio(row.get(paper_key))}")
       lines.append(f"| {variant} | " + " | ".join(cells) + " |")
     lines.append("")
+  measured = [r["length"] for r in rows if r.get("status") == "ok"]
+  if measured:
+    lines += _paper_comparison(table, by, max(measured))
   memory_sources = sorted({r.get("memory_source") for r in rows if r.get("memory_source")})
   if memory_sources:
     lines.append(f"Memory source: {', '.join(memory_sources)} (see "
                  "experiments/benchmark_lra_speed.py).")
   return lines
+
+
+def _paper_comparison(table: Any, by: Dict[Any, Dict[str, Any]], length: int) -> List[str]:
+  """Which variants, at `length`, are at least the paper's speed-up over the
+  Transformer and at most its memory ratio (the issue's targets for the table)."""
+  lines = [f"## Against the paper at {length} tokens", "",
+           "| variant | speed-up / paper | at least the paper's | memory ratio / paper | "
+           "at most the paper's |", "|---|---|---|---|---|"]
+  compared = 0
+  for variant in table.variants:
+    row = by.get((variant, length), {})
+    if variant == "dot_product" or row.get("paper_speed_ratio") is None:
+      continue
+    compared += 1
+    verdicts = []
+    for key, paper_key, better in (("speed_ratio", "paper_speed_ratio", lambda a, b: a >= b),
+                                   ("memory_ratio", "paper_memory_ratio", lambda a, b: a <= b)):
+      value, paper = row.get(key), row.get(paper_key)
+      verdicts += [f"{_ratio(value)} / {_ratio(paper)}",
+                   "-" if value is None or paper is None else
+                   ("yes" if better(round(value, 2), round(paper, 2)) else "no")]
+    lines.append(f"| {variant} | " + " | ".join(verdicts) + " |")
+  return lines + [""] if compared else []
 
 
 def _mib(value: Optional[float]) -> str:

@@ -141,9 +141,16 @@ class DenseSyntheticLogits(nn.Module):
                     self.param_dtype)
     b2 = self.param("logits_bias", nn.initializers.zeros_init(), (num_heads, self.max_length),
                     self.param_dtype)
+    batch = query.shape[0]
     hidden = jax.nn.relu(jnp.einsum("bqhd,hdf->bhqf", query, w1) + b1[None, :, None, :])
     # Truncating the weights, not the logits, keeps the work at Tk columns.
-    logits = jnp.einsum("bhqf,hfk->bhqk", hidden, w2[:, :, :kv_len])
+    # The kernel is broadcast over the batch so that (B, H) are the product's
+    # batch dimensions: XLA then writes the [B, H, Tq, Tk] logits (and their
+    # gradient) in place instead of transposing a [H, B, Tq, Tk] product, which
+    # made this layer 2x slower on CPU at 4K tokens.
+    per_example_kernel = jnp.broadcast_to(w2[None, :, :, :kv_len],
+                                          (batch, num_heads, hidden_dim, kv_len))
+    logits = jnp.einsum("bhqf,bhfk->bhqk", hidden, per_example_kernel)
     return dict(synthetic_logits=logits + b2[None, :, None, :kv_len])
 
 

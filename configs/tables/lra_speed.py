@@ -14,6 +14,14 @@ the paper left them out of its Table 2. LSH and Sinkhorn pool by the mean
 (the [CLS] token makes T + 1, which no block size divides); Synthesizer's
 `max_length` is T + 1.
 
+Attention dropout is the LRA release's 0.1 (its models' default, which the
+text task's config leaves in place) wherever our variant has attention weights
+to drop: `dot_product` and `synthesizer_dense`. The paper's Transformer paid
+for it at every step (random bits, a mask and a second copy of the T x T
+weights). Our other variants take no attention dropout (the paper's local,
+sparse, Sinkhorn and BigBird models did), which favours them a little; the
+accuracy tables use no attention dropout for any variant (docs/ARCHITECTURE.md).
+
 The Transformer (`dot_product`, the base of every ratio) is pinned to the
 "xla" implementation, the materialised T x T softmax of the paper's vanilla
 model: left to choose, `dot_product` takes the memory-efficient blockwise
@@ -38,16 +46,25 @@ def get_config():
   config.variants = VARIANTS
   config.lengths = LENGTHS
   config.batch_size = 32  # the paper's; --batch-size overrides it
-  config.steps = 5  # timed train steps per cell
+  config.steps = 5  # timed train steps per cell; steps/s is from the median step
   config.warmup = 1  # untimed steps after compilation
   config.cell_timeout_s = 1800  # a cell running longer is recorded as timed out
+  attention_dropout = 0.1  # the LRA release's, where the variant has weights to drop
   overrides = {
-      "dot_product": {"model": {"attention_options": {"implementation": "xla"}}},
+      "dot_product": {"model": {"attention_options": {"implementation": "xla"},
+                                "attention_dropout_rate": attention_dropout}},
       "lsh": {"model": {"pooling": "mean"}},
       "sinkhorn": {"model": {"pooling": "mean"}},
   }
   for length in LENGTHS:
     overrides[f"synthesizer_dense@{length}"] = {
-        "model": {"attention_options": {"max_length": length + 1}}}
+        "model": {"attention_options": {"max_length": length + 1},
+                  "attention_dropout_rate": attention_dropout}}
   config.cell_overrides = overrides
+  config.notes = (
+      f"attention dropout {attention_dropout} (the LRA release's) in dot_product and "
+      "synthesizer_dense, the variants here with attention weights to drop; the others take "
+      "none",
+      "steps/s: one over the median of the timed train steps (AdamW update included)",
+  )
   return config

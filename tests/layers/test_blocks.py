@@ -1,5 +1,7 @@
 """FeedForward, norms and EncoderBlock against their written-out formulas."""
 
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -226,3 +228,25 @@ def test_block_unknown_names_raise():
     EncoderBlock(num_heads=H, mlp_dim=F, norm="nope").init(jax.random.PRNGKey(0), x)
   with pytest.raises(ValueError, match=r"x must be \[B, T, E\]"):
     EncoderBlock(num_heads=H, mlp_dim=F).init(jax.random.PRNGKey(0), x[0])
+
+
+def test_gelu_matches_jax_exact_gelu_with_one_saved_array(capsys):
+  """The custom-JVP GELU is jax.nn.gelu(approximate=False) in value, first and
+  second derivative, and reverse mode keeps one array of its input's size (the
+  erf form keeps three)."""
+  from jax.ad_checkpoint import print_saved_residuals  # pylint: disable=g-import-not-at-top
+  from attention_jax.layers.feedforward import gelu  # pylint: disable=g-import-not-at-top
+  x = jnp.linspace(-9.0, 9.0, 2001)
+  exact = functools.partial(jax.nn.gelu, approximate=False)
+  np.testing.assert_allclose(gelu(x), exact(x), rtol=0, atol=1e-7)
+  for order in (1, 2):
+    ours, theirs = gelu, exact
+    for _ in range(order):
+      ours, theirs = jax.grad(ours), jax.grad(theirs)
+    np.testing.assert_allclose(jax.vmap(ours)(x), jax.vmap(theirs)(x), rtol=0, atol=1e-6)
+  x = jnp.ones((3, 7, 97))
+  for fn, expected in ((gelu, 1), (exact, 3)):
+    print_saved_residuals(lambda v, fn=fn: fn(v).sum(), x)
+    saved = [line for line in capsys.readouterr().out.splitlines()
+             if line.startswith("f32[3,7,97]") and "from the argument" not in line]
+    assert len(saved) == expected, saved
