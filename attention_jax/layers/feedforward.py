@@ -15,23 +15,27 @@ Dtype = Any
 EMBED, MLP = "embed", "mlp"
 
 
-
 @jax.custom_jvp
 def gelu(x: Array) -> Array:
-  """The exact (erf) GELU of Hendrycks & Gimpel 2016, x * Phi(x), as
-  `jax.nn.gelu(x, approximate=False)` computes it, with a JVP that keeps one
-  array for reverse mode (the derivative) where autodiff of the erf form keeps
-  three: in an MLP of width 4E this is most of a layer's saved activations."""
-  return jax.nn.gelu(x, approximate=False)
+  """The exact (erf) GELU of Hendrycks & Gimpel 2016, x * Phi(x), within 1e-6
+  of `jax.nn.gelu(x, approximate=False)` in float32, with a JVP that keeps one array for
+  reverse mode (the derivative) where autodiff of jax's form keeps three.
+  Phi is written with erf rather than jax's erfc: XLA fuses erf's rational
+  approximation into one loop but materialises erfc's pieces on CPU."""
+  return x * _normal_cdf(x)
+
+
+def _normal_cdf(x: Array) -> Array:
+  return 0.5 * (1.0 + jax.lax.erf(x * (0.5 ** 0.5)))
 
 
 @gelu.defjvp
 def _gelu_jvp(primals, tangents):
   """d gelu(x) = (Phi(x) + x phi(x)) dx, phi the standard normal density."""
   (x,), (tangent,) = primals, tangents
-  cdf = 0.5 * jax.lax.erfc(-x * (0.5 ** 0.5))
+  cdf = _normal_cdf(x)
   density = jnp.exp(-0.5 * x * x) * ((2.0 * jnp.pi) ** -0.5)
-  return gelu(x), (cdf + x * density).astype(x.dtype) * tangent
+  return x * cdf, (cdf + x * density).astype(x.dtype) * tangent
 
 
 # "gelu" is the exact (erf) GELU, not the tanh approximation.

@@ -232,13 +232,13 @@ def test_block_unknown_names_raise():
 
 def test_gelu_matches_jax_exact_gelu_with_one_saved_array(capsys):
   """The custom-JVP GELU is jax.nn.gelu(approximate=False) in value, first and
-  second derivative, and reverse mode keeps one array of its input's size (the
+  second derivative (to float32 rounding), and reverse mode keeps one array of its input's size (the
   erf form keeps three)."""
   from jax.ad_checkpoint import print_saved_residuals  # pylint: disable=g-import-not-at-top
   from attention_jax.layers.feedforward import gelu  # pylint: disable=g-import-not-at-top
-  x = jnp.linspace(-9.0, 9.0, 2001)
+  x = jnp.linspace(-12.0, 12.0, 4001)
   exact = functools.partial(jax.nn.gelu, approximate=False)
-  np.testing.assert_allclose(gelu(x), exact(x), rtol=0, atol=1e-7)
+  np.testing.assert_allclose(gelu(x), exact(x), rtol=0, atol=1e-6)
   for order in (1, 2):
     ours, theirs = gelu, exact
     for _ in range(order):
