@@ -25,6 +25,7 @@ import numpy as np
 from attention_jax import registry
 from attention_jax.core.masks import Window, make_attention_mask, normalize_window, split_segment_ids
 from attention_jax.core.softmax import masked_softmax
+from attention_jax.variants import common
 
 Array = jnp.ndarray
 SegmentIds = Union[None, Array, Tuple[Array, Array]]
@@ -326,24 +327,18 @@ def _xla_attention(inputs: AttentionInputs, dropout_rate: float = 0.0,
   batch, q_len, num_heads, head_dim = query.shape
   kv_len, num_kv_heads = key.shape[1], key.shape[2]
   group = num_heads // num_kv_heads
-  value_dim = value.shape[-1]
   # Query head h * G + g shares K/V head h, as jnp.repeat(key, G, axis=2) would.
   stacked_query = query.reshape(batch, q_len, num_kv_heads, group, head_dim)
   stacked_query = stacked_query.transpose(0, 2, 3, 1, 4).reshape(
       batch, num_kv_heads, group * q_len, head_dim)
-  key, value = key.transpose(0, 2, 1, 3), value.transpose(0, 2, 1, 3)  # [B, Hkv, Tk, D]
+  key = key.transpose(0, 2, 1, 3)  # [B, Hkv, Tk, D]
   logits = jnp.einsum("bhqd,bhkd->bhqk", stacked_query, key, preferred_element_type=jnp.float32)
   logits = logits.reshape(batch, num_heads, q_len, kv_len) * inputs.scale
   if inputs.bias is not None:
     logits = logits + inputs.bias.astype(jnp.float32)
-  weights = masked_softmax(logits, inputs.dense_mask())
-  if dropout_rng is not None and dropout_rate > 0.0:
-    keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, weights.shape)
-    weights = jnp.where(keep, weights / (1.0 - dropout_rate), 0.0)
-  weights = weights.astype(value.dtype).reshape(batch, num_kv_heads, group * q_len, kv_len)
-  out = jnp.einsum("bhqk,bhkd->bhqd", weights, value, preferred_element_type=jnp.float32)
-  out = out.reshape(batch, num_kv_heads, group, q_len, value_dim).transpose(0, 3, 1, 2, 4)
-  return out.reshape(batch, q_len, num_heads, value_dim).astype(query.dtype)
+  weights = common.dropout_weights(masked_softmax(logits, inputs.dense_mask()), dropout_rate,
+                                   dropout_rng)
+  return common.weighted_values(weights, value).astype(query.dtype)
 
 
 def _cudnn_attention(inputs: AttentionInputs) -> Array:

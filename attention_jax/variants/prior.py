@@ -70,7 +70,7 @@ def synthesizer_attention(
     `[B, Tq, H, Dv]` in the value dtype.
   """
   batch, q_len, num_heads, _ = query.shape
-  kv_len, num_kv_heads, value_dim = key.shape[1], value.shape[2], value.shape[3]
+  kv_len, num_kv_heads = key.shape[1], value.shape[2]
   expected = (batch, num_heads, q_len, kv_len)
   shape = tuple(synthetic_logits.shape)
   if len(shape) != 4 or shape[0] not in (1, batch) or shape[1:] != expected[1:]:
@@ -89,13 +89,8 @@ def synthesizer_attention(
       kv_segment_ids=kv_segments, mask=mask)
   weights = masked_softmax(logits, allowed)
   weights = jnp.broadcast_to(weights, (batch,) + weights.shape[1:])
-  if dropout_rng is not None and dropout_rate > 0.0:
-    keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, weights.shape)
-    weights = jnp.where(keep, weights / (1.0 - dropout_rate), 0.0)
-  # Query heads sharing a value head are grouped, never repeating the values.
-  grouped = weights.reshape(batch, num_kv_heads, num_heads // num_kv_heads, q_len, kv_len)
-  out = jnp.einsum("bhgqk,bkhd->bqhgd", grouped, value.astype(jnp.float32))
-  return out.reshape(batch, q_len, num_heads, value_dim).astype(value.dtype)
+  weights = common.dropout_weights(weights, dropout_rate, dropout_rng)
+  return common.weighted_values(weights, value.astype(jnp.float32)).astype(value.dtype)
 
 
 def _check_length(variant: str, what: str, length: int, max_length: int) -> None:
