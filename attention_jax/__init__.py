@@ -3,14 +3,31 @@
   attention_jax.dot_product_attention   exact attention, drop-in for jax.nn's
   attention_jax.MultiHeadAttention      the Flax token mixer around any Q/K/V variant
   attention_jax.registry                every variant by name
+  attention_jax.variant_options(name)   what a variant's config may set
+
+Importing the package imports the pure level only (core, variants, kernels,
+positional); the Flax layers and models load when first used, so a pure
+function never pulls in a module and the layers can build on the registry.
 """
+
+import importlib
 
 from attention_jax import registry
 from attention_jax.core import make_attention_mask, masked_softmax, reference_attention
-from attention_jax.layers.attention import MultiHeadAttention
-from attention_jax.registry import get_variant, list_variants
+from attention_jax.registry import get_variant, list_variants, variant_options
 from attention_jax import kernels  # registers the blockwise and Pallas implementations
 from attention_jax.variants import (available_implementations, dot_product_attention,
                                     multi_head_attention, select_implementation)
 
 __version__ = "0.1.0"
+
+# Names served from the module level on first use (PEP 562).
+_LAZY = {"MultiHeadAttention": "attention_jax.layers.attention",
+         "layers": "attention_jax.layers", "models": "attention_jax.models"}
+
+
+def __getattr__(name):
+  if name in _LAZY:
+    module = importlib.import_module(_LAZY[name])
+    return module if module.__name__.endswith(name) else getattr(module, name)
+  raise AttributeError(f"module 'attention_jax' has no attribute {name!r}")

@@ -23,6 +23,9 @@ Dtype = Any
 Initializer = Callable[..., Array]
 
 POSITION_ENCODINGS = ("none", "sinusoidal", "learned", "rope", "alibi", "t5")
+# Schemes that act inside attention (on queries and keys, or as a logits bias);
+# the others are added to the token embeddings by the model's input layer.
+RELATIVE_POSITIONS = ("rope", "alibi", "t5")
 
 
 def check_position_encoding(name: str) -> str:

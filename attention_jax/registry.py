@@ -1,15 +1,24 @@
 """The single list of what attention_jax implements.
 
 Each family module in `attention_jax.variants` registers its variants here when
-it is imported. The registry drives the README variant table, config
-validation, and the test that every variant has a parity or property test.
+it is imported. The registry drives the README variant table, the options
+table of docs/variants.md, config validation, and the test that every variant
+has a parity or property test.
+
+The registry is data: it imports no Flax layer. A mixer module may be named by
+its import path ("attention_jax.layers.attention:MultiHeadAttention"), which
+is resolved only when a model asks for the module.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import functools
-from typing import Any, Callable, Dict, Mapping, Optional, Tuple
+import importlib
+import inspect
+import re
+from typing import Any, Callable, Dict, Iterable, Mapping, Optional, Tuple, Union
 
 FAMILIES = ("dense", "scoring", "heads", "sparse", "hashing", "linear", "low_rank",
             "prior", "memory", "mixing", "kernels")
@@ -39,6 +48,14 @@ class VariantSpec:
       class that `MultiHeadAttention` builds with the options that name its
       fields and calls as `extras(query, key, value, deterministic=...)`; the
       dict it returns is passed to `fn` as keyword arguments.
+    options: the options a config may set, `{name: one-line doc}` (type and
+      default read from `fn`'s signature, the `extras` fields or the mixer's
+      fields, in that order) or `{name: VariantOption(...)}` where they cannot
+      be read. See `variant_options`.
+    carries: the keys this variant reads from and writes to the carry that the
+      layer stack passes from block to block (e.g. RealFormer's scores).
+    initial_carry: `initial_carry(batch, length, num_heads) -> {key: array}`,
+      the carry before the first layer, for variants with `carries`.
   """
 
   name: str
@@ -51,17 +68,53 @@ class VariantSpec:
   cross: bool
   paper: str
   qkv: bool = True
-  mixer: Optional[Callable[..., Any]] = None
+  mixer: Union[None, str, Callable[..., Any]] = None
   module_defaults: Mapping[str, Any] = dataclasses.field(default_factory=dict)
   extras: Optional[Callable[..., Any]] = None
+  options: Mapping[str, Union[str, "VariantOption"]] = dataclasses.field(default_factory=dict)
+  carries: Tuple[str, ...] = ()
+  initial_carry: Optional[Callable[..., Dict[str, Any]]] = None
+
+  @property
+  def mixer_class(self) -> Callable[..., Any]:
+    """The Flax module class a model builds for this variant (imported on demand)."""
+    mixer = self.mixer if self.mixer is not None else ATTENTION_MIXER
+    return _resolve(mixer) if isinstance(mixer, str) else mixer
 
   @property
   def module(self) -> Callable[..., Any]:
     """Constructor of the variant's Flax module: `spec.module(num_heads=8, ...)`."""
     if self.mixer is not None:
-      return functools.partial(self.mixer, **self.module_defaults)
-    from attention_jax.layers.attention import MultiHeadAttention  # Avoids an import cycle.
-    return functools.partial(MultiHeadAttention, attention=self.name, **self.module_defaults)
+      return functools.partial(self.mixer_class, **self.module_defaults)
+    return functools.partial(self.mixer_class, attention=self.name, **self.module_defaults)
+
+
+# The module that runs every Q/K/V variant; named, not imported, so that the
+# registry (and the pure functions that register into it) never import layers.
+ATTENTION_MIXER = "attention_jax.layers.attention:MultiHeadAttention"
+
+
+def _resolve(path: str) -> Any:
+  module, _, attribute = path.partition(":")
+  return getattr(importlib.import_module(module), attribute)
+
+
+@dataclasses.dataclass(frozen=True)
+class VariantOption:
+  """One option of a variant: `config.model.attention_options.<name>`.
+
+  Attributes:
+    name: the keyword the variant's function or module takes.
+    type: the Python type of a value (int, float, bool, str or tuple); None is
+      always accepted where the default is None.
+    default: the value used when the option is not set.
+    doc: one line saying what it does.
+  """
+
+  name: str
+  type: type
+  default: Any
+  doc: str
 
 
 _REGISTRY: Dict[str, VariantSpec] = {}
@@ -90,13 +143,111 @@ def list_variants() -> Tuple[str, ...]:
   return tuple(sorted(_REGISTRY, key=lambda n: (FAMILIES.index(_REGISTRY[n].family), n)))
 
 
+def did_you_mean(name: str, valid: Iterable[str]) -> str:
+  """" Did you mean 'x'?" for the closest of `valid` to `name`, or ""."""
+  close = difflib.get_close_matches(str(name), list(valid), n=1, cutoff=0.6)
+  return f" Did you mean {close[0]!r}?" if close else ""
+
+
+def unknown_name_error(what: str, name: Any, valid: Iterable[str]) -> ValueError:
+  """The project's one message for a name that is not one of `valid`: the
+  name, the closest valid one, and the whole list."""
+  valid = list(valid)
+  return ValueError(f"unknown {what} {name!r}.{did_you_mean(name, valid)} Valid names are: "
+                    f"{', '.join(valid)}.")
+
+
 def get_variant(name: str) -> VariantSpec:
   """The spec registered under `name`; a ValueError lists the valid names otherwise."""
   _load_variants()
   if name not in _REGISTRY:
-    raise ValueError(f"unknown attention variant {name!r}; valid names are: "
-                     f"{', '.join(list_variants())}.")
+    raise unknown_name_error("attention variant", name, list_variants())
   return _REGISTRY[name]
+
+
+# Annotation strings (the family files use `from __future__ import annotations`)
+# of the option types a config can hold.
+_TYPE_NAMES = {"int": int, "float": float, "bool": bool, "str": str, "Sequence[int]": tuple,
+               "Tuple[int, int]": tuple, "Tuple[int, ...]": tuple}
+
+
+def _option_type(name: str, annotation: Any, default: Any, variant: str) -> type:
+  if default is not None:
+    return tuple if isinstance(default, (tuple, list)) else type(default)
+  if isinstance(annotation, str):
+    inner = re.fullmatch(r"Optional\[(.*)\]", annotation.strip())
+    annotation = inner.group(1) if inner else annotation.strip()
+    if annotation in _TYPE_NAMES:
+      return _TYPE_NAMES[annotation]
+  elif annotation in (int, float, bool, str, tuple):
+    return annotation
+  raise TypeError(f"variant {variant!r}: cannot read the type of option {name!r} (annotation "
+                  f"{annotation!r}); declare it as VariantOption(name, type, default, doc).")
+
+
+def _option_sources(spec: VariantSpec):
+  """`{keyword: (annotation, default)}` of the places an option can come from."""
+  sources = {}
+  for cls in (spec.mixer_class if spec.mixer is not None else None, spec.extras):
+    if cls is not None:
+      for field in dataclasses.fields(cls):
+        if field.default is not dataclasses.MISSING:
+          sources[field.name] = (field.type, field.default)
+  for parameter in inspect.signature(spec.fn).parameters.values():
+    if parameter.default is not inspect.Parameter.empty:
+      sources[parameter.name] = (parameter.annotation, parameter.default)
+  return sources
+
+
+@functools.lru_cache(maxsize=None)
+def variant_options(name: str) -> Tuple[VariantOption, ...]:
+  """The options `name` declares, in declaration order: each one's name, type,
+  default and a line of doc. These, and only these, may be set in
+  `config.model.attention_options` for this variant.
+
+  Raises:
+    ValueError: on an unknown variant name.
+  """
+  spec = get_variant(name)
+  sources = None
+  options = []
+  for option_name, declared in spec.options.items():
+    if isinstance(declared, VariantOption):
+      options.append(declared)
+      continue
+    sources = _option_sources(spec) if sources is None else sources
+    if option_name not in sources:
+      raise TypeError(f"variant {name!r} declares option {option_name!r}, which neither its "
+                      f"function nor its modules take with a default.")
+    annotation, default = sources[option_name]
+    options.append(VariantOption(option_name, _option_type(option_name, annotation, default,
+                                                           name), default, declared))
+  return tuple(options)
+
+
+def check_options(name: str, options: Mapping[str, Any]) -> None:
+  """Raises a ValueError naming the variant, its options and the closest one
+  for each key of `options` that variant `name` does not declare."""
+  declared = [option.name for option in variant_options(name)]
+  for key in options:
+    if key not in declared:
+      listed = ", ".join(declared) if declared else "none"
+      raise ValueError(f"attention variant {name!r} has no option {key!r}."
+                       f"{did_you_mean(key, declared)} Its options are: {listed} "
+                       f"(attention_jax.variant_options({name!r}) describes them).")
+
+
+def options_table_markdown() -> str:
+  """docs/variants.md's table: every variant's declared options."""
+  rows = ["| variant | option | type | default | what it does |", "|---|---|---|---|---|"]
+  for name in list_variants():
+    options = variant_options(name)
+    if not options:
+      rows.append(f"| `{name}` | | | | no options |")
+    for option in options:
+      rows.append(f"| `{name}` | `{option.name}` | {option.type.__name__} | "
+                  f"`{option.default!r}` | {option.doc} |")
+  return "\n".join(rows) + "\n"
 
 
 def variant_table_markdown() -> str:

@@ -11,17 +11,18 @@ import jax
 import jax.numpy as jnp
 from flax.core import FrozenDict
 
-from attention_jax import positional, registry
+from attention_jax import axes, positional, registry
 from attention_jax.core.masks import make_attention_mask
+from attention_jax.variants.common import mixer_output
 
 Array = jnp.ndarray
 Dtype = Any
 
 # Logical axis names; the trainer's rules map them to mesh axes.
-EMBED, HEADS, KV = "embed", "heads", "kv"
-ACTIVATION_AXES = ("batch", "length", HEADS, KV)
+EMBED, HEADS, KV = axes.EMBED, axes.HEADS, axes.KV
+ACTIVATION_AXES = (axes.ACTIVATION_BATCH, axes.ACTIVATION_LENGTH, axes.ACTIVATION_HEADS,
+                   axes.ACTIVATION_KV)
 
-RELATIVE_POSITIONS = (None, "rope", "alibi", "t5")
 
 
 class MultiHeadAttention(nn.Module):
@@ -82,8 +83,9 @@ class MultiHeadAttention(nn.Module):
                        f"({self.num_heads}), or set head_dim.")
     else:
       head_dim = qkv_features // self.num_heads
-    if self.position not in RELATIVE_POSITIONS:
-      raise ValueError(f"position must be one of {RELATIVE_POSITIONS}, got {self.position!r}.")
+    if self.position is not None and self.position not in positional.RELATIVE_POSITIONS:
+      raise ValueError(f"position must be None or one of {positional.RELATIVE_POSITIONS}, "
+                       f"got {self.position!r}.")
     return num_kv_heads, head_dim
 
   def _projection(self, name: str, heads: int, head_dim: int) -> "HeadProjection":
@@ -106,7 +108,8 @@ class MultiHeadAttention(nn.Module):
       segment_ids: Optional[Array] = None,
       positions: Optional[Array] = None,
       deterministic: bool = True,
-  ) -> Array:
+      carry: Optional[Mapping[str, Any]] = None,
+  ):
     """Attends from `x` to `context` (self-attention when `context` is None).
 
     Args:
@@ -120,9 +123,12 @@ class MultiHeadAttention(nn.Module):
       positions: `[B, Tq]` or `[Tq]` token positions for relative schemes, e.g.
         restarting at each packed segment; `arange(T)` by default.
       deterministic: disables dropout.
+      carry: what the previous layer handed on (the layer stack passes it);
+        a variant that `carries` keys reads and replaces them.
 
     Returns:
-      `[B, Tq, out_features]`.
+      `[B, Tq, out_features]`, or `(that, carry)` when called with a carry (the
+      mixer contract, docs/ARCHITECTURE.md).
     """
     spec = registry.get_variant(self.attention)
     if not spec.qkv:
@@ -170,17 +176,23 @@ class MultiHeadAttention(nn.Module):
       options.update(self._variant_arrays(spec, options, query, key, value, deterministic))
     if self.dropout_rate > 0.0 and not deterministic:
       options.update(dropout_rate=self.dropout_rate, dropout_rng=self.make_rng("dropout"))
+    if spec.carries:
+      options["carry"] = {k: carry[k] for k in spec.carries if carry and k in carry}
     out = spec.fn(query, key, value, bias, mask, is_causal=is_causal,
                   query_seq_lengths=query_seq_lengths,
                   key_value_seq_lengths=key_value_seq_lengths,
                   segment_ids=segment_ids, **options)
+    if spec.carries:
+      out, updates = out
+      carry = None if carry is None else {**carry, **updates}
     out = nn.with_logical_constraint(out, ACTIVATION_AXES)
 
-    return HeadProjection(
+    y = HeadProjection(
         kernel_axes=(HEADS, KV, EMBED), split_output=(self.out_features or x.shape[-1],),
         merge_input=2, use_bias=self.use_bias, dtype=self.dtype,
         param_dtype=self.param_dtype, kernel_init=self.kernel_init, bias_init=self.bias_init,
         name="out")(out)
+    return mixer_output(y, carry)
 
   def _variant_arrays(self, spec: registry.VariantSpec, options: dict, query: Array, key: Array,
                       value: Array, deterministic: bool) -> dict:

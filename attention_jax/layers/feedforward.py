@@ -11,8 +11,10 @@ import jax.numpy as jnp
 Array = jnp.ndarray
 Dtype = Any
 
+from attention_jax import axes
+
 # Logical axis names; the trainer's rules map them to mesh axes.
-EMBED, MLP = "embed", "mlp"
+EMBED, MLP = axes.EMBED, axes.MLP
 
 
 @jax.custom_jvp
@@ -98,6 +100,7 @@ class FeedForward(nn.Module):
       h = act(gate) * linear
     else:
       h = _ACTIVATIONS[self.activation](self._dense(self.mlp_dim, (EMBED, MLP), "wi")(x))
-    h = nn.with_logical_constraint(h, ("batch", "length", MLP))
+    h = nn.with_logical_constraint(h, (axes.ACTIVATION_BATCH, axes.ACTIVATION_LENGTH,
+                                       axes.ACTIVATION_MLP))
     h = nn.Dropout(self.dropout_rate)(h, deterministic=deterministic)
     return self._dense(features, (MLP, EMBED), "wo")(h)

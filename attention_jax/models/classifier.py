@@ -8,18 +8,11 @@ from typing import Optional
 import flax.linen as nn
 import jax.numpy as jnp
 
+from attention_jax import axes
+from attention_jax.models.config import POOLINGS, ModelConfig
 from attention_jax.models.encoder import Encoder
 
 Array = jnp.ndarray
-
-POOLINGS = ("cls", "mean", "max")
-
-
-def check_pooling(pooling: str) -> str:
-  """Returns `pooling` if it is one of `POOLINGS`, else raises ValueError."""
-  if pooling not in POOLINGS:
-    raise ValueError(f"pooling must be one of {POOLINGS}, got {pooling!r}.")
-  return pooling
 
 
 def masked_mean(x: Array, mask: Optional[Array]) -> Array:
@@ -50,71 +43,67 @@ def masked_max(x: Array, mask: Optional[Array]) -> Array:
   return jnp.where(mask.any(axis=1, keepdims=True), pooled, 0).astype(x.dtype)
 
 
-def _cls_prefix(module: nn.Module, encoder: Encoder, pooling: str) -> Optional[Array]:
+def _cls_prefix(module: nn.Module, config: ModelConfig) -> Optional[Array]:
   """The learned [CLS] embedding `[1, 1, E]` for "cls" pooling (a parameter of
   `module`), else None."""
-  if pooling != "cls":
+  if config.pooling != "cls":
     return None
   return module.param(
-      "cls", nn.with_logical_partitioning(nn.initializers.zeros_init(), (None, None, "embed")),
-      (1, 1, encoder.embed_dim), encoder.param_dtype)
+      "cls", nn.with_logical_partitioning(nn.initializers.zeros_init(), (None, None, axes.EMBED)),
+      (1, 1, config.embed_dim), jnp.float32)
 
 
 def _encode_pooled(encoder: Encoder, tokens: Array, padding_mask: Optional[Array],
-                   prefix: Optional[Array], pooling: str, deterministic: bool) -> Array:
+                   prefix: Optional[Array], deterministic: bool) -> Array:
   """Runs the (bound) encoder and pools its outputs: `[B, T]` ids -> `[B, E]`."""
   x = encoder(tokens, padding_mask=padding_mask, deterministic=deterministic,
               prefix=prefix)  # [B, P + T, E]
-  if pooling == "cls":
+  if encoder.config.pooling == "cls":
     return x[:, 0]
-  if pooling == "mean":
+  if encoder.config.pooling == "mean":
     return masked_mean(x, padding_mask)
   return masked_max(x, padding_mask)
 
 
-def _classifier_head(features: Array, *, num_classes: int, head_mlp_dim: Optional[int],
-                     dropout_rate: float, dtype, param_dtype, deterministic: bool) -> Array:
+def _classifier_head(features: Array, config: ModelConfig, deterministic: bool) -> Array:
   """Dropout, then Dense(num_classes), or Dense(head_mlp_dim) -> ReLU -> Dense.
 
   Called inside a compact method, so its layers belong to the calling module.
   features: `[B, F]` -> `[B, num_classes]` float32 logits.
   """
-  features = nn.Dropout(dropout_rate)(features, deterministic=deterministic)
-  dense = lambda size, axes, init, name: nn.Dense(
-      size, dtype=dtype, param_dtype=param_dtype,
-      kernel_init=nn.with_logical_partitioning(init, axes),
-      bias_init=nn.with_logical_partitioning(nn.initializers.zeros_init(), axes[1:]),
+  features = nn.Dropout(config.dropout_rate)(features, deterministic=deterministic)
+  dense = lambda size, names, init, name: nn.Dense(
+      size, dtype=config.jnp_dtype,
+      kernel_init=nn.with_logical_partitioning(init, names),
+      bias_init=nn.with_logical_partitioning(nn.initializers.zeros_init(), names[1:]),
       name=name)
-  in_axis = "embed"
-  if head_mlp_dim:
-    features = nn.relu(dense(head_mlp_dim, ("embed", "mlp"), nn.initializers.lecun_normal(),
-                             "head_hidden")(features))
-    in_axis = "mlp"
+  in_axis = axes.EMBED
+  if config.head_mlp_dim:
+    features = nn.relu(dense(config.head_mlp_dim, (axes.EMBED, axes.MLP),
+                             nn.initializers.lecun_normal(), "head_hidden")(features))
+    in_axis = axes.MLP
   # A zero-initialised output layer starts at uniform predictions (loss log C),
   # as in ViT / big_vision.
-  logits = dense(num_classes, (in_axis, "classes"), nn.initializers.zeros_init(),
+  logits = dense(config.num_classes, (in_axis, axes.CLASSES), nn.initializers.zeros_init(),
                  "head")(features)
   return logits.astype(jnp.float32)
 
 
 class SequenceClassifier(nn.Module):
-  """Logits of one label per sequence.
+  """Logits of one label per sequence: the encoder (submodule "encoder"), a
+  pooling of its outputs, a head.
+
+  `config.pooling` "cls" prepends a learned [CLS] embedding and reads its
+  output; "mean" and "max" pool the token outputs, ignoring padded tokens.
+  `config.head_mlp_dim`, if set, makes the head Dense -> ReLU -> Dense as in
+  the Long Range Arena classifiers. Dropout on the pooled features is
+  `config.dropout_rate`.
 
   Attributes:
-    encoder: the (unbound) `Encoder` to run; it becomes the submodule "encoder".
-    num_classes: number of labels.
-    pooling: "cls" prepends a learned [CLS] embedding and reads its output;
-      "mean" and "max" pool the token outputs, ignoring padded tokens.
-    head_mlp_dim: if set, the head is Dense(head_mlp_dim) -> ReLU -> Dense, as in
-      the Long Range Arena classifiers; a single Dense otherwise.
-    dropout_rate: dropout on the pooled features.
+    config: the model config.
   """
 
-  encoder: Encoder
-  num_classes: int
-  pooling: str = "cls"
-  head_mlp_dim: Optional[int] = None
-  dropout_rate: float = 0.0
+  config: ModelConfig
 
   @nn.compact
   def __call__(self, tokens: Array, *, padding_mask: Optional[Array] = None,
@@ -124,14 +113,10 @@ class SequenceClassifier(nn.Module):
     Returns:
       `[B, num_classes]` float32 logits.
     """
-    check_pooling(self.pooling)
-    prefix = _cls_prefix(self, self.encoder, self.pooling)
-    pooled = _encode_pooled(self.encoder, tokens, padding_mask, prefix, self.pooling,
-                            deterministic)
-    return _classifier_head(pooled, num_classes=self.num_classes,
-                            head_mlp_dim=self.head_mlp_dim, dropout_rate=self.dropout_rate,
-                            dtype=self.encoder.dtype, param_dtype=self.encoder.param_dtype,
-                            deterministic=deterministic)
+    encoder = Encoder(self.config, name="encoder")
+    prefix = _cls_prefix(self, self.config)
+    pooled = _encode_pooled(encoder, tokens, padding_mask, prefix, deterministic)
+    return _classifier_head(pooled, self.config, deterministic)
 
 
 class DualEncoderClassifier(nn.Module):
@@ -139,14 +124,13 @@ class DualEncoderClassifier(nn.Module):
 
   Both sequences go through the same encoder (shared weights) and pooling; the
   head sees `[u, v, u * v, u - v]` of the pooled vectors u, v, as in the Long
-  Range Arena matching model. Attributes as in `SequenceClassifier`.
+  Range Arena matching model. As `SequenceClassifier` otherwise.
+
+  Attributes:
+    config: the model config.
   """
 
-  encoder: Encoder
-  num_classes: int
-  pooling: str = "cls"
-  head_mlp_dim: Optional[int] = None
-  dropout_rate: float = 0.0
+  config: ModelConfig
 
   @nn.compact
   def __call__(self, tokens: Array, tokens2: Array, *, padding_mask: Optional[Array] = None,
@@ -157,13 +141,9 @@ class DualEncoderClassifier(nn.Module):
     Returns:
       `[B, num_classes]` float32 logits.
     """
-    check_pooling(self.pooling)
-    prefix = _cls_prefix(self, self.encoder, self.pooling)
-    u = _encode_pooled(self.encoder, tokens, padding_mask, prefix, self.pooling, deterministic)
-    v = _encode_pooled(self.encoder, tokens2, padding_mask2, prefix, self.pooling,
-                       deterministic)
+    encoder = Encoder(self.config, name="encoder")
+    prefix = _cls_prefix(self, self.config)
+    u = _encode_pooled(encoder, tokens, padding_mask, prefix, deterministic)
+    v = _encode_pooled(encoder, tokens2, padding_mask2, prefix, deterministic)
     features = jnp.concatenate([u, v, u * v, u - v], axis=-1)  # [B, 4E]
-    return _classifier_head(features, num_classes=self.num_classes,
-                            head_mlp_dim=self.head_mlp_dim, dropout_rate=self.dropout_rate,
-                            dtype=self.encoder.dtype, param_dtype=self.encoder.param_dtype,
-                            deterministic=deterministic)
+    return _classifier_head(features, self.config, deterministic)

@@ -8,20 +8,22 @@ from typing import Optional
 import flax.linen as nn
 import jax.numpy as jnp
 
+from attention_jax import axes
+from attention_jax.models.config import ModelConfig
 from attention_jax.models.encoder import Encoder
 
 Array = jnp.ndarray
 
 
 class LanguageModel(nn.Module):
-  """Next-token logits.
+  """Next-token logits: the encoder (submodule "encoder") run with
+  `is_causal=True`, then a projection to the vocabulary.
 
   Attributes:
-    encoder: the (unbound) `Encoder`, run with `is_causal=True`; its attention
-      variant must support causal masking.
+    config: the model config; its variants must support causal masking.
   """
 
-  encoder: Encoder
+  config: ModelConfig
 
   @nn.compact
   def __call__(self, tokens: Array, *, padding_mask: Optional[Array] = None,
@@ -31,12 +33,12 @@ class LanguageModel(nn.Module):
     Returns:
       `[B, T, vocab_size]` float32 logits; position t predicts token t + 1.
     """
-    x = self.encoder(tokens, padding_mask=padding_mask, is_causal=True,
-                     deterministic=deterministic)  # [B, T, E]
+    x = Encoder(self.config, name="encoder")(tokens, padding_mask=padding_mask, is_causal=True,
+                                             deterministic=deterministic)  # [B, T, E]
     logits = nn.Dense(
-        self.encoder.vocab_size, use_bias=False, dtype=self.encoder.dtype,
-        param_dtype=self.encoder.param_dtype,
+        self.config.vocab_size, use_bias=False, dtype=self.config.jnp_dtype,
         kernel_init=nn.with_logical_partitioning(nn.initializers.lecun_normal(),
-                                                 ("embed", "vocab")),
+                                                 (axes.EMBED, axes.VOCAB)),
         name="lm_head")(x)
-    return nn.with_logical_constraint(logits.astype(jnp.float32), ("batch", "length", "vocab"))
+    return nn.with_logical_constraint(logits.astype(jnp.float32), (
+        axes.ACTIVATION_BATCH, axes.ACTIVATION_LENGTH, axes.ACTIVATION_VOCAB))

@@ -16,7 +16,9 @@ from typing import Any, Dict, Iterable, List, Tuple
 
 import ml_collections
 
-from attention_jax.models import default_model_config
+from attention_jax import axes
+from attention_jax.models import attention_options_config, default_model_config
+from attention_jax.registry import did_you_mean
 from attention_jax.train.optim import default_optimizer_config
 
 # Keys whose values are free-form options of the component they configure.
@@ -27,8 +29,10 @@ FREE_FORM = ("task_options", "model.attention_options", "model.position_options"
 RESTARTABLE = ("progress", "data_dir", "prepare_data", "async_checkpoints")
 
 
-def default_config() -> ml_collections.ConfigDict:
-  """Every key the trainer accepts, with its default."""
+def default_config(variant: str = "dot_product") -> ml_collections.ConfigDict:
+  """Every key the trainer accepts, with its default, for attention `variant`
+  (whose declared options `model.attention_options` lists, so that each can
+  be overridden with `--config.model.attention_options.<name>=`)."""
   placeholder = ml_collections.config_dict.placeholder
   config = ml_collections.ConfigDict()
   config.task = "listops"  # a name of attention_jax.data.list_tasks()
@@ -37,6 +41,8 @@ def default_config() -> ml_collections.ConfigDict:
   config.prepare_data = True  # generate / convert missing splits before training
 
   config.model = default_model_config()  # vocab_size, num_classes, max_length: from the task
+  config.model.attention = variant
+  config.model.attention_options = attention_options_config(variant)
   config.model.vocab_size = placeholder(int)
   config.model.num_classes = placeholder(int)
   config.model.max_length = placeholder(int)
@@ -60,6 +66,8 @@ def default_config() -> ml_collections.ConfigDict:
   config.progress = True  # the console progress bar
 
   config.mesh_shape = (-1, 1, 1)  # ("data", "fsdp", "tensor"); -1: the rest of the devices
+  # (logical axis, mesh axes) pairs: where parameters and activations live.
+  config.logical_axis_rules = axes.DEFAULT_RULES
   config.seed = 0  # parameters, data order and dropout all derive from it
   config.rng_streams = ("dropout",)  # add "attention" for variants that redraw features
   return config
@@ -95,7 +103,8 @@ def check_config(config: ml_collections.ConfigDict) -> None:
 
   unknown = sorted({first_unknown(key) for key in set(given) - set(known)})
   if unknown:
-    raise ValueError(f"unknown config key(s) {', '.join(map(repr, unknown))}; valid keys are: "
+    raise ValueError(f"unknown config key(s) {', '.join(map(repr, unknown))}."
+                     f"{did_you_mean(unknown[0], known_prefixes)} Valid keys are: "
                      f"{', '.join(sorted(known))}.")
   positive = ("num_train_steps", "batch_size", "eval_every", "log_every", "checkpoint_every",
               "keep_checkpoints")

@@ -9,6 +9,8 @@ import jax.numpy as jnp
 import ml_collections
 import optax
 
+from attention_jax.registry import unknown_name_error
+
 SCHEDULES = ("linear", "cosine", "rsqrt")
 
 
@@ -35,8 +37,7 @@ def _checked(config: Mapping[str, Any]) -> dict:
   config = dict(config.items())
   for key in config:
     if key not in defaults:
-      raise ValueError(f"unknown optimizer config key {key!r}; valid keys are: "
-                       f"{', '.join(sorted(defaults.keys()))}.")
+      raise unknown_name_error("optimizer config key", key, sorted(defaults.keys()))
   c = {key: config.get(key, defaults[key]) for key in defaults.keys()}
   if c["schedule"] not in SCHEDULES:
     raise ValueError(f"schedule must be one of {SCHEDULES}, got {c['schedule']!r}.")

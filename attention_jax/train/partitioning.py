@@ -26,29 +26,15 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
+from attention_jax import axes
+
 MESH_AXES = ("data", "fsdp", "tensor")
 # Every data-parallel axis splits the batch: FSDP is data parallelism too.
-DATA_AXES = ("data", "fsdp")
-
-# Priority order matters: flax assigns each mesh axis at most once per array, to
-# the first rule that claims it. "batch" comes first so that an activation
-# ("batch", "length", "embed") is split over the batch, and "embed" only takes
-# "fsdp" for parameters, which have no batch dimension.
-LOGICAL_AXIS_RULES: Tuple[Tuple[str, Any], ...] = (
-    ("batch", DATA_AXES),
-    ("embed", "fsdp"),
-    ("heads", "tensor"),
-    ("mlp", "tensor"),
-    ("vocab", "tensor"),
-    # Replicated: the head size is small and its heads are already split;
-    # splitting "length" (sequence parallelism) would need every attention
-    # variant to handle a split sequence; the classes and the relative-position
-    # buckets are a handful of rows.
-    ("kv", None),
-    ("length", None),
-    ("classes", None),
-    ("relpos_buckets", None),
-)
+DATA_AXES = axes.DATA_AXES
+# The default logical -> mesh axis rules (weights and activations have names of
+# their own, so no rule's order matters); configs may replace them
+# (`config.logical_axis_rules`).
+LOGICAL_AXIS_RULES: Tuple[Tuple[str, Any], ...] = axes.DEFAULT_RULES
 
 
 def make_mesh(mesh_shape: Sequence[int], axis_names: Sequence[str] = MESH_AXES, *,

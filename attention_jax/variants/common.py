@@ -26,6 +26,12 @@ from attention_jax.core import masks as mask_lib
 Array = jnp.ndarray
 
 
+def mixer_output(y, carry):
+  """What a token mixer returns: `y`, or `(y, carry)` when it was called with a
+  carry (the layer stack always passes one; a direct call need not)."""
+  return y if carry is None else (y, carry)
+
+
 def reject_unsupported(variant: str, **arguments) -> None:
   """Raises a ValueError naming the first argument given (not None/False) to
   `variant` that it does not support, e.g. `reject_unsupported("linformer",

@@ -282,7 +282,10 @@ class LSHHashKey(nn.Module):
 
 registry.register(registry.VariantSpec(
     name="lsh", fn=lsh_attention, family="hashing", complexity="O(T c)", subquadratic=True,
-    exact=False, causal=True, cross=False, paper="Kitaev et al. 2020", extras=LSHHashKey))
+    exact=False, causal=True, cross=False, paper="Kitaev et al. 2020", extras=LSHHashKey,
+    options=dict(n_buckets="hash buckets; about 2 T / chunk_size when None",
+                 n_hashes="hash rounds", chunk_size="queries per chunk (each sees 2 chunks)",
+                 seed="hash seed when the caller gives no 'attention' RNG stream", scale="multiplies the logits; 1/sqrt(D) when None")))
 
 
 # ---------------------------------------------------------------------------
@@ -479,7 +482,11 @@ class RoutingCentroids(nn.Module):
 registry.register(registry.VariantSpec(
     name="routing", fn=routing_attention, family="hashing", complexity="O(T sqrt(T))",
     subquadratic=True, exact=False, causal=True, cross=True, paper="Roy et al. 2021",
-    extras=RoutingCentroids))
+    extras=RoutingCentroids,
+    options=dict(num_clusters="k-means centroids; round(sqrt(T)) when None",
+                 decay="exponential moving average of the centroid updates",
+                 window_size="queries and keys each centroid takes; T / clusters when None",
+                 seed="initial-centroid seed", scale="multiplies the logits; 1/sqrt(D) when None")))
 
 
 # ---------------------------------------------------------------------------
@@ -696,7 +703,10 @@ class SinkhornSortNet(nn.Module):
 registry.register(registry.VariantSpec(
     name="sinkhorn", fn=sinkhorn_attention, family="hashing", complexity="O(T (b + T/b))",
     subquadratic=True, exact=False, causal=True, cross=False, paper="Tay et al. 2020",
-    extras=SinkhornSortNet))
+    extras=SinkhornSortNet,
+    options=dict(block_size="tokens per block", sinkhorn_iterations="balancing iterations",
+                 temperature="of the Gumbel-Sinkhorn sort", sort_hidden_dim="sort network width",
+                 scale="multiplies the logits; 1/sqrt(D) when None")))
 
 
 # ---------------------------------------------------------------------------
@@ -797,4 +807,6 @@ def clustered_attention(
 
 registry.register(registry.VariantSpec(
     name="clustered", fn=clustered_attention, family="hashing", complexity="O(T C)",
-    subquadratic=True, exact=False, causal=False, cross=True, paper="Vyas et al. 2020"))
+    subquadratic=True, exact=False, causal=False, cross=True, paper="Vyas et al. 2020",
+    options=dict(num_clusters="query clusters C", lloyd_iterations="k-means iterations",
+                 scale="multiplies the logits; 1/sqrt(D) when None")))

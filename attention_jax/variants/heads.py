@@ -1,7 +1,8 @@
 """Multi-head mechanisms: MHA, multi-query and grouped-query attention.
 
 The pure function takes the projection kernels as arrays; the Flax module is
-`attention_jax.MultiHeadAttention`, which owns them.
+`attention_jax.MultiHeadAttention`, which owns them (named in the registry by
+its path, so this file imports no layer).
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ from typing import Callable, Optional
 import jax.numpy as jnp
 
 from attention_jax import registry
-from attention_jax.layers.attention import MultiHeadAttention
 from attention_jax.variants.dense import dot_product_attention
 
 Array = jnp.ndarray
@@ -57,8 +57,18 @@ def multi_head_attention(
   return concatenated @ out_kernel.reshape(num_heads * head_dim, -1)
 
 
+# The heads run dot-product attention, so they take its options.
 _HEADS = dict(fn=multi_head_attention, family="heads", complexity="O(T^2)", subquadratic=False,
-              exact=True, causal=True, cross=True, qkv=False, mixer=MultiHeadAttention)
+              exact=True, causal=True, cross=True, qkv=False, mixer=registry.ATTENTION_MIXER,
+              options=dict(
+                  implementation=registry.VariantOption(
+                      "implementation", str, None,
+                      "'xla', 'blockwise', 'pallas', 'cudnn', ...; None picks the best here"),
+                  local_window_size=registry.VariantOption(
+                      "local_window_size", tuple, None,
+                      "(left, right): each query sees keys q - left .. q + right; None for all"),
+                  scale=registry.VariantOption("scale", float, None,
+                                               "multiplies the logits; 1/sqrt(D) when None")))
 registry.register(registry.VariantSpec(name="multi_head", paper="Vaswani et al. 2017", **_HEADS))
 registry.register(registry.VariantSpec(name="multi_query", paper="Shazeer 2019",
                                        module_defaults={"num_kv_heads": 1}, **_HEADS))

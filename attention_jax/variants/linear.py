@@ -439,12 +439,21 @@ class RfaFeatures(nn.Module):
 
 
 _LINEAR = dict(family="linear", subquadratic=True, exact=False, causal=True, cross=True)
+_CHUNK = dict(chunk_size="causal form: positions per chunk of the prefix-sum scan")
+_FEATURES = dict(num_features="random features m",
+                 orthogonal="orthogonal random projections (else i.i.d. Gaussian)",
+                 seed="feature seed when the caller gives no 'attention' RNG stream",
+                 scale="multiplies q and k's product; 1/sqrt(D) when None")
 registry.register(registry.VariantSpec(
     name="linear", fn=linear_attention, complexity="O(T D Dv)",
-    paper="Katharopoulos et al. 2020", **_LINEAR))
+    paper="Katharopoulos et al. 2020", options=_CHUNK, **_LINEAR))
 registry.register(registry.VariantSpec(
     name="performer", fn=performer_attention, complexity="O(T m D)",
-    paper="Choromanski et al. 2021", extras=PerformerFeatures, **_LINEAR))
+    paper="Choromanski et al. 2021", extras=PerformerFeatures, options={**_FEATURES, **_CHUNK},
+    **_LINEAR))
 registry.register(registry.VariantSpec(
     name="rfa", fn=rfa_attention, complexity="O(T m D)", paper="Peng et al. 2021",
-    extras=RfaFeatures, **_LINEAR))
+    extras=RfaFeatures,
+    options=dict(_FEATURES, gated="learned forget gates (causal RFA-Gate)",
+                 normalize="unit-norm queries and keys before the features", **_CHUNK),
+    **_LINEAR))

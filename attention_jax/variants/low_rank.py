@@ -446,15 +446,24 @@ _LOW_RANK = dict(family="low_rank", exact=False)
 registry.register(registry.VariantSpec(
     name="linformer", fn=linformer_attention, complexity="O(T k)", subquadratic=True,
     causal=False, cross=True, paper="Wang et al. 2020", extras=LinformerProjections,
+    options=dict(projected_length="k, the length keys and values are projected to",
+                 share_kv="one projection E = F for keys and values", scale="multiplies the logits; 1/sqrt(D) when None"),
     **_LOW_RANK))
 registry.register(registry.VariantSpec(
     name="nystromformer", fn=nystromformer_attention, complexity="O(T m + m^3)",
-    subquadratic=True, causal=False, cross=True, paper="Xiong et al. 2021", **_LOW_RANK))
+    subquadratic=True, causal=False, cross=True, paper="Xiong et al. 2021",
+    options=dict(num_landmarks="landmarks m (segment means of queries and keys)",
+                 pinv_iterations="iterations of the Moore-Penrose pseudo-inverse", scale="multiplies the logits; 1/sqrt(D) when None"),
+    **_LOW_RANK))
 registry.register(registry.VariantSpec(
     name="low_rank_locality", fn=low_rank_locality_attention, complexity="O(T w + T^2 r)",
     subquadratic=False, causal=True, cross=False, paper="Guo et al. 2019",
-    extras=LowRankProjections, **_LOW_RANK))
+    extras=LowRankProjections,
+    options=dict(window_size="band: keys each side of the query",
+                 rank="r, the width of the low-rank scores", scale="multiplies the logits; 1/sqrt(D) when None"), **_LOW_RANK))
 registry.register(registry.VariantSpec(
     name="memory_compressed", fn=memory_compressed_attention, complexity="O(T^2 / s)",
     subquadratic=False, causal=True, cross=True, paper="Liu et al. 2018",
-    extras=CompressionConvolutions, **_LOW_RANK))
+    extras=CompressionConvolutions,
+    options=dict(stride="s: keys and values compressed by a strided convolution",
+                 use_bias="biases in the compression convolutions", scale="multiplies the logits; 1/sqrt(D) when None"), **_LOW_RANK))

@@ -22,8 +22,6 @@ from flax.core import FrozenDict
 
 from attention_jax import registry
 from attention_jax.core.masks import and_masks, make_attention_mask, split_segment_ids
-from attention_jax.layers.attention import MultiHeadAttention
-from attention_jax.layers.feedforward import FeedForward
 from attention_jax.variants import common
 from attention_jax.variants.dense import dot_product_attention
 
@@ -160,7 +158,10 @@ class PersistentMemory(nn.Module):
 registry.register(registry.VariantSpec(
     name="persistent_memory", fn=persistent_memory_attention, family="memory",
     complexity="O(T^2 + T N)", subquadratic=False, exact=True, causal=True, cross=True,
-    paper="Sukhbaatar et al. 2019", extras=PersistentMemory))
+    paper="Sukhbaatar et al. 2019", extras=PersistentMemory,
+    options=dict(num_memory_slots="N learned key/value vectors per K/V head",
+                 implementation="the exact attention's implementation; None picks the best",
+                 scale="multiplies the logits; 1/sqrt(D) when None")))
 
 
 # --------------------------------------------------------------------------------------
@@ -254,6 +255,10 @@ class AttentionBlock(nn.Module):
   def __call__(self, queries: Array, inputs: Optional[Array], inputs_valid: Optional[Array],
                *, deterministic: bool = True) -> Array:
     """queries `[B, M, E]`, inputs `[B, T, E]` (None: self-attention) -> `[B, M, E]`."""
+    # The module half of this family builds on the layers; importing them here,
+    # not at the top, keeps the pure functions above importable without them.
+    from attention_jax.layers.attention import MultiHeadAttention  # pylint: disable=g-import-not-at-top
+    from attention_jax.layers.feedforward import FeedForward  # pylint: disable=g-import-not-at-top
     norm = lambda name: nn.LayerNorm(dtype=self.dtype, param_dtype=self.param_dtype, name=name)
     attention = MultiHeadAttention(
         num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
@@ -340,18 +345,20 @@ class InducingPointAttention(_LatentMixer):
   @nn.compact
   def __call__(self, x: Array, context: Optional[Array] = None, *, mask=None,
                is_causal: bool = False, query_seq_lengths=None, key_value_seq_lengths=None,
-               segment_ids=None, positions=None, deterministic: bool = True) -> Array:
+               segment_ids=None, positions=None, deterministic: bool = True, carry=None):
     """x: `[B, Tq, E]`; context: `[B, Tk, E]` or None; mask: key padding `[B|1, 1, 1, Tk]`;
-    key_value_seq_lengths / query_seq_lengths: `[B]`. Returns `[B, Tq, E]`."""
+    key_value_seq_lengths / query_seq_lengths: `[B]`; carry: passed through.
+    Returns `[B, Tq, E]` (with the carry when given one)."""
     num_points = common.check_size("num_inducing_points", self.num_inducing_points)
     inputs_valid, query_valid = self._padding(x, context, mask, is_causal, query_seq_lengths,
                                               key_value_seq_lengths, segment_ids, positions)
     inducing_points = self.param("inducing_points", nn.initializers.xavier_uniform(),
                                  (num_points, x.shape[-1]), self.param_dtype)
-    return latent_bottleneck_attention(
+    out = latent_bottleneck_attention(
         x, inducing_points, self._block("induce", deterministic),
         self._block("attend", deterministic), context=context, inputs_valid=inputs_valid,
         query_valid=query_valid)
+    return common.mixer_output(out, carry)
 
 
 class Perceiver(_LatentMixer):
@@ -375,7 +382,7 @@ class Perceiver(_LatentMixer):
   @nn.compact
   def __call__(self, x: Array, context: Optional[Array] = None, *, mask=None,
                is_causal: bool = False, query_seq_lengths=None, key_value_seq_lengths=None,
-               segment_ids=None, positions=None, deterministic: bool = True) -> Array:
+               segment_ids=None, positions=None, deterministic: bool = True, carry=None):
     """As `InducingPointAttention.__call__`."""
     num_latents = common.check_size("num_latents", self.num_latents)
     num_layers = common.check_size("num_latent_layers", self.num_latent_layers, minimum=0)
@@ -384,17 +391,21 @@ class Perceiver(_LatentMixer):
     latents = self.param("latents", nn.initializers.truncated_normal(0.02),
                          (num_latents, x.shape[-1]), self.param_dtype)
     process = [self._block(f"latent_{i}", deterministic, pre_norm=True) for i in range(num_layers)]
-    return latent_bottleneck_attention(
+    out = latent_bottleneck_attention(
         x, latents, self._block("encode", deterministic, pre_norm=True),
         self._block("decode", deterministic, pre_norm=True, query_residual=False),
         context=context, process=process, inputs_valid=inputs_valid, query_valid=query_valid)
+    return common.mixer_output(out, carry)
 
 
 _LATENT = dict(fn=latent_bottleneck_attention, family="memory", subquadratic=True, exact=False,
                causal=False, cross=True, qkv=False)
+_MLP_RATIO = dict(mlp_ratio="feed-forward width of each inner block, times the features")
 registry.register(registry.VariantSpec(
     name="inducing_points", complexity="O(T m)", paper="Lee et al. 2019",
-    mixer=InducingPointAttention, **_LATENT))
+    mixer=InducingPointAttention,
+    options=dict(num_inducing_points="m learned inducing points", **_MLP_RATIO), **_LATENT))
 registry.register(registry.VariantSpec(
     name="perceiver", complexity="O(T M)", paper="Jaegle et al. 2021", mixer=Perceiver,
-    **_LATENT))
+    options=dict(num_latents="M learned latent vectors",
+                 num_latent_layers="L latent self-attention blocks", **_MLP_RATIO), **_LATENT))

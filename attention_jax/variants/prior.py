@@ -13,11 +13,15 @@ token-token interactions, then softmax-normalised and applied to the values.
 All three are `synthesizer_attention` with the logits made by their `extras`
 module. The logits are [B|1, H, Tq, Tk], so the cost is O(T^2) like dense
 attention; the saving of the paper is in not computing q k^T.
+
+RealFormer (He et al. 2020), `realformer`: residual attention, each layer's
+logits plus the previous layer's. The scores flow from block to block in the
+layer stack's carry (`carries=("attention_scores",)` in the registry).
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Dict, Mapping, Optional, Tuple
 
 import flax.linen as nn
 import jax
@@ -27,6 +31,7 @@ from attention_jax import registry
 from attention_jax.core.masks import make_attention_mask, split_segment_ids
 from attention_jax.core.softmax import masked_softmax
 from attention_jax.variants import common
+from attention_jax.variants.dense import prepare_inputs
 
 Array = jnp.ndarray
 Dtype = Any
@@ -224,12 +229,101 @@ class FactorizedSyntheticLogits(_RandomLogits):
     return dict(synthetic_logits=jnp.einsum("hqr,hkr->hqk", left, right)[None])
 
 
+# --------------------------------------------------------------------------------------
+# RealFormer: residual attention scores.
+
+SCORES = "attention_scores"  # the carry key RealFormer reads and writes
+
+
+def realformer_attention(
+    query: Array,
+    key: Array,
+    value: Array,
+    bias: Optional[Array] = None,
+    mask: Optional[Array] = None,
+    *,
+    is_causal: bool = False,
+    query_seq_lengths: Optional[Array] = None,
+    key_value_seq_lengths: Optional[Array] = None,
+    segment_ids=None,
+    carry: Optional[Mapping[str, Array]] = None,
+    residual_weight: float = 1.0,
+    scale: Optional[float] = None,
+    dropout_rate: float = 0.0,
+    dropout_rng: Optional[jax.Array] = None,
+) -> Tuple[Array, Dict[str, Array]]:
+  """RealFormer's residual attention (He et al. 2020): each layer adds the
+  previous layer's pre-softmax scores to its own,
+
+      S_l = Q K^T * scale + bias + w S_{l-1},   out = softmax(S_l, masked) V,
+
+  and hands S_l to the next layer, so with w = 1 the scores are a running sum
+  over the layers (w = 0 is vanilla attention). The carried scores are those
+  before masking: each layer applies its own masks.
+
+  Args:
+    query, key, value, bias, mask, is_causal, query_seq_lengths,
+      key_value_seq_lengths, segment_ids: as in `dot_product_attention`.
+    carry: `{"attention_scores": [B, H, Tq, Tk]}`, the previous layer's S;
+      absent (the first layer) counts as zeros.
+    residual_weight: w.
+    scale: logit scale, 1/sqrt(D) when None.
+    dropout_rate, dropout_rng: dropout on the attention weights.
+
+  Returns:
+    `([B, Tq, H, Dv] in the query dtype, {"attention_scores": S_l float32})`.
+  """
+  inputs, unbatched = prepare_inputs(
+      query, key, value, bias, mask, scale=scale, is_causal=is_causal,
+      query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
+      segment_ids=segment_ids)
+  if unbatched:
+    raise ValueError(f"realformer takes batched query [B, Tq, H, D], got shape "
+                     f"{list(jnp.shape(query))}.")
+  batch, q_len, num_heads, _ = inputs.query.shape
+  kv_len = inputs.key.shape[1]
+  key_heads = common.repeat_kv_heads(inputs.key, num_heads)
+  scores = jnp.einsum("bqhd,bkhd->bhqk", inputs.query, key_heads,
+                      preferred_element_type=jnp.float32) * inputs.scale
+  if inputs.bias is not None:
+    scores = scores + inputs.bias.astype(jnp.float32)
+  previous = None if carry is None else carry.get(SCORES)
+  if previous is not None:
+    expected = (batch, num_heads, q_len, kv_len)
+    if tuple(previous.shape) != expected:
+      raise ValueError(f"carry[{SCORES!r}] must be the previous layer's scores "
+                       f"[B, H, Tq, Tk] = {list(expected)}, got shape {list(previous.shape)}.")
+    scores = scores + residual_weight * previous
+  weights = common.dropout_weights(masked_softmax(scores, inputs.dense_mask()), dropout_rate,
+                                   dropout_rng)
+  out = common.weighted_values(weights, inputs.value).astype(inputs.query.dtype)
+  return out, {SCORES: scores}
+
+
+def _realformer_initial_carry(batch: int, length: int, num_heads: int) -> Dict[str, Array]:
+  return {SCORES: jnp.zeros((batch, num_heads, length, length), jnp.float32)}
+
+
+registry.register(registry.VariantSpec(
+    name="realformer", fn=realformer_attention, family="prior", complexity="O(T^2)",
+    subquadratic=False, exact=False, causal=True, cross=True, paper="He et al. 2020",
+    options=dict(residual_weight="w: weight of the previous layer's scores (0: vanilla)",
+                 scale="multiplies the logits; 1/sqrt(D) when None"),
+    carries=(SCORES,), initial_carry=_realformer_initial_carry))
+
+
 _SYNTHESIZER = dict(fn=synthesizer_attention, family="prior", complexity="O(T^2)",
                     subquadratic=False, exact=False, causal=True, cross=True,
                     paper="Tay et al. 2021")
-registry.register(registry.VariantSpec(name="synthesizer_dense", extras=DenseSyntheticLogits,
-                                       **_SYNTHESIZER))
+_MAX_LENGTH = dict(max_length="longest key sequence the synthetic logits cover")
+_RANDOM = dict(_MAX_LENGTH, trainable="learn the random logits (else fixed)",
+               seed="initial logits' seed")
+registry.register(registry.VariantSpec(
+    name="synthesizer_dense", extras=DenseSyntheticLogits,
+    options=dict(_MAX_LENGTH, hidden_dim="width of the logit MLP; the head dim when None"),
+    **_SYNTHESIZER))
 registry.register(registry.VariantSpec(name="synthesizer_random", extras=RandomSyntheticLogits,
-                                       **_SYNTHESIZER))
-registry.register(registry.VariantSpec(name="synthesizer_factorized",
-                                       extras=FactorizedSyntheticLogits, **_SYNTHESIZER))
+                                       options=_RANDOM, **_SYNTHESIZER))
+registry.register(registry.VariantSpec(
+    name="synthesizer_factorized", extras=FactorizedSyntheticLogits,
+    options=dict(_RANDOM, rank="rank of the factorised logits"), **_SYNTHESIZER))

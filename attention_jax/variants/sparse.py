@@ -833,32 +833,58 @@ class PatternRng(nn.Module):
 
 _SPARSE = dict(family="sparse", subquadratic=True, exact=True, causal=True, cross=False)
 
+_SCALE = dict(scale="multiplies the logits; 1/sqrt(D) when None")
+_WINDOW = dict(window_size="keys each side of the query (w)")
+_SEED = dict(seed="pattern seed when the caller gives no 'attention' RNG stream")
+_FACTORIZED = dict(
+    stride="the stride l; ceil(sqrt(T)) when None",
+    combine="'merged' (one softmax over both patterns), 'per_head' or 'interleaved'",
+    pattern="with combine='interleaved': the pattern this layer uses",
+    layer_index="with combine='interleaved': picks the pattern by its parity")
+
 for _name in ("local", "band"):
   registry.register(registry.VariantSpec(name=_name, fn=local_attention, complexity="O(T w)",
-                                         paper="Parmar et al. 2018", **_SPARSE))
-registry.register(registry.VariantSpec(name="block_local", fn=block_local_attention,
-                                       complexity="O(T b)", paper="Qiu et al. 2019", **_SPARSE))
-registry.register(registry.VariantSpec(name="dilated", fn=dilated_attention, complexity="O(T w)",
-                                       paper="Beltagy et al. 2020", **_SPARSE))
+                                         paper="Parmar et al. 2018",
+                                         options={**_WINDOW, **_SCALE}, **_SPARSE))
+registry.register(registry.VariantSpec(
+    name="block_local", fn=block_local_attention, complexity="O(T b)", paper="Qiu et al. 2019",
+    options=dict(block_size="queries attend within their own block of this many", **_SCALE),
+    **_SPARSE))
+registry.register(registry.VariantSpec(
+    name="dilated", fn=dilated_attention, complexity="O(T w)", paper="Beltagy et al. 2020",
+    options=dict(**_WINDOW, dilation="gap between attended keys", **_SCALE), **_SPARSE))
 registry.register(registry.VariantSpec(name="strided", fn=strided_attention,
                                        complexity="O(T sqrt(T))", paper="Child et al. 2019",
-                                       **_SPARSE))
-registry.register(registry.VariantSpec(name="fixed", fn=fixed_attention,
-                                       complexity="O(T sqrt(T))", paper="Child et al. 2019",
-                                       **_SPARSE))
-registry.register(registry.VariantSpec(name="global_tokens", fn=global_tokens_attention,
-                                       complexity="O(T (w + g))", paper="Guo et al. 2019",
-                                       **_SPARSE))
-registry.register(registry.VariantSpec(name="random", fn=random_attention,
-                                       complexity="O(T (w + r))", paper="Zaheer et al. 2020",
-                                       extras=PatternRng, **_SPARSE))
-registry.register(registry.VariantSpec(name="longformer", fn=longformer_attention,
-                                       complexity="O(T (w + g))", paper="Beltagy et al. 2020",
-                                       **_SPARSE))
-registry.register(registry.VariantSpec(name="bigbird", fn=bigbird_attention,
-                                       complexity="O(T b (3 + g + r))",
-                                       paper="Zaheer et al. 2020", extras=PatternRng, **_SPARSE))
-registry.register(registry.VariantSpec(name="axial", fn=axial_attention,
-                                       complexity="O(T sqrt(T))", paper="Ho et al. 2019",
-                                       family="sparse", subquadratic=True, exact=False,
-                                       causal=True, cross=False))
+                                       options={**_FACTORIZED, **_SCALE}, **_SPARSE))
+registry.register(registry.VariantSpec(
+    name="fixed", fn=fixed_attention, complexity="O(T sqrt(T))", paper="Child et al. 2019",
+    options=dict(_FACTORIZED, num_summary="summary positions c at the end of each block",
+                 **_SCALE), **_SPARSE))
+registry.register(registry.VariantSpec(
+    name="global_tokens", fn=global_tokens_attention, complexity="O(T (w + g))",
+    paper="Guo et al. 2019",
+    options=dict(num_global="leading tokens that attend and are attended everywhere",
+                 **_WINDOW, **_SCALE), **_SPARSE))
+registry.register(registry.VariantSpec(
+    name="random", fn=random_attention, complexity="O(T (w + r))", paper="Zaheer et al. 2020",
+    extras=PatternRng,
+    options=dict(num_random="random keys per query",
+                 window_size="also attend to this many keys each side; None for none",
+                 **_SEED, **_SCALE), **_SPARSE))
+registry.register(registry.VariantSpec(
+    name="longformer", fn=longformer_attention, complexity="O(T (w + g))",
+    paper="Beltagy et al. 2020",
+    options=dict(**_WINDOW, dilation="gap between keys on the dilated heads",
+                 dilated_heads="heads that use the dilation; half of them when None",
+                 num_global="leading global tokens", **_SCALE), **_SPARSE))
+registry.register(registry.VariantSpec(
+    name="bigbird", fn=bigbird_attention, complexity="O(T b (3 + g + r))",
+    paper="Zaheer et al. 2020", extras=PatternRng,
+    options=dict(block_size="tokens per block b", num_global_blocks="leading global blocks g",
+                 num_random_blocks="random key blocks per query block r", **_SEED, **_SCALE),
+    **_SPARSE))
+registry.register(registry.VariantSpec(
+    name="axial", fn=axial_attention, complexity="O(T sqrt(T))", paper="Ho et al. 2019",
+    family="sparse", subquadratic=True, exact=False, causal=True, cross=False,
+    options=dict(shape="(rows, cols) with rows * cols = T; the most square when None",
+                 **_SCALE)))

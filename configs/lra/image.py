@@ -21,11 +21,10 @@ TRAIN_EXAMPLES = 45_000
 
 def get_config(arg: str = "dot_product"):
   variant, presets = parse_config_arg(arg, PRESETS)
-  config = default_config()
+  config = default_config(variant)
   config.task = "image"
   config.task_options = ml_collections.ConfigDict(
       dict(data_dir_tfds=ml_collections.config_dict.placeholder(str)))
-  config.model.attention = variant
   config.model.update(num_layers=1, embed_dim=32, num_heads=1, mlp_dim=64, head_mlp_dim=64,
                       pooling="cls", position="learned", dropout_rate=0.3)
   config.batch_size = 256

@@ -21,9 +21,8 @@ PRESETS = ("smoke",)
 
 def get_config(arg: str = "dot_product"):
   variant, presets = parse_config_arg(arg, PRESETS)
-  config = default_config()
+  config = default_config(variant)
   config.task = "listops"
-  config.model.attention = variant
   config.model.update(num_layers=6, embed_dim=512, num_heads=8, mlp_dim=2048,
                       head_mlp_dim=2048, pooling="cls", position="sinusoidal",
                       dropout_rate=0.1)

@@ -23,9 +23,8 @@ TRAIN_EXAMPLES = 159_840
 
 def get_config(arg: str = "dot_product"):
   variant, presets = parse_config_arg(arg, PRESETS)
-  config = default_config()
+  config = default_config(variant)
   config.task = TASK
-  config.model.attention = variant
   config.model.update(num_layers=1, embed_dim=128, num_heads=4, mlp_dim=128, head_mlp_dim=128,
                       pooling="mean", position="sinusoidal", dropout_rate=0.2)
   config.batch_size = 512

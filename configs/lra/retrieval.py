@@ -25,11 +25,10 @@ PRESETS = ("smoke",)
 
 def get_config(arg: str = "dot_product"):
   variant, presets = parse_config_arg(arg, PRESETS)
-  config = default_config()
+  config = default_config(variant)
   config.task = "retrieval"
   config.task_options = ml_collections.ConfigDict(
       dict(release_dir=ml_collections.config_dict.placeholder(str)))
-  config.model.attention = variant
   config.model.update(kind="dual_classifier", num_layers=4, embed_dim=128, num_heads=4,
                       mlp_dim=512, head_mlp_dim=512, pooling="cls", position="sinusoidal",
                       dropout_rate=0.1)

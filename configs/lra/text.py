@@ -22,11 +22,10 @@ PRESETS = ("smoke",)
 
 def get_config(arg: str = "dot_product"):
   variant, presets = parse_config_arg(arg, PRESETS)
-  config = default_config()
+  config = default_config(variant)
   config.task = "text"
   config.task_options = ml_collections.ConfigDict(
       dict(data_dir_tfds=ml_collections.config_dict.placeholder(str)))
-  config.model.attention = variant
   config.model.update(num_layers=4, embed_dim=256, num_heads=4, mlp_dim=1024,
                       head_mlp_dim=1024, pooling="cls", position="sinusoidal",
                       dropout_rate=0.1)

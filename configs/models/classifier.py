@@ -7,7 +7,7 @@ config embeds (`config.model`), with the variant filled in.
 
 import ml_collections
 
-from attention_jax.models import default_model_config
+from attention_jax.models import attention_options_config, default_model_config
 from attention_jax.registry import get_variant
 
 
@@ -22,4 +22,5 @@ def get_config(variant: str = "dot_product") -> ml_collections.ConfigDict:
   config = ml_collections.ConfigDict()
   config.model = default_model_config()
   config.model.attention = variant
+  config.model.attention_options = attention_options_config(variant)
   return config

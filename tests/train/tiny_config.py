@@ -8,12 +8,12 @@ from attention_jax.train.config import default_config
 
 
 def get_config(arg: str = "dot_product"):
-  config = default_config()
+  config = default_config(arg)
   config.task = "listops"
   config.task_options = dict(train_size=512, validation_size=64, test_size=48, max_depth=3,
                              max_args=4, min_length=8, max_length=40)
   config.data_dir = "data"
-  config.model.update(attention=arg, num_layers=1, embed_dim=16, num_heads=2, mlp_dim=32,
+  config.model.update(num_layers=1, embed_dim=16, num_heads=2, mlp_dim=32,
                       head_mlp_dim=16, dropout_rate=0.1)
   config.num_train_steps = 24
   config.batch_size = 16

@@ -1,0 +1,128 @@
+"""A Transformer block from parts named in the model config: a token mixer (any
+registered variant), a feed-forward layer, a norm, and a residual arrangement.
+
+The mixer contract (docs/ARCHITECTURE.md) is the one call every registered
+variant's module answers:
+
+    mixer(x [B, Tq, E], context=None, *, mask=None, is_causal=False,
+          deterministic=True, carry=None, **sequence_arguments)
+      -> y [B, Tq, E]            when carry is None
+      -> (y, carry)              when called with a carry
+
+where `sequence_arguments` are the padding/segment/position arguments the
+block was given (only those that are set), and `carry` is the pytree the layer
+stack hands from block to block.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, Optional
+
+import flax.linen as nn
+import jax.numpy as jnp
+
+from attention_jax import axes, positional, registry
+from attention_jax.layers.feedforward import FeedForward
+from attention_jax.layers.norms import make_norm
+from attention_jax.models.config import ModelConfig
+
+Array = jnp.ndarray
+Carry = Dict[str, Any]
+# The residual stream's logical axes.
+EMBEDDED = (axes.ACTIVATION_BATCH, axes.ACTIVATION_LENGTH, axes.ACTIVATION_EMBED)
+
+
+def make_mixer(config: ModelConfig, variant: str, **module_kwargs) -> nn.Module:
+  """The token mixer of `variant`, configured from `config`.
+
+  A Q/K/V variant is `MultiHeadAttention` running it, with its options in
+  `attention_options`; a mixer that is not Q/K/V attention (Perceiver,
+  inducing points, ...) gets its declared options as module fields.
+  """
+  spec = registry.get_variant(variant)
+  kwargs = dict(num_heads=config.num_heads, dropout_rate=config.attention_dropout_rate,
+                dtype=config.jnp_dtype)
+  # Only what is set: a None must not override a variant's preset (multi_query
+  # presets num_kv_heads=1).
+  if config.num_kv_heads is not None:
+    kwargs["num_kv_heads"] = config.num_kv_heads
+  if config.position in positional.RELATIVE_POSITIONS:
+    kwargs.update(position=config.position, position_options=config.position_options)
+  options = config.options_for(variant)
+  if spec.qkv or spec.mixer == registry.ATTENTION_MIXER:
+    kwargs["attention_options"] = options
+  else:
+    kwargs.update(options)
+  return spec.module(**kwargs, **module_kwargs)
+
+
+def _pre_norm(x: Array, branch: Callable[[Array], Array], norm: nn.Module) -> Array:
+  return x + branch(norm(x))
+
+
+def _post_norm(x: Array, branch: Callable[[Array], Array], norm: nn.Module) -> Array:
+  return norm(x + branch(x))
+
+
+# residual name -> (x, branch, norm) -> new x; `branch` includes its dropout.
+RESIDUAL_ARRANGEMENTS = {"pre_norm": _pre_norm, "post_norm": _post_norm}
+FEED_FORWARD_LAYERS = {"mlp": FeedForward}
+
+
+class Block(nn.Module):
+  """Mixer and feed-forward sub-layers, each in a residual branch.
+
+  Sub-modules are named `attention_norm`, `attention`, `mlp_norm` and `mlp`
+  (the parameter tree of the first wave's `EncoderBlock`).
+
+  Attributes:
+    config: the model config.
+    attention: this layer's variant (an entry of `config.schedule`);
+      `config.attention` when None.
+  """
+
+  config: ModelConfig
+  attention: Optional[str] = None
+
+  @nn.compact
+  def __call__(self, x: Array, carry: Optional[Carry] = None, mask: Optional[Array] = None,
+               is_causal: bool = False, deterministic: bool = True,
+               **sequence_arguments) -> tuple:
+    """x: `[B, T, E]`; carry: the stack's carry ({} for none).
+
+    `mask`, `is_causal` and `sequence_arguments` (segment_ids,
+    query_seq_lengths, key_value_seq_lengths, positions) go to the mixer.
+
+    Returns:
+      `(x [B, T, E], carry)`.
+    """
+    if x.ndim != 3:
+      raise ValueError(f"x must be [B, T, E], got shape {x.shape}.")
+    config, dtype = self.config, self.config.jnp_dtype
+    mixer = make_mixer(config, self.attention or config.attention, name="attention")
+    mlp = FEED_FORWARD_LAYERS[config.feed_forward](
+        config.mlp_dim, activation=config.activation, dropout_rate=config.dropout_rate,
+        dtype=dtype, name="mlp")
+    attention_norm = make_norm(config.norm, dtype, name="attention_norm")
+    mlp_norm = make_norm(config.norm, dtype, name="mlp_norm")
+    dropout = nn.Dropout(config.dropout_rate)
+    residual = RESIDUAL_ARRANGEMENTS[config.residual]
+    mixer_arguments = {k: v for k, v in sequence_arguments.items() if v is not None}
+    if mask is not None:
+      mixer_arguments["mask"] = mask
+    if is_causal:
+      mixer_arguments["is_causal"] = True
+    carry = {} if carry is None else carry
+
+    def attend(y):
+      nonlocal carry
+      y, carry = mixer(y, deterministic=deterministic, carry=carry, **mixer_arguments)
+      return dropout(y, deterministic=deterministic)
+
+    def feed_forward(y):
+      return dropout(mlp(y, deterministic=deterministic), deterministic=deterministic)
+
+    for branch, norm in ((attend, attention_norm), (feed_forward, mlp_norm)):
+      x = residual(x, branch, norm)
+      x = nn.with_logical_constraint(x, EMBEDDED)
+    return x, carry

@@ -1,0 +1,279 @@
+"""The model config: one frozen dataclass, made and checked once, passed whole.
+
+  model_config = ModelConfig.from_config(config.model)   # what `build_model` does
+  SequenceClassifier(model_config)
+
+Every model-level module (the classifiers, the encoder, the layer stack and its
+blocks) takes this one object instead of a dozen keyword fields, as flax's
+lm1b `TransformerConfig` does. A new field is added here, with its default and
+its check, and nowhere else: `default_model_config()` (the ml_collections form
+that experiment configs and `--config.model.<key>=` overrides edit) is
+generated from the fields.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from typing import Any, Mapping, Optional, Tuple
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+from flax.core import FrozenDict
+
+from attention_jax import positional, registry
+from attention_jax.layers.feedforward import ACTIVATIONS
+from attention_jax.layers.norms import NORMS
+
+# What `build_model` makes: a classifier of one sequence, of a pair of sequences
+# (retrieval), or a causal language model.
+MODEL_KINDS = ("classifier", "dual_classifier", "language_model")
+POOLINGS = ("cls", "mean", "max")
+# How a block combines a sub-layer f with its input: pre-LN (Xiong et al. 2020),
+# x + f(norm(x)); post-LN (Vaswani et al. 2017), norm(x + f(x)).
+RESIDUALS = ("pre_norm", "post_norm")
+FEED_FORWARDS = ("mlp",)
+# Rematerialisation of each block in the backward pass: what the forward keeps.
+REMAT_POLICIES = {
+    "none": None,  # no remat: every activation is kept
+    "full": jax.checkpoint_policies.nothing_saveable,  # only the blocks' inputs
+    "dots": jax.checkpoint_policies.checkpoint_dots,  # matmul outputs too
+    "dots_with_no_batch_dims": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """What a model is built from; `ModelConfig.from_config` checks every field.
+
+  Attributes:
+    kind: one of `MODEL_KINDS`.
+    vocab_size: number of token ids.
+    num_classes: labels of a classifier.
+    num_layers: blocks in the stack.
+    embed_dim: model width E.
+    num_heads: attention heads H.
+    num_kv_heads: key/value heads (grouped-query attention); None: the
+      variant's own default (all heads, or 1 for multi_query).
+    mlp_dim: feed-forward hidden size F.
+    max_length: longest token sequence (the learned position table's size).
+    attention: the registered variant of every block's mixer.
+    attention_options: its declared options (`registry.variant_options`).
+    layer_attention: a per-layer schedule of variant names, repeated to
+      `num_layers` (e.g. ("local", "local", "local", "dot_product")); empty:
+      every layer uses `attention`. Options go to every scheduled variant
+      that declares them.
+    position: one of `positional.POSITION_ENCODINGS`; "sinusoidal" and "learned"
+      are added to the embeddings, "rope", "alibi" and "t5" act in every mixer.
+    position_options: options of the position scheme.
+    residual: one of `RESIDUALS`.
+    norm: one of `NORMS`.
+    feed_forward: one of `FEED_FORWARDS`.
+    activation: the feed-forward activation, one of `ACTIVATIONS`.
+    pooling: how a classifier pools the encoder's outputs, one of `POOLINGS`.
+    head_mlp_dim: a hidden layer of this size in the classifier head; None: linear.
+    dropout_rate: on embeddings, sub-layer outputs and feed-forward activations.
+    attention_dropout_rate: on the attention weights.
+    dtype: computation dtype ("float32", "bfloat16"); parameters stay float32.
+    scan_layers: run the blocks under `nn.scan` (one compiled block, stacked
+      parameters) instead of unrolled; the schedule's period is scanned.
+    remat_policy: rematerialise each block in the backward pass, one of
+      `REMAT_POLICIES` ("none": keep every activation).
+  """
+
+  kind: str = "classifier"
+  vocab_size: int = 256
+  num_classes: int = 2
+  num_layers: int = 2
+  embed_dim: int = 64
+  num_heads: int = 4
+  num_kv_heads: Optional[int] = None
+  mlp_dim: int = 128
+  max_length: int = 512
+  attention: str = "dot_product"
+  attention_options: Mapping[str, Any] = FrozenDict()
+  layer_attention: Tuple[str, ...] = ()
+  position: str = "sinusoidal"
+  position_options: Mapping[str, Any] = FrozenDict()
+  residual: str = "pre_norm"
+  norm: str = "layernorm"
+  feed_forward: str = "mlp"
+  activation: str = "gelu"
+  pooling: str = "cls"
+  head_mlp_dim: Optional[int] = None
+  dropout_rate: float = 0.1
+  attention_dropout_rate: float = 0.0
+  dtype: str = "float32"
+  scan_layers: bool = False
+  remat_policy: str = "none"
+
+  @classmethod
+  def from_config(cls, config: Mapping[str, Any]) -> "ModelConfig":
+    """The checked config from a `ConfigDict` or mapping; missing keys take defaults.
+
+    Raises:
+      ValueError: on an unknown key (with the closest valid one), an unknown
+        kind, variant, option, position, norm, activation, pooling, residual,
+        remat policy or dtype, or sizes that do not fit together.
+    """
+    if isinstance(config, ml_collections.ConfigDict):
+      config = config.to_dict()
+    given = dict(config)
+    fields = [field.name for field in dataclasses.fields(cls)]
+    for key in given:
+      if key not in fields:
+        raise registry.unknown_name_error("model config key", key, sorted(fields))
+    values = {key: _frozen(value) for key, value in given.items()}
+    # Options left unset (None) or at their declared default are dropped:
+    # configs list every option of their variant so that each can be
+    # overridden from the command line, and only what differs is passed on.
+    values["attention_options"] = FrozenDict(_set_options(
+        values.get("attention_options", {}), values.get("attention", cls.attention),
+        values.get("layer_attention", ())))
+    model_config = cls(**values)
+    model_config.check()
+    return model_config
+
+  @property
+  def schedule(self) -> Tuple[str, ...]:
+    """The variant of each layer, `num_layers` names."""
+    period = self.layer_attention or (self.attention,)
+    return tuple(period[i % len(period)] for i in range(self.num_layers))
+
+  @property
+  def schedule_period(self) -> Tuple[str, ...]:
+    """The repeating unit of the schedule (what `scan_layers` scans)."""
+    return tuple(self.layer_attention) or (self.attention,)
+
+  @property
+  def jnp_dtype(self) -> jnp.dtype:
+    return jnp.dtype(self.dtype)
+
+  def options_for(self, variant: str) -> FrozenDict:
+    """The attention options that `variant` declares."""
+    declared = {option.name for option in registry.variant_options(variant)}
+    return FrozenDict({k: v for k, v in self.attention_options.items() if k in declared})
+
+  def check(self) -> None:
+    """Raises ValueError naming the first field that is out of range."""
+    _one_of("model kind", self.kind, MODEL_KINDS)
+    for name in set(self.schedule_period) | {self.attention}:
+      registry.get_variant(name)
+    _check_options(self.attention_options, self.schedule_period)
+    if self.kind == "language_model":
+      for name in self.schedule_period:
+        if not registry.get_variant(name).causal:
+          causal = [n for n in registry.list_variants() if registry.get_variant(n).causal]
+          raise ValueError(f"a language model needs causal attention; attention {name!r} has "
+                           f"no causal form. Causal variants: {', '.join(causal)}.")
+    positional.check_position_encoding(self.position)
+    _one_of("residual", self.residual, RESIDUALS)
+    _one_of("norm", self.norm, NORMS)
+    _one_of("feed_forward", self.feed_forward, FEED_FORWARDS)
+    _one_of("activation", self.activation, ACTIVATIONS)
+    _one_of("pooling", self.pooling, POOLINGS)
+    _one_of("remat_policy", self.remat_policy, tuple(REMAT_POLICIES))
+    for name in ("vocab_size", "num_classes", "num_layers", "embed_dim", "num_heads", "mlp_dim",
+                 "max_length"):
+      value = getattr(self, name)
+      if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"model.{name} must be a positive integer, got {value!r}.")
+    for name in ("dropout_rate", "attention_dropout_rate"):
+      if not 0.0 <= getattr(self, name) < 1.0:
+        raise ValueError(f"model.{name} must be in [0, 1), got {getattr(self, name)!r}.")
+    if self.num_kv_heads is not None and (self.num_kv_heads < 1
+                                          or self.num_heads % self.num_kv_heads):
+      raise ValueError(f"model.num_kv_heads must divide num_heads={self.num_heads}, got "
+                       f"{self.num_kv_heads!r}.")
+    if self.scan_layers and self.num_layers % len(self.schedule_period):
+      raise ValueError(f"model.scan_layers scans whole periods of layer_attention "
+                       f"{tuple(self.layer_attention)}; num_layers={self.num_layers} is not a "
+                       f"multiple of its {len(self.schedule_period)} entries.")
+    try:
+      jnp.dtype(self.dtype)
+    except TypeError as e:
+      raise ValueError(f"model.dtype must name a JAX dtype such as 'float32' or 'bfloat16', "
+                       f"got {self.dtype!r}.") from e
+
+
+def default_model_config() -> ml_collections.ConfigDict:
+  """Every key of `ModelConfig` with its default, as a ConfigDict.
+
+  Fields whose default is None become typed placeholders, so that
+  `--config.model.num_kv_heads=2` is accepted; `attention_options` lists the
+  default variant's options (see `attention_options_config`).
+  """
+  config = ml_collections.ConfigDict()
+  hints = typing.get_type_hints(ModelConfig)
+  for field in dataclasses.fields(ModelConfig):
+    if field.default is None:
+      (inner,) = [t for t in typing.get_args(hints[field.name]) if t is not type(None)]
+      config[field.name] = ml_collections.config_dict.placeholder(inner)
+    elif isinstance(field.default, Mapping):
+      config[field.name] = dict(field.default)
+    else:
+      config[field.name] = field.default
+  config.attention_options = attention_options_config(config.attention)
+  return config
+
+
+def attention_options_config(*variants: str) -> ml_collections.ConfigDict:
+  """The declared options of `variants` at their defaults, as a ConfigDict:
+  what `config.model.attention_options` holds so that each option can be set
+  with `--config.model.attention_options.<name>=<value>`."""
+  options = ml_collections.ConfigDict()
+  for variant in variants:
+    for option in registry.variant_options(variant):
+      if option.name in options:
+        continue
+      if option.default is None:
+        options[option.name] = ml_collections.config_dict.placeholder(option.type)
+      else:
+        options[option.name] = option.default
+  return options
+
+
+def _frozen(value: Any) -> Any:
+  if isinstance(value, Mapping):
+    return FrozenDict({k: _frozen(v) for k, v in value.items()})
+  if isinstance(value, list):
+    return tuple(value)
+  return value
+
+
+def _set_options(options: Mapping[str, Any], attention: str,
+                 layer_attention: Tuple[str, ...]) -> dict:
+  """`options` without the unset (None) ones and those at the declared default
+  of every variant using them."""
+  variants = tuple(layer_attention) or (attention,)
+  defaults = {}
+  for variant in variants:
+    registry.get_variant(variant)
+    for option in registry.variant_options(variant):
+      defaults.setdefault(option.name, []).append(option.default)
+  return {k: v for k, v in options.items() if v is not None and (
+      k not in defaults or any(_normalised(v) != _normalised(d) for d in defaults[k]))}
+
+
+def _normalised(value: Any) -> Any:
+  return list(value) if isinstance(value, (tuple, list)) else value
+
+
+def _check_options(options: Mapping[str, Any], variants: Tuple[str, ...]) -> None:
+  """Each option must be declared by a variant in use; the error names the
+  variant, its options and the closest one."""
+  if len(variants) == 1:
+    registry.check_options(variants[0], options)
+    return
+  declared = {o.name for v in variants for o in registry.variant_options(v)}
+  for key in options:
+    if key not in declared:
+      raise ValueError(f"no variant of layer_attention {variants} has option {key!r}."
+                       f"{registry.did_you_mean(key, declared)} Their options are: "
+                       f"{', '.join(sorted(declared))}.")
+
+
+def _one_of(what: str, value: Any, valid: Tuple[str, ...]) -> None:
+  if value not in valid:
+    raise registry.unknown_name_error(what, value, valid)
