@@ -6,35 +6,91 @@
 `--config.a.b=value` overrides any config key. Running the same command again
 resumes the run in the workdir (or does nothing more if it finished); a workdir
 holding a run of a different config is refused unless `--overwrite` is given,
-which moves that run aside. On several hosts start the same command on each:
-`jax.distributed.initialize()` is called when the environment describes a
-multi-process job (see `distributed_requested`).
+which moves that run aside.
+
+Stopping: Ctrl-C (SIGINT) or SIGTERM checkpoints the current step, waits for
+the save and prints how to resume (the same command, which continues exactly
+from that step); a second signal stops at once.
+
+Several processes (hosts, or processes on one host) run the same command each,
+sharing the workdir's filesystem; `jax.distributed.initialize` is called when
+more than one process is asked for:
+
+- without a cluster manager, give every process the coordinator's address (a
+  `host:port` that process 0 listens on), the number of processes and its own
+  index, by flags or by environment variables:
+
+    python -m experiments.train ... --coordinator_address=host0:8476 \\
+        --num_processes=2 --process_id=0     # on host0
+    JAX_COORDINATOR_ADDRESS=host0:8476 JAX_NUM_PROCESSES=2 JAX_PROCESS_ID=1 \\
+        python -m experiments.train ...      # on host1
+
+  (jax reads JAX_COORDINATOR_ADDRESS itself; JAX_NUM_PROCESSES and
+  JAX_PROCESS_ID are read here. A flag wins over its variable.) On CPU the
+  processes exchange data with gloo, jax's default CPU collectives
+  (`JAX_CPU_COLLECTIVES_IMPLEMENTATION`);
+- under SLURM (several tasks), Open MPI (mpirun) or on a TPU pod nothing is
+  needed: jax reads the job's coordinates from the launcher's environment; any
+  of the three settings above overrides what it would detect.
+
+Exit status: 0 finished; 1 training diverged (a NaN or infinite loss: the line
+names the step and the last good checkpoint); 2 a bad flag, config or workdir
+(one line saying which and what to do); 128 + the signal's number when
+interrupted (130 for SIGINT, 143 for SIGTERM, as a shell reports a process
+the signal killed), after the checkpoint is written.
 """
 
 from __future__ import annotations
 
+import difflib
+import importlib.util
 import json
 import os
+import re
+import shlex
+import signal
 import sys
+from typing import Any, Dict, List, Mapping, NoReturn, Optional, Sequence
 
 from absl import app, flags, logging
+import ml_collections
 from ml_collections import config_flags
+from ml_collections.config_flags import config_path
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "the experiment config file[:arg]",
                                           lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "where checkpoints, metrics and results go")
 _OVERWRITE = flags.DEFINE_bool("overwrite", False,
                                "move aside a run of a different config in --workdir")
+_COORDINATOR_ADDRESS = flags.DEFINE_string(
+    "coordinator_address", None,
+    "multi-process runs without a cluster manager: host:port of process 0, the same on every "
+    "process (default: $JAX_COORDINATOR_ADDRESS)")
+_NUM_PROCESSES = flags.DEFINE_integer(
+    "num_processes", None, "multi-process runs: how many processes (default: $JAX_NUM_PROCESSES)")
+_PROCESS_ID = flags.DEFINE_integer(
+    "process_id", None,
+    "multi-process runs: this process's index, 0 to num_processes - 1 (default: $JAX_PROCESS_ID)")
 flags.mark_flags_as_required(["config", "workdir"])
 
-# Environment variables by which launchers describe a multi-process job; jax's
-# `distributed.initialize()` reads the coordinates from them itself.
-_MULTI_PROCESS_ENV = ("JAX_COORDINATOR_ADDRESS", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE",
-                      "TPU_WORKER_HOSTNAMES")
+# The variables behind --coordinator_address, --num_processes and --process_id.
+# jax 0.10 reads only the first itself (and auto-detects the rest only under a
+# cluster manager); the other two are this script's.
+_DISTRIBUTED_ENV = dict(coordinator_address="JAX_COORDINATOR_ADDRESS",
+                        num_processes="JAX_NUM_PROCESSES", process_id="JAX_PROCESS_ID")
+
+EXIT_DIVERGED = 1
+EXIT_USAGE = 2
 
 
-def distributed_requested(environ=os.environ) -> bool:
-  """True when a launcher asks for more than one process."""
+def _fail(message: str, status: int = EXIT_USAGE) -> NoReturn:
+  """Prints `message` as one line on stderr and exits with `status`."""
+  print(f"error: {message}", file=sys.stderr, flush=True)
+  sys.exit(status)
+
+
+def distributed_requested(environ: Mapping[str, str] = os.environ) -> bool:
+  """True when a launcher's environment asks for more than one process."""
   if environ.get("JAX_COORDINATOR_ADDRESS"):
     return True
   for name in ("SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE"):
@@ -43,21 +99,233 @@ def distributed_requested(environ=os.environ) -> bool:
   return "," in environ.get("TPU_WORKER_HOSTNAMES", "")
 
 
+def _cluster_manager(environ: Mapping[str, str]) -> Optional[str]:
+  """The cluster manager whose environment describes this job, if any (one jax
+  can read the process count and index from)."""
+  for name in ("SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE"):
+    if environ.get(name, "1").isdigit() and int(environ.get(name, "1")) > 1:
+      return "SLURM" if name.startswith("SLURM") else "Open MPI"
+  if "," in environ.get("TPU_WORKER_HOSTNAMES", ""):
+    return "a TPU pod"
+  return None
+
+
+def distributed_arguments(coordinator_address: Optional[str] = None,
+                          num_processes: Optional[int] = None,
+                          process_id: Optional[int] = None,
+                          environ: Mapping[str, str] = os.environ) -> Optional[Dict[str, Any]]:
+  """The keyword arguments of `jax.distributed.initialize` for this process, or
+  None for a single-process run.
+
+  Each argument falls back on its environment variable (`_DISTRIBUTED_ENV`);
+  what is still unset is left to jax's cluster detection when a cluster
+  manager describes the job, and is an error otherwise.
+
+  Args:
+    coordinator_address, num_processes, process_id: the flags' values (None
+      when not given).
+    environ: the environment.
+
+  Returns:
+    {} to let jax detect everything, the settings given otherwise; None when
+    no setting and no launcher asks for several processes.
+
+  Raises:
+    ValueError: naming the flag and its variable, on a value that is not
+      valid, or on a multi-process run that a cluster manager does not describe
+      and that lacks one of the three settings.
+  """
+  given: Dict[str, Any] = {}
+  for name, value in (("coordinator_address", coordinator_address),
+                      ("num_processes", num_processes), ("process_id", process_id)):
+    variable = _DISTRIBUTED_ENV[name]
+    source = f"--{name}"
+    if value is None and environ.get(variable, "").strip():
+      value, source = environ[variable].strip(), f"${variable}"
+    if value is None:
+      continue
+    if name == "coordinator_address":
+      host, _, port = str(value).rpartition(":")
+      if not host or not port.isdigit():
+        raise ValueError(f"{source}={value!r} must be host:port (the address process 0 listens "
+                         f"on, the same for every process), e.g. 10.0.0.1:8476.")
+    else:
+      try:
+        value = int(value)
+      except ValueError:
+        raise ValueError(f"{source}={value!r} must be an integer.") from None
+      if value < (1 if name == "num_processes" else 0):
+        expected = "at least 1" if name == "num_processes" else "at least 0"
+        raise ValueError(f"{source}={value} must be {expected}.")
+    given[name] = (value, source)
+
+  if "num_processes" in given and "process_id" in given:
+    (count, count_source), (index, index_source) = given["num_processes"], given["process_id"]
+    if index >= count:
+      raise ValueError(f"{index_source}={index} must be below {count_source}={count} "
+                       f"(processes are numbered 0 to {count - 1}).")
+  if not given:
+    return {} if distributed_requested(environ) else None
+  if _cluster_manager(environ) is None:
+    missing = [name for name in _DISTRIBUTED_ENV if name not in given]
+    if missing:
+      if set(missing) == {"coordinator_address", "process_id"} and given[
+          "num_processes"][0] == 1:
+        return None  # One process asked for explicitly.
+      listed = ", ".join(f"--{name} (or ${_DISTRIBUTED_ENV[name]})" for name in missing)
+      have = ", ".join(f"{source}={value}" for value, source in given.values())
+      raise ValueError(f"{have} asks for a multi-process run, which without a cluster manager "
+                       f"(SLURM, Open MPI, a TPU pod) also needs {listed}: give every process "
+                       f"the same --coordinator_address and --num_processes and its own "
+                       f"--process_id.")
+  return {name: value for name, (value, _) in given.items()}
+
+
+# -- flag parsing with one-line errors -----------------------------------------
+
+
+def _config_argument(argv: Sequence[str]) -> Optional[str]:
+  """The value of the last --config flag in `argv` (absl syntax), or None."""
+  value = None
+  args = list(argv[1:])
+  for i, arg in enumerate(args):
+    if arg == "--":  # absl stops reading flags here.
+      break
+    match = re.fullmatch(r"--?config(=(.*))?", arg, flags=re.DOTALL)
+    if match:
+      value = match.group(2) if match.group(1) else (args[i + 1] if i + 1 < len(args) else None)
+  return value
+
+
+def _override_flags(argv: Sequence[str]) -> List[str]:
+  """The `--config.a.b` flags in `argv`, as written up to any "=", in order."""
+  overrides = []
+  for arg in argv[1:]:
+    if arg == "--":
+      break
+    if re.match(r"-{1,2}(no)?config\.", arg):
+      overrides.append(arg.split("=", 1)[0])
+  return overrides
+
+
+def _config_keys(config: Any, prefix: str = "") -> List[str]:
+  """Every key of `config`, dotted ("model", "model.embed_dim", ...)."""
+  keys = []
+  for key, value in config.items():
+    keys.append(f"{prefix}{key}")
+    if isinstance(value, (ml_collections.ConfigDict, dict)):
+      keys.extend(_config_keys(value, f"{prefix}{key}."))
+  return keys
+
+
+def _unknown_override_message(argv: Sequence[str], config_argument: str) -> Optional[str]:
+  """The one-line error for the first --config.<key> override whose key the
+  config lacks, or None when every override names a key (so the failure was
+  something else)."""
+  path, *arguments = config_argument.split(":", 1)
+  try:
+    # Loaded again as ml_collections does (get_config of the file, with the
+    # text after the first ":"), to list its keys.
+    spec = importlib.util.spec_from_file_location("_config_for_keys", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    config = module.get_config(*arguments)
+    keys = _config_keys(config)
+  except Exception:  # pylint: disable=broad-except
+    return None  # Not an override's fault: let the original error show.
+  for flag in _override_flags(argv):
+    key = flag.split(".", 1)[1]
+    try:
+      config_path.get_value(key, config)
+      continue
+    except (AttributeError, KeyError, IndexError, ValueError):
+      pass
+    close = difflib.get_close_matches(key, keys, n=3, cutoff=0.6)
+    if close:
+      fix = "did you mean " + " or ".join(f"--config.{match}" for match in close) + "?"
+    else:
+      fix = ("the valid keys are those of attention_jax/train/config.py's default_config() "
+             "(and of the model's config).")
+    if key.startswith(("task_options.", "model.attention_options.",
+                       "model.position_options.")):
+      fix += (" New keys of a free-form option dict cannot be added by a flag: set them in "
+              "a config file (see configs/tables/cell.py).")
+    return f"{flag}: the config of --config={config_argument} has no key {key!r}; {fix}"
+  return None
+
+
+def parse_flags(argv: List[str]) -> List[str]:
+  """absl's flag parsing, with one-line errors (exit status 2) for a --config
+  file that does not exist and for overrides of keys the config lacks, which
+  ml_collections reports with a traceback."""
+  expanded = flags.FLAGS.read_flags_from_files(argv, force_gnu=False)
+  config_argument = _config_argument(expanded)
+  if config_argument is not None:
+    path = config_argument.split(":", 1)[0]
+    if not os.path.isfile(path):
+      what = "is a directory" if os.path.isdir(path) else "does not exist"
+      _fail(f"--config={config_argument}: the config file {path} {what} (relative to "
+            f"{os.getcwd()}); give a config file's path, e.g. "
+            f"--config=configs/lra/listops.py:performer,smoke.")
+  try:
+    return app.parse_flags_with_usage(argv)
+  except (AttributeError, KeyError):
+    message = (_unknown_override_message(expanded, config_argument)
+               if config_argument is not None else None)
+    if message is None:
+      raise
+    _fail(message)
+
+
+def _check_workdir_flag(workdir: str) -> None:
+  path = os.path.abspath(workdir)
+  while not os.path.exists(path) and os.path.dirname(path) != path:
+    path = os.path.dirname(path)
+  if os.path.exists(path) and not os.path.isdir(path):
+    where = "is" if path == os.path.abspath(workdir) else f"is inside {path}, which is"
+    _fail(f"--workdir={workdir} {where} an existing file; give a directory: a new path, or the "
+          f"workdir of a run to resume.")
+
+
+def _resume_command() -> str:
+  """The command line this process was started with, to run again."""
+  return shlex.join(getattr(sys, "orig_argv", None) or [sys.executable, *sys.argv])
+
+
 def main(argv):
   del argv
   if not flags.FLAGS["verbosity"].present:
     # Orbax and jax log every checkpoint step at INFO; the progress bar and the
     # trainer's messages say what matters. --verbosity=0 brings them back.
     logging.set_verbosity(logging.WARNING)
-  import jax  # pylint: disable=g-import-not-at-top
-  if distributed_requested():
-    jax.distributed.initialize()
-  from attention_jax.train.trainer import train_and_evaluate  # pylint: disable=g-import-not-at-top
+  _check_workdir_flag(_WORKDIR.value)
   try:
-    results = train_and_evaluate(_CONFIG.value, _WORKDIR.value, overwrite=_OVERWRITE.value)
+    distributed = distributed_arguments(_COORDINATOR_ADDRESS.value, _NUM_PROCESSES.value,
+                                        _PROCESS_ID.value)
+  except ValueError as e:
+    _fail(str(e))
+  import jax  # pylint: disable=g-import-not-at-top
+  if distributed is not None:
+    jax.distributed.initialize(**distributed)
+  from attention_jax.train import trainer  # pylint: disable=g-import-not-at-top
+  try:
+    results = trainer.train_and_evaluate(_CONFIG.value, _WORKDIR.value,
+                                         overwrite=_OVERWRITE.value)
   except ValueError as e:  # Bad input: say what and stop, without a traceback.
-    print(f"error: {e}", file=sys.stderr)
-    sys.exit(2)
+    _fail(str(e))
+  except trainer.TrainingDivergedError as e:
+    _fail(str(e), EXIT_DIVERGED)
+  except trainer.TrainingInterrupted as e:
+    # Every process: each names its own command.
+    print(f"{e} To resume, run the same command: {_resume_command()}", file=sys.stderr,
+          flush=True)
+    sys.exit(128 + e.signal_number)
+  except KeyboardInterrupt:
+    # A Ctrl-C outside the training loop (preparing data, compiling the
+    # first step, the final evaluation): nothing of the run is lost.
+    print(f"interrupted outside the training loop; to continue, run the same command: "
+          f"{_resume_command()}", file=sys.stderr, flush=True)
+    sys.exit(128 + signal.SIGINT)
   if jax.process_index() == 0:
     metrics = results["metrics"]
     summary = dict(validation=metrics["validation"], test=metrics.get("test"),
@@ -67,4 +335,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=parse_flags)

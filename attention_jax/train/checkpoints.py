@@ -241,6 +241,10 @@ class Checkpointer:
     steps = self.all_steps()
     return steps[-1] if steps else None
 
+  def step_path(self, step: int) -> epath.Path:
+    """The directory of the checkpoint of `step` (whether or not it exists)."""
+    return ocp.step.build_step_path(self.directory, self._name_format, int(step))
+
   def best_step(self) -> Optional[int]:
     """The step of the checkpoint with the best `best_metric`, or None when no
     checkpoint has metrics or best tracking is off (`best_metric=None`)."""
@@ -347,7 +351,7 @@ class Checkpointer:
         error = e
       if not _any_process(error is not None):
         return state, step
-      path = ocp.step.build_step_path(self.directory, self._name_format, step)
+      path = self.step_path(step)
       if error is None:
         reason = "could not be restored on another process"
       else:

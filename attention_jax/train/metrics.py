@@ -19,6 +19,7 @@ the others every method is a no-op, so trainers call them unconditionally.
 from __future__ import annotations
 
 import json
+import logging as pylogging
 import operator
 import os
 import pathlib
@@ -43,6 +44,19 @@ RESERVED_KEYS = ("step", "split", "time")
 # thread's own periodic flush (120 s by default). A shorter period bounds how
 # stale the event file can get; close() writes everything.
 _TENSORBOARD_FLUSH_SECS = 10
+
+
+
+class _WithoutNonFiniteNotice(pylogging.Filter):
+  """Drops tensorboardX's warning for each NaN or infinite scalar: such a value
+  is recorded as it is (TensorBoard plots it as NaN/Inf), and a diverged loss
+  is the trainer's to report, in one message naming the step."""
+
+  def filter(self, record: pylogging.LogRecord) -> bool:
+    return "NaN or Inf found in input tensor" not in record.getMessage()
+
+
+pylogging.getLogger("tensorboardX.x2num").addFilter(_WithoutNonFiniteNotice())
 
 PathLike = Union[str, os.PathLike]
 Scalar = Union[bool, int, float, str]

@@ -10,6 +10,16 @@ at the end `results.json`. A run killed at any moment and started again with
 the same command restores its latest checkpoint and continues to the same
 parameters and metrics as a run that was never stopped: batch `s` and the
 dropout keys of step `s` are functions of (seed, s) alone.
+
+Two ways a run stops early on purpose, both leaving it ready to resume:
+
+- SIGINT or SIGTERM: the current step finishes, is checkpointed (the save is
+  waited for) and `TrainingInterrupted` is raised; the same command resumes
+  from exactly that step. A second signal stops at once, as it would have.
+  With several processes, all stop after the next step at which they already
+  wait for the device (a train record, evaluation or checkpoint).
+- a NaN or infinite training loss (or gradient norm): `TrainingDivergedError`,
+  naming the step and the last checkpoint written before it.
 """
 
 from __future__ import annotations
@@ -18,12 +28,17 @@ import datetime
 import hashlib
 import json
 import math
+import os
 import pathlib
+import signal
 import subprocess
+import threading
 import time
 from typing import Any, Dict, Iterator, Optional
 
 import jax
+from jax.experimental import multihost_utils
+import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
@@ -46,8 +61,51 @@ class WorkdirConflictError(ValueError):
   """The workdir holds a run of a different config."""
 
 
+class TrainingDivergedError(RuntimeError):
+  """A train step's loss or gradient norm was NaN or infinite.
+
+  Attributes:
+    step: the first such step.
+    loss, grad_norm: that step's values.
+    checkpoint_step, checkpoint_path: the newest checkpoint, written before
+      `step` (None when there is none).
+  """
+
+  def __init__(self, *, step: int, loss: float, grad_norm: float,
+               checkpoint_step: Optional[int], checkpoint_path: Optional[str]):
+    self.step, self.loss, self.grad_norm = step, loss, grad_norm
+    self.checkpoint_step, self.checkpoint_path = checkpoint_step, checkpoint_path
+    if checkpoint_step is None:
+      last_good = "no checkpoint was written before it"
+    else:
+      last_good = f"the last good checkpoint is step {checkpoint_step} at {checkpoint_path}"
+    super().__init__(
+        f"training diverged: the loss was {loss} (gradient norm {grad_norm}) at step {step}; "
+        f"{last_good}. The same config resumed from it repeats the same steps: change it "
+        f"(e.g. a lower optimizer.learning_rate) in a new workdir.")
+
+
+class TrainingInterrupted(KeyboardInterrupt):
+  """SIGINT or SIGTERM stopped training after a checkpoint of the current step.
+
+  A KeyboardInterrupt, so that `except Exception` does not swallow it.
+
+  Attributes:
+    signal_number: the signal this process received (`signal.SIGINT` or
+      `signal.SIGTERM`), or on a process of a multi-process run that stopped
+      because another process received one, that process's signal.
+    step: the step training stopped after, which is checkpointed.
+    checkpoint_path: that checkpoint's directory.
+  """
+
+  def __init__(self, *, signal_number: int, step: int, checkpoint_path: str):
+    self.signal_number, self.step, self.checkpoint_path = signal_number, step, checkpoint_path
+    super().__init__(f"interrupted by {signal.Signals(signal_number).name} after step {step}; "
+                     f"saved its checkpoint {checkpoint_path}.")
+
+
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib.Path, *,
-                       overwrite: bool = False) -> Dict[str, Any]:
+                       overwrite: bool = False, handle_signals: bool = True) -> Dict[str, Any]:
   """Trains `config` in `workdir` (resuming what is there) and returns the results.
 
   Args:
@@ -55,6 +113,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
     workdir: where the run keeps its config, checkpoints, metrics and results.
     overwrite: when the workdir holds a run of a different config, move it aside
       to `<workdir>.replaced-<time>` and start afresh (otherwise an error).
+    handle_signals: while training, take SIGINT and SIGTERM as a request to
+      checkpoint the current step and stop (`TrainingInterrupted`). Only
+      possible in the main thread; elsewhere the signals act as before. With
+      several processes, a signal to any of them stops all after the same
+      step: the next train record, evaluation or checkpoint step.
 
   Returns:
     The contents of `results.json` (read back, without training, when the
@@ -64,10 +127,14 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
     ValueError: on an unknown config key or name, a mesh shape that does not fit
       the devices, a batch size that does not split over the data axes, or
       (`WorkdirConflictError`) a workdir holding a different run. All of these
-      are raised before anything is compiled or written.
+      are raised before anything is compiled or written; likewise a workdir
+      that is an existing file.
+    TrainingDivergedError: a train loss or gradient norm was NaN or infinite.
+    TrainingInterrupted: SIGINT or SIGTERM (with `handle_signals`).
   """
   # orbax needs absolute checkpoint paths.
   workdir = pathlib.Path(workdir).absolute()
+  check_workdir_path(workdir)
   config = _completed(config)
   mesh = partitioning.make_mesh(config.mesh_shape)
   partitioning.check_batch_size(config.batch_size, mesh)
@@ -82,7 +149,15 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
   task = lra_data.get_task(config.task, **task_options(config))
   data_dir = task_data_dir(config)
   if config.prepare_data:
-    task.prepare(data_dir, progress=config.progress and jax.process_index() == 0)
+    # The first process prepares alone: processes sharing a filesystem would
+    # otherwise write the same files at once. The others then find the data
+    # there, or prepare their own copy on a filesystem of their own.
+    if jax.process_index() == 0:
+      task.prepare(data_dir, progress=config.progress)
+    if jax.process_count() > 1:
+      multihost_utils.sync_global_devices("attention_jax_prepare_data")
+      if jax.process_index() > 0:
+        task.prepare(data_dir, progress=False)
   splits = task.splits(data_dir)
   host = dict(process_index=jax.process_index(), process_count=jax.process_count())
   batch_sharding = partitioning.batch_sharding(mesh)
@@ -130,59 +205,112 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
   # this process (compilation), evaluation and checkpointing.
   timer = _StepTimer()
   compile_s = None
-  train_sums: Dict[str, Any] = {}
+  # Device-side running sums of the train metrics since the last record (None
+  # right after one); see `_accumulate`.
+  train_sums: Optional[Dict[str, jax.Array]] = None
   last_train: Dict[str, float] = {}
   validation: Dict[str, float] = {}
-  for step in range(start_step + 1, total + 1):
-    batch = partitioning.shard_batch(next(train_batches), batch_sharding)
-    if compile_s is None:
-      started = time.perf_counter()
-      state, metrics = train_step(state, batch)
-      jax.block_until_ready(metrics)
-      compile_s = time.perf_counter() - started
-      timer.restart()
-    else:
-      state, metrics = train_step(state, batch)
-      timer.count()
-    # Device-side running sums: no host sync until a record is written.
-    weighted = dict(loss=metrics["loss"] * metrics["count"],
-                    accuracy=metrics["accuracy"] * metrics["count"], count=metrics["count"])
-    train_sums = weighted if not train_sums else jax.tree.map(lambda a, b: a + b, train_sums,
-                                                              weighted)
 
-    if step % config.log_every == 0 or step == total:
-      count = max(float(train_sums["count"]), 1e-8)
-      steps_per_s = timer.rate()
-      last_train = dict(loss=float(train_sums["loss"]) / count,
-                        accuracy=float(train_sums["accuracy"]) / count,
-                        grad_norm=float(metrics["grad_norm"]),
-                        learning_rate=float(_learning_rate(config, step)))
-      if steps_per_s:
-        last_train.update(steps_per_s=steps_per_s,
-                          examples_per_s=steps_per_s * config.batch_size,
-                          tokens_per_s=steps_per_s * config.batch_size * tokens_per_example)
-      last_train.update(peak_memory())
-      logger.write(step, "train", last_train)
-      train_sums = {}
-    logger.advance(step, **({"loss": last_train["loss"]} if last_train else {}))
+  def write_train_record(step: int, sums: Dict[str, jax.Array], metrics: Dict[str, jax.Array]):
+    nonlocal last_train
+    # One transfer for the record's device values.
+    host_sums, grad_norm = jax.device_get((sums, metrics["grad_norm"]))
+    count = max(float(host_sums["count"]), 1e-8)
+    steps_per_s = timer.rate()
+    last_train = dict(loss=float(host_sums["loss"]) / count,
+                      accuracy=float(host_sums["accuracy"]) / count,
+                      grad_norm=float(grad_norm),
+                      learning_rate=float(_learning_rate(config, step)))
+    if steps_per_s:
+      last_train.update(steps_per_s=steps_per_s,
+                        examples_per_s=steps_per_s * config.batch_size,
+                        tokens_per_s=steps_per_s * config.batch_size * tokens_per_example)
+    last_train.update(peak_memory())
+    logger.write(step, "train", last_train)
+    return host_sums
 
-    evaluated = step % config.eval_every == 0 or step == total
-    if evaluated or step % config.checkpoint_every == 0:
-      # Dispatch is asynchronous: wait for the train steps to finish before
-      # stopping their clock.
-      jax.block_until_ready(state)
-    if evaluated:
-      timer.pause()
-      validation = evaluate(state, "validation")
-      logger.write(step, "validation", validation)
-      timer.resume()
-    if evaluated or step % config.checkpoint_every == 0:
-      timer.pause()
-      # Every eval step is checkpointed with its metrics, so the best
-      # checkpoint is the best evaluated state.
-      checkpointer.save(step, state, metrics=validation if evaluated else None)
-      timer.resume()
-  checkpointer.wait_until_finished()
+  def stop_if_diverged(host_sums: Dict[str, np.ndarray]) -> None:
+    """Raises TrainingDivergedError when a step since the last record had a
+    non-finite loss or gradient norm, once the last good checkpoint is on disk."""
+    bad_step = int(host_sums["bad_step"])
+    if not bad_step:
+      return
+    checkpointer.wait_until_finished()
+    good_step = checkpointer.latest_step()
+    good_path = None if good_step is None else checkpointer.step_path(good_step)
+    raise TrainingDivergedError(
+        step=bad_step, loss=float(host_sums["bad_loss"]),
+        grad_norm=float(host_sums["bad_grad_norm"]), checkpoint_step=good_step,
+        checkpoint_path=None if good_path is None else str(good_path))
+
+  stop_requests = _StopRequests(enabled=handle_signals)
+  try:
+    with stop_requests:
+      for step in range(start_step + 1, total + 1):
+        batch = partitioning.shard_batch(next(train_batches), batch_sharding)
+        if compile_s is None:
+          started = time.perf_counter()
+          state, metrics = train_step(state, batch)
+          jax.block_until_ready(metrics)
+          compile_s = time.perf_counter() - started
+          timer.restart()
+        else:
+          state, metrics = train_step(state, batch)
+          timer.count()
+        # Decision: a NaN or Inf loss is caught without a host sync per step.
+        # `_accumulate` runs on the device with the running sums and keeps the
+        # first step whose loss or gradient norm is not finite; that value is
+        # read only where the loop waits for the device anyway (a train record,
+        # and before every evaluation and checkpoint, which wait for the state).
+        # So a divergence is reported up to `log_every - 1` steps late, but
+        # naming its own step, and no checkpoint of a diverged state is written.
+        train_sums = _accumulate(train_sums, metrics, state.step)
+
+        recorded = step % config.log_every == 0 or step == total
+        if recorded:
+          host_sums = write_train_record(step, train_sums, metrics)
+          train_sums = None
+          stop_if_diverged(host_sums)
+        logger.advance(step, **({"loss": last_train["loss"]} if last_train else {}))
+
+        evaluated = step % config.eval_every == 0 or step == total
+        checkpointed = evaluated or step % config.checkpoint_every == 0
+        if checkpointed:
+          # Dispatch is asynchronous: wait for the train steps to finish before
+          # stopping their clock, and check them before their state is saved.
+          jax.block_until_ready(state)
+          if train_sums is not None and int(train_sums["bad_step"]):
+            stop_if_diverged(write_train_record(step, train_sums, metrics))
+        if evaluated:
+          timer.pause()
+          validation = evaluate(state, "validation")
+          logger.write(step, "validation", validation)
+          timer.resume()
+        if checkpointed:
+          timer.pause()
+          # Every eval step is checkpointed with its metrics, so the best
+          # checkpoint is the best evaluated state.
+          checkpointer.save(step, state, metrics=validation if evaluated else None)
+          timer.resume()
+
+        if stop_requests.requested(synced=recorded or checkpointed):
+          if train_sums is not None:
+            # The steps since the last record get one of their own, so that the
+            # log has every step's loss; the resumed run starts a new interval.
+            host_sums = write_train_record(step, train_sums, metrics)
+            train_sums = None
+            stop_if_diverged(host_sums)
+          checkpointer.save(step, state)  # False when this step already has one.
+          checkpointer.wait_until_finished()
+          raise TrainingInterrupted(signal_number=stop_requests.signal_number, step=step,
+                                    checkpoint_path=str(checkpointer.step_path(step)))
+    checkpointer.wait_until_finished()
+  except BaseException:
+    # Stopped (diverged, interrupted or failed): pending saves are finished
+    # and the metrics file closed, so the workdir is ready for a restart.
+    checkpointer.close()
+    logger.close()
+    raise
 
   if not validation:  # Restarted after the final step: nothing left to train.
     validation = evaluate(state, "validation")
@@ -213,6 +341,17 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
   if jax.process_index() == 0:
     _write_json(workdir / RESULTS_FILE, results)
   return results
+
+
+def check_workdir_path(workdir: pathlib.Path) -> None:
+  """Raises ValueError when `workdir`, or a folder above it, is an existing file."""
+  for path in (workdir, *workdir.parents):
+    if path.exists():
+      if not path.is_dir():
+        where = "is" if path == workdir else f"is inside {path}, which is"
+        raise ValueError(f"workdir {workdir} {where} an existing file, expected a directory (a "
+                         f"new path, or the workdir of a run to resume).")
+      return
 
 
 def task_options(config: ml_collections.ConfigDict) -> Dict[str, Any]:
@@ -317,6 +456,99 @@ def _learning_rate(config: ml_collections.ConfigDict, step: int) -> float:
 
 def _num_params(params: Any) -> int:
   return int(sum(np.prod(leaf.shape) for leaf in jax.tree.leaves(params)))
+
+
+@jax.jit
+def _accumulate(sums: Optional[Dict[str, jax.Array]], metrics: Dict[str, jax.Array],
+                step: jax.Array) -> Dict[str, jax.Array]:
+  """The train metrics' running sums (loss and accuracy weighted by the count)
+  with one more step's `metrics` added; `sums` None starts them.
+
+  Also keeps the first `step` whose loss or gradient norm is not finite
+  ("bad_step", 0 while there is none) and those two values, so that a
+  divergence is noticed without reading every step's loss on the host.
+  """
+  if sums is None:
+    zero = jnp.zeros((), jnp.float32)
+    sums = dict(loss=zero, accuracy=zero, count=zero, bad_step=jnp.zeros((), jnp.int32),
+                bad_loss=zero, bad_grad_norm=zero)
+  count = metrics["count"]
+  first_bad = (sums["bad_step"] == 0) & ~(jnp.isfinite(metrics["loss"]) &
+                                          jnp.isfinite(metrics["grad_norm"]))
+  return dict(loss=sums["loss"] + metrics["loss"] * count,
+              accuracy=sums["accuracy"] + metrics["accuracy"] * count,
+              count=sums["count"] + count,
+              bad_step=jnp.where(first_bad, step.astype(jnp.int32), sums["bad_step"]),
+              bad_loss=jnp.where(first_bad, metrics["loss"], sums["bad_loss"]),
+              bad_grad_norm=jnp.where(first_bad, metrics["grad_norm"], sums["bad_grad_norm"]))
+
+
+class _StopRequests:
+  """SIGINT and SIGTERM as requests to stop after a train step.
+
+  A context manager: entering installs the handlers, leaving restores the
+  previous ones. `requested(synced)`, called after every train step,
+  says whether to checkpoint that step and stop. The first signal only sets a
+  flag; a second one is handled as it would have been without this
+  (KeyboardInterrupt, or termination), for a step that never finishes.
+
+  Decision: with several processes, all must stop after the same step, since
+  saving is collective, so they agree at steps where the loop already waits
+  for the device on every process (`synced`: a train record, an evaluation or
+  a checkpoint): an all-gather of the signals received. That costs nothing on
+  the other steps, and a stop waits for the next such step (at most
+  `log_every` steps). jax's preemption service (`reached_preemption_sync_point`)
+  would agree sooner, but it takes the last step any thread reported, and
+  orbax reports older, finished saves from its background thread: a process
+  could then be past the agreed step and never stop while the others save.
+  Its SIGTERM handler is replaced here; so is Python's for SIGINT.
+  """
+
+  def __init__(self, enabled: bool = True):
+    self.enabled = enabled
+    self.signal_number: Optional[int] = None
+    self._previous: Dict[int, Any] = {}
+
+  def __enter__(self) -> "_StopRequests":
+    if self.enabled and threading.current_thread() is threading.main_thread():
+      for number in (signal.SIGINT, signal.SIGTERM):
+        self._previous[number] = signal.signal(number, self._handle)
+    return self
+
+  def __exit__(self, *exc_info) -> None:
+    for number, handler in self._previous.items():
+      signal.signal(number, handler)
+    self._previous = {}
+
+  def _handle(self, number: int, frame) -> None:
+    if self.signal_number is None:
+      self.signal_number = number
+      return
+    # A second signal: as if this handler had never been installed.
+    previous = self._previous.get(number, signal.SIG_DFL)
+    signal.signal(number, previous)
+    if callable(previous):
+      previous(number, frame)
+    elif previous == signal.SIG_DFL:
+      os.kill(os.getpid(), number)
+
+  def requested(self, synced: bool) -> bool:
+    """Whether to checkpoint the step just dispatched and stop.
+
+    Args:
+      synced: whether every process waits for the device at this step (the
+        same on all processes); other processes' signals are heard only then.
+    """
+    if jax.process_count() == 1:
+      return self.signal_number is not None
+    if not synced:
+      return False
+    received = multihost_utils.process_allgather(np.int32(self.signal_number or 0))
+    if not np.any(received):
+      return False
+    if self.signal_number is None:  # Stopped for another process's signal.
+      self.signal_number = int(received[np.flatnonzero(received)[0]])
+    return True
 
 
 class _StepTimer:
