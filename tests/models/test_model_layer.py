@@ -1,0 +1,308 @@
+"""The model layer: one config, blocks from parts, the carry, scan/remat, declared options."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import attention_jax as aj
+from attention_jax import registry
+from attention_jax.models import (Block, LayerStack, ModelConfig, build_model,
+                                  default_model_config)
+from attention_jax.models.stack import unstack_scanned
+from attention_jax.variants.prior import SCORES
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+B, T, E = 2, 16, 16
+
+
+def _config(**overrides) -> ModelConfig:
+  fields = dict(vocab_size=11, num_layers=4, embed_dim=E, num_heads=2, mlp_dim=32, max_length=T,
+                dropout_rate=0.0)
+  fields.update(overrides)
+  return ModelConfig.from_config(fields)
+
+
+def _x(seed=0):
+  return jax.random.normal(jax.random.PRNGKey(seed), (B, T, E))
+
+
+def _stack_loss(config):
+  stack = LayerStack(config)
+
+  def loss(params, x):
+    y, _ = stack.apply({"params": params}, x)
+    return jnp.sum(jnp.sin(y))
+
+  return stack, loss
+
+
+# ---------------------------------------------------------------------------
+# One layer stack: unrolled, scanned, rematerialised.
+
+
+@pytest.mark.parametrize("layer_attention", [(), ("local", "dot_product")])
+@pytest.mark.parametrize("remat_policy", ["none", "full", "dots"])
+def test_scanned_stack_equals_unrolled(layer_attention, remat_policy):
+  options = {"window_size": 3} if layer_attention else {}
+  unrolled = _config(layer_attention=layer_attention, attention_options=options)
+  scanned = _config(layer_attention=layer_attention, attention_options=options,
+                    scan_layers=True, remat_policy=remat_policy)
+  x = _x()
+  stack, loss = _stack_loss(scanned)
+  scanned_params = nn.meta.unbox(stack.init(jax.random.PRNGKey(1), x)["params"])
+  params = unstack_scanned(scanned_params, scanned)
+  _, unrolled_loss = _stack_loss(unrolled)
+
+  value, grads = jax.jit(jax.value_and_grad(loss))(scanned_params, x)
+  expected, expected_grads = jax.jit(jax.value_and_grad(unrolled_loss))(params, x)
+  np.testing.assert_allclose(value, expected, rtol=1e-5)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-5),
+               unstack_scanned(grads, scanned), expected_grads)
+
+
+def test_scan_needs_whole_periods():
+  with pytest.raises(ValueError, match="num_layers=3 is not a multiple of its 2 entries"):
+    _config(num_layers=3, layer_attention=("local", "dot_product"), scan_layers=True)
+
+
+def test_scanned_parameters_carry_a_layers_axis():
+  config = _config(scan_layers=True)
+  boxed = LayerStack(config).init(jax.random.PRNGKey(0), _x())["params"]
+  kernel = boxed["blocks"]["block_0"]["attention"]["query"]["kernel"]
+  assert kernel.names == ("layers", "embed", "heads", "kv")
+  assert kernel.value.shape == (4, E, 2, E // 2)
+
+
+# ---------------------------------------------------------------------------
+# A per-layer schedule equals building the layers by hand.
+
+
+def test_layer_schedule_equals_blocks_built_by_hand():
+  config = _config(layer_attention=("local", "local", "dot_product"), num_layers=6,
+                   attention_options={"window_size": 2})
+  assert config.schedule == ("local", "local", "dot_product") * 2
+  x = _x(3)
+  stack = LayerStack(config)
+  params = stack.init(jax.random.PRNGKey(0), x)["params"]
+  y, _ = stack.apply({"params": params}, x)
+
+  expected = x
+  for i, variant in enumerate(config.schedule):
+    block = Block(config, variant)
+    expected, _ = block.apply({"params": params[f"block_{i}"]}, expected, {})
+  np.testing.assert_allclose(y, expected, rtol=1e-6, atol=1e-6)
+  # The local layers really are local: one with the full window differs.
+  wide = _config(layer_attention=("local", "local", "dot_product"), num_layers=6,
+                 attention_options={"window_size": T})
+  y_wide, _ = LayerStack(wide).apply({"params": params}, x)
+  assert np.abs(np.asarray(y_wide - y)).max() > 1e-3
+
+
+def test_schedule_options_must_belong_to_a_scheduled_variant():
+  with pytest.raises(ValueError, match=r"no variant of layer_attention .* has option "
+                                       r"'window_sise'. Did you mean 'window_size'"):
+    _config(layer_attention=("local", "dot_product"), attention_options={"window_sise": 2})
+
+
+# ---------------------------------------------------------------------------
+# Every registered mixer through the same block, forward and backward, under jit.
+
+
+@pytest.mark.parametrize("variant", registry.list_variants())
+def test_every_mixer_runs_in_the_block(variant):
+  length = 256  # fits every default block size and pattern (as test_every_variant)
+  options = {"max_length": length} if variant.startswith("synthesizer") else {}
+  config = _config(attention=variant, attention_options=options, num_layers=1,
+                   max_length=length)
+  x = jax.random.normal(jax.random.PRNGKey(2), (1, length, E))
+  block = Block(config)
+  variables = block.init(jax.random.PRNGKey(0), x, {})
+  # State a variant keeps besides its parameters (routing's k-means centroids).
+  state = {k: v for k, v in variables.items() if k != "params"}
+
+  def loss(params, x):
+    (y, _), _ = block.apply({"params": params, **state}, x, {}, mutable=list(state))
+    return jnp.sum(y ** 2)
+
+  value, (grad_params, grad_x) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(
+      variables["params"], x)
+  assert np.isfinite(value)
+  assert np.isfinite(np.asarray(grad_x)).all() and np.abs(np.asarray(grad_x)).max() > 0
+  leaves = jax.tree.leaves(grad_params)
+  assert all(np.isfinite(np.asarray(leaf)).all() for leaf in leaves)
+
+
+# ---------------------------------------------------------------------------
+# The carry: RealFormer.
+
+
+def _encoder_params(config, tokens):
+  return build_model(config).init(jax.random.PRNGKey(0), tokens)["params"]
+
+
+def test_realformer_with_zero_residual_weight_is_the_vanilla_encoder():
+  tokens = jax.random.randint(jax.random.PRNGKey(4), (B, T), 1, 11)
+  # A language model: the classifier's zero-initialised head would hide any difference.
+  vanilla = _config(attention="dot_product", kind="language_model")
+  real = _config(attention="realformer", attention_options={"residual_weight": 0.0},
+                 kind="language_model")
+  params = _encoder_params(vanilla, tokens)
+  expected = build_model(vanilla).apply({"params": params}, tokens)
+  out = build_model(real).apply({"params": params}, tokens)
+  np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-6)
+  # ... and with the default weight 1 it is a different model.
+  residual = build_model(_config(attention="realformer", kind="language_model")).apply(
+      {"params": params}, tokens)
+  assert np.abs(np.asarray(residual - expected)).max() > 1e-4
+
+
+@pytest.mark.property("realformer")
+@pytest.mark.parametrize("scan_layers", [False, True])
+def test_realformer_scores_are_the_running_sum_over_layers(scan_layers):
+  """S_l = sum over layers j <= l of q_j k_j^T / sqrt(D), from each layer's own
+  queries and keys, computed here from the parameters and the residual stream."""
+  config = _config(attention="realformer", num_layers=3, scan_layers=scan_layers)
+  x = _x(5)
+  stack = LayerStack(config)
+  params = nn.meta.unbox(stack.init(jax.random.PRNGKey(0), x)["params"])
+  _, carry = stack.apply({"params": params}, x)
+  layers = unstack_scanned(params, config) if scan_layers else params
+
+  one_layer = _config(attention="realformer", num_layers=1)
+  stream, running = x, jnp.zeros((B, 2, T, T))
+  for i in range(config.num_layers):
+    p = layers[f"block_{i}"]
+    normed = nn.LayerNorm(epsilon=1e-6).apply({"params": p["attention_norm"]}, stream)
+    project = lambda name: (jnp.einsum("bte,ehd->bthd", normed, p["attention"][name]["kernel"])
+                            + p["attention"][name]["bias"])
+    q, k = project("query"), project("key")
+    previous = running
+    running = previous + jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(q.shape[-1])
+    stream, layer_carry = Block(one_layer).apply({"params": p}, stream, {SCORES: previous})
+    np.testing.assert_allclose(layer_carry[SCORES], running, rtol=1e-4, atol=1e-4)
+  np.testing.assert_allclose(carry[SCORES], running, rtol=1e-4, atol=1e-4)
+
+
+def test_realformer_refuses_scores_of_the_wrong_shape():
+  q = jnp.ones((1, 4, 2, 8))
+  with pytest.raises(ValueError, match=r"carry\['attention_scores'\] must be"):
+    aj.get_variant("realformer").fn(q, q, q, carry={SCORES: jnp.zeros((1, 2, 4, 5))})
+
+
+# ---------------------------------------------------------------------------
+# Declared options.
+
+
+def test_variant_options_are_declared_with_type_default_and_doc():
+  options = {o.name: o for o in aj.variant_options("local")}
+  assert options["window_size"].type is int and options["window_size"].default == 64
+  assert options["window_size"].doc
+  for name in registry.list_variants():
+    for option in aj.variant_options(name):
+      assert option.doc and option.type in (int, float, bool, str, tuple), (name, option)
+
+
+def test_undeclared_option_fails_when_the_model_is_built():
+  with pytest.raises(ValueError, match=r"attention variant 'local' has no option 'window'. "
+                                       r"Did you mean 'window_size'\? Its options are: "
+                                       r"window_size, scale"):
+    build_model(dict(attention="local", attention_options={"window": 3}))
+
+
+def test_unknown_names_suggest_the_closest():
+  with pytest.raises(ValueError, match=r"unknown attention variant 'perfomer'. "
+                                       r"Did you mean 'performer'"):
+    build_model(dict(attention="perfomer"))
+  with pytest.raises(ValueError, match=r"unknown model config key 'num_layer'. "
+                                       r"Did you mean 'num_layers'"):
+    build_model(dict(num_layer=3))
+
+
+def test_default_model_config_is_generated_from_the_dataclass():
+  config = default_model_config()
+  assert set(config.keys()) == {f for f in ModelConfig.__dataclass_fields__}
+  assert config.num_kv_heads is None and config.scan_layers is False
+  assert set(config.attention_options.keys()) == {"implementation", "local_window_size",
+                                                  "scale"}
+
+
+def test_options_table_in_docs_is_current():
+  path = REPO / "docs" / "variants.md"
+  assert registry.options_table_markdown() in path.read_text(), (
+      "docs/variants.md is stale: run python -m experiments.variant_table")
+
+
+def _train(tmp_path, config, *flags):
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  return subprocess.run(
+      [sys.executable, "-m", "experiments.train", f"--config={config}",
+       f"--workdir={tmp_path / 'run'}", f"--config.data_dir={tmp_path / 'data'}", *flags],
+      cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+
+
+def test_toy_mixer_from_a_test_module_trains_with_a_cli_option(tmp_path):
+  """A mixer registered outside attention_jax, its option set on the command line."""
+  result = _train(tmp_path, "tests/models/toy_mixer_config.py",
+                  "--config.model.attention_options.gain=0.5")
+  assert result.returncode == 0, result.stderr[-3000:]
+  saved = json.loads((tmp_path / "run" / "config.json").read_text())
+  assert saved["model"]["attention"] == "toy_gated_mean"
+  assert saved["model"]["attention_options"] == {"gain": 0.5}
+  records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
+  assert [r["step"] for r in records if r.get("split") == "train"] == [1, 2, 3, 4, 5]
+  assert all(np.isfinite(r["loss"]) for r in records if r.get("split") == "train")
+
+
+def test_cli_sets_a_declared_option_of_a_library_variant(tmp_path):
+  result = _train(tmp_path, "tests/train/tiny_config.py:local",
+                  "--config.model.attention_options.window_size=3",
+                  "--config.num_train_steps=2", "--config.optimizer.warmup_steps=1",
+                  "--config.eval_every=2",
+                  "--config.checkpoint_every=2")
+  assert result.returncode == 0, result.stderr[-3000:]
+  saved = json.loads((tmp_path / "run" / "config.json").read_text())
+  assert saved["model"]["attention_options"]["window_size"] == 3
+
+
+# ---------------------------------------------------------------------------
+# Layering: the pure level without layers/ and models/.
+
+
+def test_pure_level_imports_and_runs_without_layers_or_models():
+  program = """
+import sys
+sys.modules['attention_jax.layers'] = None   # makes `import attention_jax.layers...` fail
+sys.modules['attention_jax.models'] = None
+import jax, jax.numpy as jnp
+import attention_jax as aj
+from attention_jax import positional, registry
+from attention_jax.kernels.flash_attention import blockwise_dot_product_attention
+q = jax.random.normal(jax.random.PRNGKey(0), (1, 64, 2, 8))
+for name in registry.list_variants():
+  spec = registry.get_variant(name)
+  aj.variant_options(name)
+  assert spec.fn is not None
+out = aj.dot_product_attention(q, q, q, is_causal=True)
+ref = aj.reference_attention(q, q, q, is_causal=True)
+assert jnp.allclose(out, ref, atol=1e-5)
+assert blockwise_dot_product_attention(q, q, q).shape == q.shape
+assert registry.get_variant("local").fn(q, q, q, window_size=4).shape == q.shape
+assert positional.apply_rope(q, jnp.arange(64)).shape == q.shape
+try:
+  aj.MultiHeadAttention
+except ImportError:
+  print("layers unimportable, as arranged")
+print("ok")
+"""
+  result = subprocess.run([sys.executable, "-c", program], cwd=REPO, capture_output=True,
+                          text=True, timeout=300)
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert "ok" in result.stdout and "layers unimportable" in result.stdout
