@@ -1,4 +1,5 @@
-"""FeedForward, norms and EncoderBlock against their written-out formulas."""
+"""FeedForward and norms against their written-out formulas (the Block built from
+them: tests/models/test_block.py)."""
 
 import functools
 
@@ -9,10 +10,10 @@ import numpy as np
 import pytest
 from jax.scipy.special import erf
 
-from attention_jax.layers import EncoderBlock, FeedForward, MultiHeadAttention, make_norm
+from attention_jax.layers import FeedForward, make_norm
 from attention_testing import assert_close
 
-B, T, E, H, F = 2, 8, 16, 4, 32
+B, T, E, F = 2, 8, 16, 32
 
 
 def _inputs(seed=0, length=T, features=E):
@@ -135,99 +136,6 @@ def test_norm_equals_its_formula_and_names_its_scale_axis(kind, formula):
 def test_make_norm_unknown_name_lists_the_valid_ones():
   with pytest.raises(ValueError, match="layernorm.*rmsnorm.*'batchnorm'"):
     make_norm("batchnorm")
-
-
-# ---------------------------------------------------------------------------
-# EncoderBlock.
-# ---------------------------------------------------------------------------
-
-
-def _block_by_formula(params, x, *, pre_norm, norm, mask=None, is_causal=False):
-  """The residual structure written out, the sub-layers applied on their own."""
-  attention = MultiHeadAttention(num_heads=H)
-  mlp = FeedForward(F, activation="gelu")
-  normalize = _layer_norm if norm == "layernorm" else _rms_norm
-
-  def attend(y):
-    return attention.apply({"params": params["attention"]}, y, mask=mask, is_causal=is_causal)
-
-  def feed_forward(y):
-    return mlp.apply({"params": params["mlp"]}, y)
-
-  if pre_norm:
-    y = x + attend(normalize(x, params["attention_norm"]))
-    return y + feed_forward(normalize(y, params["mlp_norm"]))
-  y = normalize(x + attend(x), params["attention_norm"])
-  return normalize(y + feed_forward(y), params["mlp_norm"])
-
-
-@pytest.mark.parametrize("pre_norm", [True, False])
-@pytest.mark.parametrize("norm", ["layernorm", "rmsnorm"])
-def test_block_equals_pre_or_post_norm_formula(pre_norm, norm):
-  x = _inputs()
-  mask = jax.random.bernoulli(jax.random.PRNGKey(4), 0.7, (B, 1, T, T)).at[..., 0].set(True)
-  block = EncoderBlock(num_heads=H, mlp_dim=F, norm=norm, pre_norm=pre_norm)
-  params = _perturbed(_params(block, x))
-  assert set(params) == {"attention", "attention_norm", "mlp", "mlp_norm"}
-  expected = _block_by_formula(params, x, pre_norm=pre_norm, norm=norm, mask=mask)
-  assert_close(block.apply({"params": params}, x, mask=mask), expected, atol=1e-4)
-
-
-def test_causal_block_output_at_t_ignores_later_inputs():
-  x = _inputs()
-  block = EncoderBlock(num_heads=H, mlp_dim=F)
-  params = _params(block, x)
-  changed = x.at[:, 3:].set(_inputs(seed=9)[:, 3:])
-  out = block.apply({"params": params}, x, is_causal=True)
-  out_changed = block.apply({"params": params}, changed, is_causal=True)
-  assert_close(out[:, :3], out_changed[:, :3])
-  assert not np.allclose(out[:, 3:], out_changed[:, 3:], atol=1e-3)
-
-
-def test_block_dropout_is_off_when_deterministic_and_on_otherwise():
-  x = _inputs()
-  block = EncoderBlock(num_heads=H, mlp_dim=F, dropout_rate=0.3, attention_dropout_rate=0.3)
-  params = _params(block, x)
-  reference = EncoderBlock(num_heads=H, mlp_dim=F).apply({"params": params}, x)
-  assert_close(block.apply({"params": params}, x, deterministic=True), reference)
-  run = lambda seed: block.apply({"params": params}, x, deterministic=False,
-                                 rngs={"dropout": jax.random.PRNGKey(seed)})
-  assert not np.allclose(run(0), reference, atol=1e-3)
-  assert not np.allclose(run(0), run(1), atol=1e-3)
-  assert_close(run(2), run(2))
-
-
-@pytest.mark.parametrize("attention,num_kv_heads,expected_kv_heads",
-                         [("dot_product", None, H), ("multi_query", None, 1),
-                          ("grouped_query", 2, 2)])
-def test_block_builds_the_named_mixer(attention, num_kv_heads, expected_kv_heads):
-  x = _inputs()
-  block = EncoderBlock(num_heads=H, mlp_dim=F, attention=attention, num_kv_heads=num_kv_heads)
-  params = _params(block, x)
-  assert params["attention"]["query"]["kernel"].shape == (E, H, E // H)
-  assert params["attention"]["key"]["kernel"].shape == (E, expected_kv_heads, E // H)
-  assert block.apply({"params": params}, x).shape == x.shape
-
-
-def test_block_passes_relative_position_to_the_mixer():
-  x = _inputs()
-  params = _params(EncoderBlock(num_heads=H, mlp_dim=F, position="t5"), x)
-  assert "relative_position_bias" in params["attention"]
-  # RoPE has no parameters, but it makes the output depend on positions.
-  rope = EncoderBlock(num_heads=H, mlp_dim=F, position="rope")
-  params = _params(rope, x)
-  no_position = EncoderBlock(num_heads=H, mlp_dim=F).apply({"params": params}, x)
-  assert not np.allclose(rope.apply({"params": params}, x), no_position, atol=1e-4)
-
-
-def test_block_unknown_names_raise():
-  x = _inputs()
-  with pytest.raises(ValueError, match="unknown attention variant 'nope'"):
-    EncoderBlock(num_heads=H, mlp_dim=F, attention="nope").init(jax.random.PRNGKey(0), x)
-  with pytest.raises(ValueError, match="norm must be one of"):
-    EncoderBlock(num_heads=H, mlp_dim=F, norm="nope").init(jax.random.PRNGKey(0), x)
-  with pytest.raises(ValueError, match=r"x must be \[B, T, E\]"):
-    EncoderBlock(num_heads=H, mlp_dim=F).init(jax.random.PRNGKey(0), x[0])
 
 
 def test_gelu_matches_jax_exact_gelu_with_one_saved_array(capsys):

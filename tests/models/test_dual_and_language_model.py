@@ -7,12 +7,20 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from attention_jax.models import (DualEncoderClassifier, Encoder, LanguageModel, build_model)
+from attention_jax.models import (DualEncoderClassifier, Encoder, LanguageModel, ModelConfig,
+                                  build_model)
 from attention_jax.models.classifier import masked_mean
 from attention_testing import assert_close
 
 B, T, V, E = 3, 10, 24, 16
-SMALL = dict(vocab_size=V, num_layers=2, embed_dim=E, num_heads=4, mlp_dim=32, max_length=16)
+# dropout_rate=0.0: the old Encoder's and classifiers' default (ModelConfig's is 0.1).
+SMALL = dict(vocab_size=V, num_layers=2, embed_dim=E, num_heads=4, mlp_dim=32, max_length=16,
+             dropout_rate=0.0)
+
+
+def _small(**overrides):
+  """The checked ModelConfig of SMALL with `overrides`."""
+  return ModelConfig.from_config({**SMALL, **overrides})
 
 
 def _tokens(seed, length=T):
@@ -29,8 +37,8 @@ def _perturbed(variables, seed=3):
 
 @pytest.mark.parametrize("pooling", ["cls", "mean"])
 def test_dual_classifier_is_the_head_on_u_v_product_and_difference(pooling):
-  model = DualEncoderClassifier(encoder=Encoder(**SMALL), num_classes=3, pooling=pooling,
-                                head_mlp_dim=8)
+  config = _small(num_classes=3, pooling=pooling, head_mlp_dim=8)
+  model = DualEncoderClassifier(config)
   tokens, tokens2 = _tokens(0), _tokens(1, length=T - 2)
   mask = jnp.arange(T)[None] < jnp.array([[T], [6], [3]])
   mask2 = jnp.ones((B, T - 2), bool)
@@ -41,7 +49,7 @@ def test_dual_classifier_is_the_head_on_u_v_product_and_difference(pooling):
                                   (["cls"] if pooling == "cls" else []))
   logits = model.apply(variables, tokens, tokens2, padding_mask=mask, padding_mask2=mask2)
 
-  encoder = Encoder(**SMALL)
+  encoder = Encoder(config)
 
   def tower(x, m):
     prefix = params["cls"] if pooling == "cls" else None
@@ -60,7 +68,7 @@ def test_dual_classifier_is_the_head_on_u_v_product_and_difference(pooling):
 
 
 def test_dual_classifier_ignores_padded_tokens_of_either_document():
-  model = DualEncoderClassifier(encoder=Encoder(**SMALL), num_classes=2, pooling="mean")
+  model = DualEncoderClassifier(_small(num_classes=2, pooling="mean"))
   tokens, tokens2 = _tokens(0), _tokens(1)
   mask = jnp.broadcast_to(jnp.arange(T)[None] < 6, (B, T))
   variables = _perturbed(model.init(jax.random.PRNGKey(0), tokens, tokens2))
@@ -73,8 +81,8 @@ def test_dual_classifier_ignores_padded_tokens_of_either_document():
 @pytest.mark.parametrize("attention", ["dot_product", "linear", "local"])
 def test_language_model_logits_never_depend_on_later_tokens(attention):
   options = {"window_size": 3} if attention == "local" else {}
-  model = LanguageModel(encoder=Encoder(**SMALL, attention=attention,
-                                        attention_options=options))
+  model = LanguageModel(_small(kind="language_model", attention=attention,
+                               attention_options=options))
   tokens = _tokens(0)
   variables = _perturbed(model.init(jax.random.PRNGKey(0), tokens))
   logits = model.apply(variables, tokens)
@@ -91,7 +99,8 @@ def test_build_model_makes_each_kind_and_refuses_a_non_causal_language_model():
                 max_length=T)
   assert isinstance(build_model({**common, "kind": "dual_classifier"}), DualEncoderClassifier)
   assert isinstance(build_model({**common, "kind": "language_model"}), LanguageModel)
-  with pytest.raises(ValueError, match="kind must be one of"):
+  with pytest.raises(ValueError, match=r"unknown model kind 'seq2seq'\. Valid names are: "
+                     r"classifier, dual_classifier, language_model\."):
     build_model({**common, "kind": "seq2seq"})
   with pytest.raises(ValueError, match="'linformer' has no causal form"):
     build_model({**common, "kind": "language_model", "attention": "linformer"})

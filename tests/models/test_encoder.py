@@ -9,12 +9,24 @@ import optax
 import pytest
 
 from attention_jax import positional
-from attention_jax.models import Encoder, SequenceClassifier, build_model, default_model_config
+from attention_jax.models import (Encoder, ModelConfig, SequenceClassifier, build_model,
+                                  default_model_config)
 from attention_jax.models.classifier import masked_max, masked_mean
 from attention_testing import assert_close
 
 B, T, V, E = 2, 8, 20, 16
-SMALL = dict(vocab_size=V, num_layers=2, embed_dim=E, num_heads=4, mlp_dim=32, max_length=12)
+# dropout_rate=0.0: the old Encoder's default (ModelConfig's is 0.1).
+SMALL = dict(vocab_size=V, num_layers=2, embed_dim=E, num_heads=4, mlp_dim=32, max_length=12,
+             dropout_rate=0.0)
+
+
+def _small(**overrides):
+  """The checked ModelConfig of SMALL with `overrides`."""
+  return ModelConfig.from_config({**SMALL, **overrides})
+
+
+def _encoder(**overrides):
+  return Encoder(_small(**overrides))
 
 
 def _tokens(seed=0, length=T):
@@ -52,7 +64,7 @@ def test_encoder_traces_under_jit_for_every_position_encoding(position):
   # Tracing is where jit fails (Python control flow on traced values); skipping
   # XLA's compilation keeps the sweep fast. Values are checked by the tests below.
   tokens = _tokens()
-  encoder = Encoder(**SMALL, position=position)
+  encoder = _encoder(position=position)
   variables = _init_shapes(encoder, tokens)
   apply = jax.jit(lambda v, t, m: encoder.apply(v, t, padding_mask=m, is_causal=True))
   out = jax.eval_shape(apply, variables, tokens, _suffix_padding([T, 5]))
@@ -61,7 +73,7 @@ def test_encoder_traces_under_jit_for_every_position_encoding(position):
 
 def test_jitted_encoder_equals_eager_encoder():
   tokens, padding_mask = _tokens(), _suffix_padding([T, 5])
-  encoder = Encoder(**SMALL, position="t5")
+  encoder = _encoder(position="t5")
   variables = _init(encoder, tokens)
   apply = lambda v, t, m: encoder.apply(v, t, padding_mask=m)
   assert_close(jax.jit(apply)(variables, tokens, padding_mask),
@@ -71,7 +83,7 @@ def test_jitted_encoder_equals_eager_encoder():
 @pytest.mark.parametrize("position", ["sinusoidal", "learned", "rope", "alibi"])
 def test_padded_outputs_equal_outputs_of_the_truncated_sequence(position):
   tokens = _tokens()
-  encoder = Encoder(**SMALL, position=position)
+  encoder = _encoder(position=position)
   variables = _init(encoder, tokens)
   padded = encoder.apply(variables, tokens, padding_mask=_suffix_padding([T, 5]))
   truncated = encoder.apply(variables, tokens[1:, :5])
@@ -85,7 +97,7 @@ def test_padding_anywhere_hides_the_padded_tokens():
   padding_mask = jnp.ones((B, T), bool).at[:, 2].set(False).at[1, 6].set(False)
   other_ids = jnp.where(padding_mask, tokens, _tokens(seed=5))
   assert not np.array_equal(other_ids, tokens)
-  encoder = Encoder(**SMALL, position="rope")
+  encoder = _encoder(position="rope")
   variables = _init(encoder, tokens)
   out = encoder.apply(variables, tokens, padding_mask=padding_mask)
   out_other = encoder.apply(variables, other_ids, padding_mask=padding_mask)
@@ -100,7 +112,7 @@ def test_padding_anywhere_hides_the_padded_tokens():
 def test_causal_encoder_output_at_t_ignores_later_tokens(position):
   tokens = _tokens()
   changed = tokens.at[:, 4:].set(_tokens(seed=3)[:, 4:])
-  encoder = Encoder(**SMALL, position=position)
+  encoder = _encoder(position=position)
   variables = _init(encoder, tokens)
   out = encoder.apply(variables, tokens, is_causal=True)
   out_changed = encoder.apply(variables, changed, is_causal=True)
@@ -110,13 +122,13 @@ def test_causal_encoder_output_at_t_ignores_later_tokens(position):
 
 @pytest.mark.parametrize("position", positional.POSITION_ENCODINGS)
 def test_sequence_longer_than_max_length_raises_naming_both(position):
-  encoder = Encoder(**SMALL, position=position)
+  encoder = _encoder(position=position)
   with pytest.raises(ValueError, match=r"13.*max_length=12"):
     encoder.init(jax.random.PRNGKey(0), _tokens(length=13))
 
 
 def test_bad_inputs_raise():
-  encoder = Encoder(**SMALL)
+  encoder = _encoder()
   init = lambda *a, **k: encoder.init(jax.random.PRNGKey(0), *a, **k)
   with pytest.raises(ValueError, match="padding_mask must be bool"):
     init(_tokens(), padding_mask=jnp.ones((B, T - 1), bool))
@@ -124,14 +136,18 @@ def test_bad_inputs_raise():
     init(_tokens(), padding_mask=jnp.ones((B, T), jnp.int32))
   with pytest.raises(ValueError, match="tokens must be"):
     init(jnp.ones((B, T), jnp.float32))
+  # An unknown position is caught when the config is checked (from_config, or
+  # build_model of an unchecked ModelConfig), no longer when the Encoder is traced.
   with pytest.raises(ValueError, match="position encoding must be one of.*'absolute'"):
-    Encoder(**SMALL, position="absolute").init(jax.random.PRNGKey(0), _tokens())
+    _small(position="absolute")
+  with pytest.raises(ValueError, match="position encoding must be one of.*'absolute'"):
+    build_model(ModelConfig(**SMALL, position="absolute"))
 
 
 def test_post_norm_encoder_has_no_final_norm_and_rmsnorm_has_no_bias():
   tokens = _tokens()
-  post = _init(Encoder(**SMALL, pre_norm=False), tokens)["params"]
-  pre = _init(Encoder(**SMALL, norm="rmsnorm", activation="swiglu"), tokens)["params"]
+  post = _init(_encoder(residual="post_norm"), tokens)["params"]
+  pre = _init(_encoder(norm="rmsnorm", activation="swiglu"), tokens)["params"]
   assert "final_norm" not in post and "final_norm" in pre
   assert set(pre["final_norm"]) == {"scale"}
   assert set(pre["block_0"]["mlp"]) == {"wi_0", "wi_1", "wo"}
@@ -139,9 +155,9 @@ def test_post_norm_encoder_has_no_final_norm_and_rmsnorm_has_no_bias():
 
 def test_encoder_dropout_needs_rng_and_acts_only_when_not_deterministic():
   tokens = _tokens()
-  encoder = Encoder(**SMALL, dropout_rate=0.2)
+  encoder = _encoder(dropout_rate=0.2)
   variables = _init(encoder, tokens)
-  reference = Encoder(**SMALL).apply(variables, tokens)
+  reference = _encoder().apply(variables, tokens)
   assert_close(encoder.apply(variables, tokens), reference)
   dropped = encoder.apply(variables, tokens, deterministic=False,
                           rngs={"dropout": jax.random.PRNGKey(0)})
@@ -173,8 +189,7 @@ def test_masked_max_gradient_reaches_only_the_valid_maximum():
 
 
 def _classifier(pooling, **overrides):
-  return SequenceClassifier(encoder=Encoder(**{**SMALL, **overrides}), num_classes=3,
-                            pooling=pooling, head_mlp_dim=8)
+  return SequenceClassifier(_small(num_classes=3, pooling=pooling, head_mlp_dim=8, **overrides))
 
 
 @pytest.mark.parametrize("pooling", ["cls", "mean", "max"])
@@ -197,7 +212,7 @@ def test_cls_pooling_reads_the_prepended_embedding_at_position_zero():
   params = variables["params"]
   assert params["cls"].shape == (1, 1, E)
   # The encoder run by hand on [cls, tokens], its first output through the head.
-  encoded = Encoder(**SMALL).apply({"params": params["encoder"]}, tokens,
+  encoded = _encoder().apply({"params": params["encoder"]}, tokens,
                                    prefix=params["cls"])
   assert encoded.shape == (B, T + 1, E)
   hidden = jax.nn.relu(encoded[:, 0] @ params["head_hidden"]["kernel"]
@@ -209,9 +224,9 @@ def test_cls_pooling_reads_the_prepended_embedding_at_position_zero():
 def test_mean_pooling_equals_the_masked_mean_of_encoder_outputs():
   tokens = _tokens()
   padding_mask = _suffix_padding([T, 5])
-  model = SequenceClassifier(encoder=Encoder(**SMALL), num_classes=3, pooling="mean")
+  model = SequenceClassifier(_small(num_classes=3, pooling="mean"))
   params = _init_perturbed(model, tokens)["params"]
-  encoded = Encoder(**SMALL).apply({"params": params["encoder"]}, tokens,
+  encoded = _encoder().apply({"params": params["encoder"]}, tokens,
                                    padding_mask=padding_mask)
   pooled = jnp.stack([encoded[0].mean(0), encoded[1, :5].mean(0)])
   expected = pooled @ params["head"]["kernel"] + params["head"]["bias"]
@@ -220,8 +235,12 @@ def test_mean_pooling_equals_the_masked_mean_of_encoder_outputs():
 
 
 def test_unknown_pooling_raises():
-  with pytest.raises(ValueError, match=r"pooling must be one of \('cls', 'mean', 'max'\)"):
-    _init(_classifier("first"), _tokens())
+  # Raised when the config is checked, before any module is built or traced.
+  message = r"unknown pooling 'first'\..* Valid names are: cls, mean, max\.$"
+  with pytest.raises(ValueError, match=message):
+    _classifier("first")
+  with pytest.raises(ValueError, match=message):
+    build_model(ModelConfig(**SMALL, pooling="first"))
 
 
 def test_params_carry_logical_axis_names():
@@ -262,34 +281,55 @@ def test_build_model_from_config(attention, pooling):
 
 
 def test_build_model_passes_every_option_through():
-  config = _config(num_kv_heads=2, position="t5", norm="rmsnorm", pre_norm=False,
+  config = _config(num_kv_heads=2, position="t5", norm="rmsnorm", residual="post_norm",
                    activation="geglu", head_mlp_dim=8, dtype="bfloat16", num_layers=3)
   config.attention_options = ml_collections.ConfigDict({"implementation": "xla"})
   model = build_model(config)
-  encoder = model.encoder
-  assert (encoder.num_kv_heads, encoder.position, encoder.norm, encoder.pre_norm,
-          encoder.activation, encoder.num_layers, model.head_mlp_dim) == (
-              2, "t5", "rmsnorm", False, "geglu", 3, 8)
-  assert encoder.dtype == jnp.bfloat16
-  assert dict(encoder.attention_options) == {"implementation": "xla"}
+  # The encoder is built inside the model from the same config (there is no
+  # `model.encoder` before tracing): the fields are checked on the config, and
+  # what reaches the encoder and every block's mixer on the modules as they run.
+  model_config = model.config
+  assert (model_config.num_kv_heads, model_config.position, model_config.norm,
+          model_config.residual, model_config.activation, model_config.num_layers,
+          model_config.head_mlp_dim) == (2, "t5", "rmsnorm", "post_norm", "geglu", 3, 8)
+  assert model_config.jnp_dtype == jnp.bfloat16
+  assert dict(model_config.attention_options) == {"implementation": "xla"}
   variables = _init_shapes(model, _tokens())
   assert len([k for k in variables["params"]["encoder"] if k.startswith("block_")]) == 3
   assert variables["params"]["encoder"]["block_0"]["attention"]["key"]["kernel"].shape[1] == 2
-  logits = jax.eval_shape(model.apply, variables, _tokens())
+
+  called = {}
+
+  def record(next_fun, args, kwargs, context):
+    if context.method_name == "__call__":
+      called[context.module.scope.path] = context.module
+    return next_fun(*args, **kwargs)
+
+  with nn.intercept_methods(record):
+    logits = jax.eval_shape(model.apply, variables, _tokens())
   assert logits.dtype == jnp.float32
+  assert called[("encoder",)].config is model_config
+  for i in range(3):
+    mixer = called[("encoder", f"block_{i}", "attention")]
+    assert (mixer.num_kv_heads, mixer.position, mixer.dtype) == (2, "t5", jnp.bfloat16)
+    assert dict(mixer.attention_options) == {"implementation": "xla"}
 
 
 def test_build_model_rejects_unknown_keys_and_names():
-  with pytest.raises(ValueError, match="'num_layer'.*valid keys.*num_layers"):
+  with pytest.raises(ValueError, match=r"unknown model config key 'num_layer'\. Did you mean "
+                     r"'num_layers'\?.*Valid names are:.*num_layers"):
     build_model({"num_layer": 2})
   with pytest.raises(ValueError, match="unknown attention variant 'no_such_variant'"):
     build_model(_config(attention="no_such_variant"))
-  with pytest.raises(ValueError, match="activation must be one of"):
+  with pytest.raises(ValueError, match=r"unknown activation 'mish'\..*Valid names are: .*gelu"):
     build_model(_config(activation="mish"))
-  with pytest.raises(ValueError, match="pooling must be one of"):
+  with pytest.raises(ValueError, match=r"unknown pooling 'sum'\. Valid names are: cls, mean, max"):
     build_model(_config(pooling="sum"))
   with pytest.raises(ValueError, match="dtype must name a JAX dtype.*'float99'"):
     build_model(_config(dtype="float99"))
+  # The renamed key is unknown too, pointing at nothing silently ignored.
+  with pytest.raises(ValueError, match="unknown model config key 'pre_norm'"):
+    build_model(_config(pre_norm=False))
 
 
 def test_build_model_trains_on_a_toy_task():

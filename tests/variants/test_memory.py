@@ -7,6 +7,7 @@ import pytest
 
 import attention_jax
 from attention_jax.core import reference_attention
+from attention_jax.models import Block, ModelConfig
 from attention_jax.variants import memory
 from attention_testing import (B, H, KV_LENGTHS, Q_LENGTHS, Q_SEGMENTS, KV_SEGMENTS, TK, TQ,
                                assert_close, bias_and_mask, loop_mask, random_qkv)
@@ -254,8 +255,9 @@ def test_latent_mixer_cross_attends_and_trains(name):
   grads = jax.jit(jax.grad(loss))(variables, jax.random.PRNGKey(8))["params"]
   assert np.abs(np.asarray(grads[LEARNED[name]])).max() > 0
   # The module also runs as an encoder block's mixer, by name.
-  block = attention_jax.layers.blocks.EncoderBlock(num_heads=2, mlp_dim=32, attention=name,
-                                                   attention_dropout_rate=0.1)
+  config = ModelConfig.from_config(dict(embed_dim=16, num_heads=2, mlp_dim=32, attention=name,
+                                        attention_dropout_rate=0.1))
+  block = Block(config)
   shapes = jax.eval_shape(block.init, jax.random.PRNGKey(0), context)
   assert LEARNED[name] in shapes["params"]["attention"]
 
