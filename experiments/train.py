@@ -8,9 +8,11 @@ resumes the run in the workdir (or does nothing more if it finished); a workdir
 holding a run of a different config is refused unless `--overwrite` is given,
 which moves that run aside.
 
-Stopping: Ctrl-C (SIGINT) or SIGTERM checkpoints the current step, waits for
-the save and prints how to resume (the same command, which continues exactly
-from that step); a second signal stops at once.
+Stopping: Ctrl-C (SIGINT) or SIGTERM while training checkpoints the current
+step, waits for the save and prints how to resume (the same command, which
+continues exactly from that step); a second signal stops at once. With several
+processes, a signal to any one stops all after the next step at which they
+record train metrics or checkpoint (within `log_every` steps).
 
 Several processes (hosts, or processes on one host) run the same command each,
 sharing the workdir's filesystem; `jax.distributed.initialize` is called when

@@ -1,6 +1,7 @@
 """The training loop end to end on one CPU device: what a run leaves in its
-workdir, exact resumption (after SIGKILL, after a corrupted checkpoint), and
-bad input refused before anything is compiled or written."""
+workdir, exact resumption (after SIGKILL, SIGINT or SIGTERM, after a corrupted
+checkpoint), a diverging run stopped, and bad input refused before anything is
+compiled or written."""
 
 import json
 import os
@@ -15,6 +16,7 @@ import numpy as np
 import pytest
 
 from attention_jax.train import checkpoints, metrics
+from attention_jax.train import trainer as train_trainer
 from attention_jax.train.config import default_config
 from attention_jax.train.trainer import WorkdirConflictError, train_and_evaluate
 
@@ -171,6 +173,97 @@ def test_sigkill_at_any_moment_then_restart_reaches_the_uninterrupted_result(fin
   assert steps == list(range(1, 25))
 
 
+@pytest.mark.parametrize("signal_number", [signal.SIGINT, signal.SIGTERM],
+                         ids=["SIGINT", "SIGTERM"])
+def test_a_signal_checkpoints_the_current_step_and_the_same_command_resumes_exactly(
+    finished_run, tmp_path, signal_number):
+  source_tmp, reference_workdir, reference = finished_run
+  workdir = tmp_path / "interrupted"
+  command = [sys.executable, "-m", "experiments.train", f"--config={TINY}",
+             f"--workdir={workdir}", f"--config.data_dir={source_tmp / 'data'}",
+             "--config.log_every=1"]
+  env = dict(os.environ, PYTHONUNBUFFERED="1")
+  process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+  deadline = time.time() + 300
+  signalled_after = None
+  while time.time() < deadline and process.poll() is None:
+    steps = [r["step"] for r in _safe_read(workdir) if r["split"] == "train"]
+    if steps and steps[-1] >= 10:  # between checkpoints 8 and 12
+      process.send_signal(signal_number)
+      signalled_after = steps[-1]
+      break
+    time.sleep(0.005)
+  _, stderr = process.communicate(timeout=300)
+  assert signalled_after is not None, "the run finished before it could be signalled"
+  # 128 + the signal's number, as a shell reports a process the signal killed.
+  assert process.returncode == 128 + signal_number, stderr[-3000:]
+  assert "Traceback" not in stderr
+  lines = stderr.strip().splitlines()
+  assert len(lines) == 1, stderr[-3000:]
+  stopped = int(lines[0].split("after step ")[1].split(";")[0])
+  name = signal.Signals(signal_number).name
+  assert lines[0].startswith(f"interrupted by {name} after step {stopped}; saved its "
+                             f"checkpoint {workdir / 'checkpoints' / str(stopped)}.")
+  assert lines[0].endswith("To resume, run the same command: " + " ".join(command))
+  # The step it stopped after is checkpointed, whether or not a multiple of
+  # checkpoint_every, and the log has a record of each step up to it.
+  assert signalled_after <= stopped < 24
+  assert (workdir / "checkpoints" / str(stopped)).is_dir()
+  assert [r["step"] for r in metrics.read_metrics(workdir, "train")] == list(
+      range(1, stopped + 1))
+  assert not (workdir / "results.json").exists()
+  if signal_number == signal.SIGTERM:
+    return  # The same checkpoint as SIGINT's; resuming it once is enough.
+
+  finished = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True,
+                            timeout=600)
+  assert finished.returncode == 0, finished.stderr[-3000:]
+  resumed = json.loads((workdir / "results.json").read_text())
+  assert resumed["resumed_from"] == stopped
+  _assert_same_run(reference, resumed)
+  for a, b in zip(jax.tree.leaves(_final_params(reference_workdir, 24)),
+                  jax.tree.leaves(_final_params(workdir, 24))):
+    np.testing.assert_array_equal(a, b)
+  reference_losses = {r["step"]: r["loss"] for r in metrics.read_metrics(reference_workdir,
+                                                                         "train")}
+  losses = {r["step"]: r["loss"] for r in metrics.read_metrics(workdir, "train")}
+  assert sorted(losses) == list(range(1, 25))
+  for step in range(2, 25, 2):  # the reference records every other step
+    if step - 1 > stopped or step <= stopped:  # records of the same two steps
+      np.testing.assert_allclose((losses[step - 1] + losses[step]) / 2,
+                                 reference_losses[step], rtol=1e-5)
+
+
+def test_a_nan_loss_stops_the_run_naming_its_step_and_the_last_good_checkpoint(tmp_path):
+  # An absurd learning rate: the warm-up's first update (step 2) blows the
+  # parameters up, so step 3's loss is not finite. Records every 4 steps: the
+  # divergence is noticed at step 4 but reported as step 3's.
+  config = _config(tmp_path, log_every=4, checkpoint_every=2)
+  config.optimizer.update(learning_rate=1e30, grad_clip_norm=0.0)
+  workdir = tmp_path / "workdir"
+  with pytest.raises(train_trainer.TrainingDivergedError) as error:
+    train_and_evaluate(config, workdir)
+  assert error.value.step == 3 and not np.isfinite(error.value.loss)
+  assert error.value.checkpoint_step == 2
+  assert error.value.checkpoint_path == str(workdir / "checkpoints" / "2")
+  assert f"step 2 at {workdir / 'checkpoints' / '2'}" in str(error.value)
+  assert {p.name for p in (workdir / "checkpoints").iterdir() if p.name.isdigit()} == {"2"}
+
+
+def test_a_nan_before_a_checkpoint_between_records_is_caught_before_saving(tmp_path):
+  # Records every 8 steps, checkpoints every 2: the check before each save
+  # stops the run at step 4's checkpoint, not at step 8's record.
+  config = _config(tmp_path, log_every=8, checkpoint_every=2)
+  config.optimizer.update(learning_rate=1e30, grad_clip_norm=0.0)
+  workdir = tmp_path / "workdir"
+  with pytest.raises(train_trainer.TrainingDivergedError) as error:
+    train_and_evaluate(config, workdir)
+  assert error.value.step == 3 and error.value.checkpoint_step == 2
+  records = metrics.read_metrics(workdir, "train")
+  assert [r["step"] for r in records] == [4] and np.isnan(records[0]["loss"])
+
+
 def _safe_read(workdir):
   try:
     return metrics.read_metrics(workdir)
@@ -222,6 +315,15 @@ def test_bad_values_are_refused_before_anything_is_written(tmp_path, key, value,
   for word in words:
     assert word in str(error.value)
   assert not (tmp_path / "workdir").exists()
+
+
+def test_a_workdir_that_is_a_file_is_refused_before_anything_is_written(tmp_path):
+  path = tmp_path / "a-file"
+  path.write_text("x")
+  for workdir in (path, path / "run"):
+    with pytest.raises(ValueError, match=f"workdir {workdir} .*existing file"):
+      train_and_evaluate(_config(tmp_path), workdir)
+  assert path.read_text() == "x" and not (tmp_path / "data").exists()
 
 
 def test_unknown_config_keys_and_variants_are_refused(tmp_path):
