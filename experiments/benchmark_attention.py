@@ -21,7 +21,7 @@ Each cell is jit-compiled first (not timed), run once to warm up, then timed as
 the median wall time of ``--repeats`` runs with `jax.block_until_ready`.
 
 Peak memory. On CPU every cell runs in a fresh child process (the script calls
-itself with a hidden ``--cell`` argument), so the process high-water mark
+itself with an internal ``--cell`` flag), so the process high-water mark
 belongs to that cell alone; the figure reported is the peak RSS minus the RSS
 just before the computation (inputs and executable already resident). On
 GPU/TPU cells run in-process and the device's ``peak_bytes_in_use`` is used; it
@@ -36,16 +36,15 @@ This is a benchmark, not a test: it asserts nothing about speed.
 Usage::
 
   python -m experiments.benchmark_attention
-  python -m experiments.benchmark_attention --lengths 1024 4096 --dtype bfloat16 \
-      --causal true --modes fwd_bwd --repeats 20
+  python -m experiments.benchmark_attention --lengths=1024,4096 --dtype=bfloat16 \
+      --causal=true --modes=fwd_bwd --repeats=20
   # The blockwise implementation where dense attention cannot run at all:
-  python -m experiments.benchmark_attention --lengths 65536 --modes fwd_bwd \
-      --causal false --impls attention_jax:blockwise attention_jax:xla --repeats 1
+  python -m experiments.benchmark_attention --lengths=65536 --modes=fwd_bwd \
+      --causal=false --impls=attention_jax:blockwise,attention_jax:xla --repeats=1
 """
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import functools
 import json
@@ -57,12 +56,14 @@ import statistics
 import subprocess
 import sys
 import time
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
+from absl import flags
 
 import attention_jax
+from experiments import cli
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 PEER = "jax.nn:xla"  # The peer present on every backend.
@@ -82,35 +83,43 @@ MB = 1024 * 1024
 # ---------------------------------------------------------------------------
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-  """Parses the command line; the defaults finish in a few minutes on 2 CPU cores."""
-  parser = argparse.ArgumentParser(
-      description=__doc__.split("\n\n")[0],
-      formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-  )
-  parser.add_argument("--lengths", type=int, nargs="+", default=None,
-                      help="sequence lengths T (queries and keys alike); default "
-                           "512..4096 on CPU, 1024..16384 on accelerators")
-  parser.add_argument("--batch", type=int, default=1)
-  parser.add_argument("--heads", type=int, default=8)
-  parser.add_argument("--head-dims", type=int, nargs="+", default=None,
-                      help="head dims D; default 64 on CPU, 64 and 128 on accelerators")
-  parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-  parser.add_argument("--causal", choices=["both", "true", "false"], default="both")
-  parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
-  parser.add_argument("--impls", nargs="+", default=None,
-                      help="labels to run, e.g. attention_jax:xla jax.nn:cudnn "
-                           "(default: all available; the available peers are always added)")
-  parser.add_argument("--repeats", type=int, default=3, help="timed runs per cell")
-  parser.add_argument("--out", type=pathlib.Path, default=None,
-                      help="JSON output (default: benchmarks/attention_<backend>.json)")
-  parser.add_argument("--cell-timeout", type=float, default=900.0,
-                      help="seconds before a CPU child process is abandoned")
-  # Internal: run a single cell described by this JSON and print its record.
-  parser.add_argument("--cell", default=None, help=argparse.SUPPRESS)
-  args = parser.parse_args(argv)
-  if args.repeats < 1:
-    parser.error("--repeats must be at least 1")
+def define_sweep_flags(flag_values: flags.FlagValues, cell_timeout: float) -> None:
+  """The flags of a sweep of cells, this script's and `benchmark_scaling`'s."""
+  flags.DEFINE_integer("batch", 1, "batch size", lower_bound=1, flag_values=flag_values)
+  flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "inputs' dtype",
+                    flag_values=flag_values)
+  cli.DEFINE_list_of(flags.EnumParser(MODES), "modes", list(MODES), "modes to sweep",
+                     flag_values)
+  flags.DEFINE_integer("repeats", 3, "timed runs per cell", lower_bound=1,
+                       flag_values=flag_values)
+  flags.DEFINE_float("cell_timeout", cell_timeout, "seconds before a CPU child process is "
+                     "abandoned", flag_values=flag_values)
+  flags.DEFINE_string("cell", None, "internal: run the one cell this JSON describes and print "
+                      "its record (the child process of a CPU sweep)", flag_values=flag_values)
+
+
+def define_flags(flag_values: flags.FlagValues, argv: Sequence[str]) -> None:
+  """This script's flags (see `experiments.cli`); the defaults finish in a few
+  minutes on 2 CPU cores."""
+  del argv  # only config flags read it
+  define_sweep_flags(flag_values, cell_timeout=900.0)
+  positive = flags.IntegerParser(lower_bound=1)
+  cli.DEFINE_list_of(positive, "lengths", None, "sequence lengths T (queries and keys alike); "
+                     "default 512..4096 on CPU, 1024..16384 on accelerators", flag_values)
+  flags.DEFINE_integer("heads", 8, "attention heads", lower_bound=1, flag_values=flag_values)
+  cli.DEFINE_list_of(positive, "head_dims", None, "head dims D; default 64 on CPU, 64 and 128 "
+                     "on accelerators", flag_values)
+  flags.DEFINE_enum("causal", "both", ["both", "true", "false"], "causal settings to sweep",
+                    flag_values=flag_values)
+  flags.DEFINE_list("impls", None, "labels to run, e.g. attention_jax:xla,jax.nn:cudnn "
+                    "(default: all available; the available peers are always added)",
+                    flag_values=flag_values)
+  flags.DEFINE_string("out", None, "JSON output (default: benchmarks/attention_<backend>.json)",
+                      flag_values=flag_values)
+
+
+def fill_defaults(args: cli.Args) -> cli.Args:
+  """Sets the lengths and head dims left out to this backend's defaults."""
   accelerator = jax.default_backend() != "cpu"
   if args.lengths is None:
     args.lengths = [1024, 2048, 4096, 8192, 16384] if accelerator else [512, 1024, 2048, 4096]
@@ -376,7 +385,7 @@ class PeakMemory:
 # ---------------------------------------------------------------------------
 
 
-def make_cells(args: argparse.Namespace, labels: list[str]) -> Iterator[dict[str, Any]]:
+def make_cells(args: cli.Args, labels: list[str]) -> Iterator[dict[str, Any]]:
   """One JSON-serialisable description per (length, head dim, causal, mode, impl)."""
   for seq_len in args.lengths:
     for head_dim in args.head_dims:
@@ -443,10 +452,10 @@ def measure_in_child(cell: dict[str, Any], timeout: float,
                      failed: dict[str, Any] | None = None) -> dict[str, Any]:
   """Runs one cell in a fresh Python process so that its peak RSS is its own.
 
-  The child is `python -m <module> --cell <json>`, which prints the record as
+  The child is `python -m <module> --cell=<json>`, which prints the record as
   its last JSON line; `failed` is the record to complete when the child dies.
   """
-  command = [sys.executable, "-m", module, "--cell", json.dumps(cell)]
+  command = [sys.executable, "-m", module, f"--cell={json.dumps(cell)}"]
   if failed is None:
     failed = dict(cell, flops=attention_flops(cell), memory={"method": "process"})
   try:
@@ -465,7 +474,7 @@ def measure_in_child(cell: dict[str, Any], timeout: float,
   return dict(failed, error=f"child process failed, {reason}")
 
 
-def run_cells(cells: list[dict[str, Any]], args: argparse.Namespace,
+def run_cells(cells: list[dict[str, Any]], args: cli.Args,
               backend: str) -> list[dict[str, Any]]:
   """Measures every cell, isolating each in its own process on CPU."""
   records = []
@@ -571,13 +580,13 @@ def write_json(path: pathlib.Path, payload: dict[str, Any]) -> None:
   path.write_text(json.dumps(finite(payload), indent=2) + "\n")
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
+def benchmark(args: cli.Args) -> dict[str, Any]:
   """Runs the sweep, prints the table, writes the JSON and returns its payload."""
-  args = parse_args(argv)
   if args.cell is not None:  # Child process: one cell, its record on stdout.
     print(json.dumps(measure_cell(json.loads(args.cell), "process")), flush=True)
     return {}
 
+  fill_defaults(args)
   backend = jax.default_backend()
   labels = select_labels(args.impls, backend)
   cells = list(make_cells(args, labels))
@@ -586,9 +595,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   add_speedups(records)
   print(format_table(records, backend))
 
-  out = args.out or REPO_ROOT / "benchmarks" / f"attention_{backend}.json"
-  arguments = {k: (str(v) if isinstance(v, pathlib.Path) else v)
-               for k, v in vars(args).items() if k != "cell"}
+  out = pathlib.Path(args.out or REPO_ROOT / "benchmarks" / f"attention_{backend}.json")
+  arguments = {k: v for k, v in vars(args).items() if k != "cell"}
   arguments.update(impls=labels, out=str(out))
   payload = {
       "environment": environment(),
@@ -603,5 +611,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   return payload
 
 
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+  """This script from Python: `argv` and errors as in `cli.parse`."""
+  return benchmark(cli.parse(define_flags, argv, __name__))
+
+
 if __name__ == "__main__":
-  main()
+  cli.run(define_flags, benchmark)

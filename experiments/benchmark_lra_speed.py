@@ -28,13 +28,16 @@ What is recorded in the results file (JSON):
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import pathlib
 import sys
 import time
 from typing import Any, Dict, Optional, Sequence
+
+from absl import flags
+
+from experiments import cli
 
 TEXT_CONFIG = "configs/lra/text.py"
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -170,24 +173,24 @@ def measure(variant: str, length: int, batch_size: int, steps: int = 10, warmup:
   return record
 
 
-def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--variant", required=True, help="a registry name, e.g. performer")
-  parser.add_argument("--length", type=int, required=True, help="sequence length T")
-  parser.add_argument("--batch", type=int, default=32, help="batch size (the paper's: 32)")
-  parser.add_argument("--steps", type=int, default=10, help="timed train steps")
-  parser.add_argument("--warmup", type=int, default=2, help="untimed steps after compiling")
-  parser.add_argument("--seed", type=int, default=0)
-  parser.add_argument("--overrides", default="{}",
-                      help='nested config overrides as JSON, e.g. {"model": {"pooling": "mean"}}')
-  parser.add_argument("--out", type=pathlib.Path, required=True,
-                      help="the results file to write (JSON)")
-  return parser.parse_args(argv)
+def define_flags(flag_values: flags.FlagValues, argv: Sequence[str]) -> None:
+  """This script's flags (see `experiments.cli`)."""
+  del argv  # only config flags read it
+  flags.DEFINE_string("variant", None, "a registry name, e.g. performer", flag_values=flag_values)
+  flags.DEFINE_integer("length", None, "sequence length T", flag_values=flag_values)
+  flags.DEFINE_integer("batch", 32, "batch size (the paper's: 32)", flag_values=flag_values)
+  flags.DEFINE_integer("steps", 10, "timed train steps", flag_values=flag_values)
+  flags.DEFINE_integer("warmup", 2, "untimed steps after compiling", flag_values=flag_values)
+  flags.DEFINE_integer("seed", 0, "of the parameters and the random tokens",
+                       flag_values=flag_values)
+  flags.DEFINE_string("overrides", "{}", 'nested config overrides as JSON, e.g. {"model": '
+                      '{"pooling": "mean"}}', flag_values=flag_values)
+  flags.DEFINE_string("out", None, "the results file to write (JSON)", flag_values=flag_values)
+  flags.mark_flags_as_required(["variant", "length", "out"], flag_values=flag_values)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def benchmark(args: cli.Args) -> int:
   """Measures one cell and writes its results file; 2 on bad arguments."""
-  args = parse_args(argv)
   try:
     overrides = json.loads(args.overrides)
     record = measure(args.variant, args.length, args.batch, args.steps, args.warmup, args.seed,
@@ -196,15 +199,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(f"error: {e}", file=sys.stderr)
     return 2
   record["finished"] = datetime.datetime.now(datetime.timezone.utc).isoformat()
-  args.out.parent.mkdir(parents=True, exist_ok=True)
-  partial = args.out.with_name(args.out.name + ".partial")
+  out = pathlib.Path(args.out)
+  out.parent.mkdir(parents=True, exist_ok=True)
+  partial = out.with_name(out.name + ".partial")
   partial.write_text(json.dumps(record, indent=2, sort_keys=True, default=str) + "\n")
-  partial.replace(args.out)
+  partial.replace(out)
   summary = {k: record.get(k) for k in ("variant", "length", "status", "steps_per_s")}
   summary["memory_mib"] = ((record.get("memory") or {}).get("bytes") or 0) / 2**20
   print(json.dumps(summary))
   return 0
 
 
+def main(argv: Optional[Sequence[str]] = None) -> int:
+  """This script from Python: `argv` and errors as in `cli.parse`."""
+  return benchmark(cli.parse(define_flags, argv, __name__))
+
+
 if __name__ == "__main__":
-  sys.exit(main())
+  cli.run(define_flags, benchmark)

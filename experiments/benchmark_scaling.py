@@ -20,13 +20,12 @@ This is a benchmark, not a test: it asserts nothing about speed.
 Usage::
 
   python -m experiments.benchmark_scaling
-  python -m experiments.benchmark_scaling --variants dot_product local performer \
-      --lengths 1024 4096 16384 --modes fwd_bwd
+  python -m experiments.benchmark_scaling --variants=dot_product,local,performer \
+      --lengths=1024,4096,16384 --modes=fwd_bwd
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import datetime
 import json
@@ -34,49 +33,57 @@ import math
 import pathlib
 import statistics
 import time
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from absl import flags
 
 from attention_jax import registry
 from experiments import benchmark_attention as common
+from experiments import cli
 
 REPO_ROOT = common.REPO_ROOT
 DENSE = "dot_product"
-MODES = ("fwd", "fwd_bwd")
+MODES = common.MODES
 MB = common.MB
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                   formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-  parser.add_argument("--variants", nargs="+", default=None,
-                      help="registered names (default: all; dot_product is always added)")
-  parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384])
-  parser.add_argument("--batch", type=int, default=1)
-  parser.add_argument("--heads", type=int, default=4)
-  parser.add_argument("--head-dim", type=int, default=64)
-  parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-  parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
-  parser.add_argument("--repeats", type=int, default=3, help="timed runs per cell")
-  parser.add_argument("--out", type=pathlib.Path, default=None,
-                      help="JSON output (default: benchmarks/scaling_<backend>.json); the "
-                           "plot is written next to it with the suffix .png")
-  parser.add_argument("--max-quadratic-length", type=int, default=None,
-                      help="measure variants registered as quadratic (other than the dense "
-                           "reference, which always runs) only up to this T")
-  parser.add_argument("--cell-timeout", type=float, default=1800.0,
-                      help="seconds before a CPU child process is abandoned")
-  parser.add_argument("--cell", default=None, help=argparse.SUPPRESS)
-  args = parser.parse_args(argv)
-  if args.repeats < 1:
-    parser.error("--repeats must be at least 1")
-  if args.variants is not None:
-    for name in args.variants:
-      registry.get_variant(name)  # An unknown name lists the valid ones.
-  return args
+def define_flags(flag_values: flags.FlagValues, argv: Sequence[str]) -> None:
+  """This script's flags (see `experiments.cli`)."""
+  del argv  # only config flags read it
+  common.define_sweep_flags(flag_values, cell_timeout=1800.0)
+  flags.DEFINE_list("variants", None, "registered names, comma-separated (default: all; "
+                    "dot_product is always added)", flag_values=flag_values)
+  cli.DEFINE_list_of(flags.IntegerParser(lower_bound=1), "lengths",
+                     [1024, 2048, 4096, 8192, 16384], "sequence lengths T", flag_values)
+  flags.DEFINE_integer("heads", 4, "attention heads", lower_bound=1, flag_values=flag_values)
+  flags.DEFINE_integer("head_dim", 64, "head dim D", lower_bound=1, flag_values=flag_values)
+  flags.DEFINE_string("out", None, "JSON output (default: benchmarks/scaling_<backend>.json); the "
+                      "plot is written next to it with the suffix .png", flag_values=flag_values)
+  flags.DEFINE_integer("max_quadratic_length", None, "measure variants registered as quadratic "
+                       "(other than the dense reference, which always runs) only up to this T",
+                       flag_values=flag_values)
+
+  def known_variants(names: Sequence[str] | None) -> bool:
+    for name in names or ():
+      try:
+        registry.get_variant(name)
+      except ValueError as e:  # its message lists the valid names
+        raise flags.ValidationError(str(e)) from e
+    return True
+
+  flags.register_validator("variants", known_variants, flag_values=flag_values)
+
+
+def parse_args(argv: Sequence[str] | None = None) -> cli.Args:
+  """This script's flags from `argv` (as on the command line; None: `sys.argv[1:]`).
+
+  Raises:
+    flags.Error: on a bad flag, naming it.
+  """
+  return cli.parse(define_flags, argv, __name__)
 
 
 # Measured only where they compile natively: off an accelerator the Pallas
@@ -99,7 +106,7 @@ def selected_variants(requested: list[str] | None, backend: str = "cpu") -> list
 # ---------------------------------------------------------------------------
 
 
-def make_cells(args: argparse.Namespace, variants: list[str]) -> Iterator[dict[str, Any]]:
+def make_cells(args: cli.Args, variants: list[str]) -> Iterator[dict[str, Any]]:
   for name in variants:
     quadratic = name != DENSE and not registry.get_variant(name).subquadratic
     for seq_len in args.lengths:
@@ -168,7 +175,7 @@ def measure_cell(cell: dict[str, Any], memory_method: str) -> dict[str, Any]:
   return record
 
 
-def run_cells(cells: list[dict[str, Any]], args: argparse.Namespace,
+def run_cells(cells: list[dict[str, Any]], args: cli.Args,
               backend: str) -> list[dict[str, Any]]:
   records = []
   for i, cell in enumerate(cells, 1):
@@ -288,8 +295,8 @@ def plot(rows: list[dict[str, Any]], path: pathlib.Path) -> None:
   plt.close(fig)
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-  args = parse_args(argv)
+def benchmark(args: cli.Args) -> dict[str, Any]:
+  """Runs the sweep, prints the table, writes the JSON and the plot and returns the payload."""
   if args.cell is not None:  # Child process: one cell, its record on stdout.
     print(json.dumps(measure_cell(json.loads(args.cell), "process")), flush=True)
     return {}
@@ -301,9 +308,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   rows = summarize(records)
   print(format_table(rows))
 
-  out = args.out or REPO_ROOT / "benchmarks" / f"scaling_{backend}.json"
-  arguments = {k: (str(v) if isinstance(v, pathlib.Path) else v)
-               for k, v in vars(args).items() if k != "cell"}
+  out = pathlib.Path(args.out or REPO_ROOT / "benchmarks" / f"scaling_{backend}.json")
+  arguments = {k: v for k, v in vars(args).items() if k != "cell"}
   arguments.update(variants=variants, out=str(out))
   payload = {
       "environment": common.environment(),
@@ -320,5 +326,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   return payload
 
 
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+  """This script from Python: `argv` and errors as in `cli.parse`."""
+  return benchmark(parse_args(argv))
+
+
 if __name__ == "__main__":
-  main()
+  cli.run(define_flags, benchmark)

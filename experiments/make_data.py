@@ -1,8 +1,8 @@
 """Prepares LRA tasks into a data directory: generates or converts each split once.
 
-  python -m experiments.make_data --task listops --task pathfinder32 --data-dir DIR
-  python -m experiments.make_data --task listops --data-dir DIR --size-scale 0.01
-  python -m experiments.make_data --task retrieval --data-dir DIR --release-dir lra_release/tsv_data
+  python -m experiments.make_data --task=listops --task=pathfinder32 --data_dir=DIR
+  python -m experiments.make_data --task=listops --data_dir=DIR --size_scale=0.01
+  python -m experiments.make_data --task=retrieval --data_dir=DIR --release_dir=lra_release/tsv_data
 
 Each task is `attention_jax.data.get_task(name, **options).prepare(DIR)`, which
 shows the task's own progress bars and skips splits already in DIR. One line per
@@ -13,46 +13,58 @@ error that names the task and lists what it takes.
 
 from __future__ import annotations
 
-import argparse
 import ast
 import inspect
 import pathlib
 import sys
 import time
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from absl import flags
 
 from attention_jax import data
 from attention_jax.data import SPLITS
+from experiments import cli
 
 _SIZE_OPTIONS = tuple(f"{split}_size" for split in SPLITS)
+# make_task options that are paths -> the flag that gives each.
+_PATH_OPTIONS = {"release_dir": "release_dir", "data_dir_tfds": "tfds_data_dir"}
 
 
-def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
-  parser = argparse.ArgumentParser(prog="python -m experiments.make_data",
-                                   description=__doc__.split("\n\n")[0])
-  parser.add_argument("--task", action="append", required=True, choices=data.list_tasks(),
-                      help="a task to prepare; repeat for several")
-  parser.add_argument("--data-dir", required=True, type=pathlib.Path,
-                      help="where the tasks' splits are written (DIR/<task>/<split>/)")
-  parser.add_argument("--size-scale", type=float,
-                      help="each split's size as this fraction of the LRA release's size")
+def define_flags(flag_values: flags.FlagValues, argv: Sequence[str]) -> None:
+  """This script's flags (see `experiments.cli`)."""
+  del argv  # only config flags read it
+  flags.DEFINE_multi_enum("task", None, data.list_tasks(), "a task to prepare; repeat for "
+                          "several", flag_values=flag_values)
+  flags.DEFINE_string("data_dir", None, "where the tasks' splits are written "
+                      "(DIR/<task>/<split>/)", flag_values=flag_values)
+  flags.DEFINE_float("size_scale", None, "each split's size as this fraction of the LRA "
+                     "release's size", flag_values=flag_values)
   for split in SPLITS:
-    parser.add_argument(f"--{split}-size", type=int, help=f"examples of the {split} split")
-  parser.add_argument("--seed", type=int, help="generator seed (generated tasks)")
-  parser.add_argument("--release-dir", type=pathlib.Path,
-                      help="the LRA release's files for the task (retrieval; loaders)")
-  parser.add_argument("--tfds-data-dir", dest="data_dir_tfds", type=pathlib.Path,
-                      help="tensorflow-datasets' data_dir (text, image)")
-  parser.add_argument("--no-download", dest="download", action="store_false", default=None,
-                      help="fail rather than let tensorflow-datasets download (text, image)")
-  parser.add_argument("--option", action="append", default=[], metavar="NAME=VALUE",
-                      help="any other make_task option, e.g. --option max_length=1000")
-  parser.add_argument("--quiet", action="store_true", help="no progress bars")
-  args = parser.parse_args(argv)
-  args.error = parser.error
-  if args.size_scale is not None and args.size_scale <= 0:
-    parser.error(f"--size-scale must be positive, got {args.size_scale}.")
-  return args
+    flags.DEFINE_integer(f"{split}_size", None, f"examples of the {split} split",
+                         flag_values=flag_values)
+  flags.DEFINE_integer("seed", None, "generator seed (generated tasks)", flag_values=flag_values)
+  flags.DEFINE_string("release_dir", None, "the LRA release's files for the task (retrieval; "
+                      "loaders)", flag_values=flag_values)
+  flags.DEFINE_string("tfds_data_dir", None, "tensorflow-datasets' data_dir (text, image)",
+                      flag_values=flag_values)
+  flags.DEFINE_bool("download", None, "--nodownload: fail rather than let tensorflow-datasets "
+                    "download (text, image)", flag_values=flag_values)
+  flags.DEFINE_multi_string("option", [], "NAME=VALUE: any other make_task option, e.g. "
+                            "--option=max_length=1000", flag_values=flag_values)
+  flags.DEFINE_bool("quiet", False, "no progress bars", flag_values=flag_values)
+  flags.mark_flags_as_required(["task", "data_dir"], flag_values=flag_values)
+  flags.register_validator("size_scale", lambda scale: scale is None or scale > 0,
+                           "must be positive", flag_values=flag_values)
+
+  def name_equals_value(items: Sequence[str]) -> bool:
+    for item in items:
+      name, equals, _ = item.partition("=")
+      if not equals or not name:
+        raise flags.ValidationError(f"expected NAME=VALUE, got {item!r}.")
+    return True
+
+  flags.register_validator("option", name_equals_value, flag_values=flag_values)
 
 
 def _parse_value(text: str) -> Any:
@@ -62,32 +74,48 @@ def _parse_value(text: str) -> Any:
     return text  # a plain string, e.g. a path or a name
 
 
-def common_options(args: argparse.Namespace) -> Dict[str, Any]:
+def common_options(args: cli.Args) -> Dict[str, Any]:
   """The options given on the command line, sizes apart (they depend on the task)."""
-  options = {name: getattr(args, name) for name in ("seed", "release_dir", "data_dir_tfds",
-                                                    "download")
-             if getattr(args, name) is not None}
+  options: Dict[str, Any] = {option: pathlib.Path(getattr(args, flag))
+                             for option, flag in _PATH_OPTIONS.items()
+                             if getattr(args, flag) is not None}
+  if args.seed is not None:
+    options["seed"] = args.seed
+  if args.download is not None:
+    options["download"] = args.download
   for item in args.option:
-    name, equals, value = item.partition("=")
-    if not equals or not name:
-      args.error(f"--option expects NAME=VALUE, got {item!r}.")
+    name, _, value = item.partition("=")
     options[name] = _parse_value(value)
   return options
 
 
-def check_options(name: str, options: Sequence[str], error) -> None:
-  """Calls `error` when the task's make_task does not take one of `options`."""
+def _flag_text(option: str) -> str:
+  """How an option is given on the command line: `--release_dir`,
+  `--tfds_data_dir (data_dir_tfds)`, `--option=max_length=...`."""
+  flag = _PATH_OPTIONS.get(option, option)
+  if flag not in ("seed", "download", *_PATH_OPTIONS.values(), *_SIZE_OPTIONS):
+    return f"--option={option}=..."
+  return f"--{flag}" + (f" ({option})" if flag != option else "")
+
+
+def check_options(name: str, options: Sequence[str]) -> None:
+  """Checks that the task's make_task takes every one of `options`.
+
+  Raises:
+    ValueError: naming the task, the flags of the options it does not take and
+      the options it takes.
+  """
   parameters = data.task_parameters(name)
   if any(p.kind == inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
     return  # takes anything; the task checks its own options
   unknown = [option for option in options if option not in parameters]
   if unknown:
-    flags = ", ".join(f"--{o.replace('_', '-')} ({o})" for o in unknown)
-    error(f"task {name!r} does not take {flags}; it takes: {', '.join(parameters)}.")
+    raise ValueError(f"task {name!r} does not take {', '.join(map(_flag_text, unknown))}; it "
+                     f"takes: {', '.join(parameters)}.")
 
 
-def task_sizes(name: str, args: argparse.Namespace, options: Dict[str, Any]) -> Dict[str, int]:
-  """{split: size} from --<split>-size, else --size-scale times the release size."""
+def task_sizes(name: str, args: cli.Args, options: Dict[str, Any]) -> Dict[str, int]:
+  """{split: size} from --<split>_size, else --size_scale times the release size."""
   sizes = {split: getattr(args, f"{split}_size") for split in SPLITS
            if getattr(args, f"{split}_size") is not None}
   if args.size_scale is not None:
@@ -119,24 +147,52 @@ def prepare_task(name: str, options: Dict[str, Any], data_dir: pathlib.Path,
           f"{total / max(seconds, 1e-9):.0f} examples/s -> {where}")
 
 
-def main(argv: Optional[Sequence[str]] = None) -> List[str]:
-  args = parse_args(argv)
+def plan(args: cli.Args) -> List[Tuple[str, Dict[str, Any]]]:
+  """`(task, its options)` for every task given, all checked before any task
+  is prepared, so that a typo fails at once.
+
+  Raises:
+    ValueError: when a task does not take an option given (see `check_options`).
+  """
   options = common_options(args)
+  sizes_given = [o for o in _SIZE_OPTIONS if getattr(args, o) is not None]
+  if args.size_scale is not None:
+    sizes_given = list(_SIZE_OPTIONS)
   plans = []
-  # Check every task's options before preparing any, so a typo fails at once.
   for name in dict.fromkeys(args.task):
-    sizes_given = [o for o in _SIZE_OPTIONS if getattr(args, o) is not None]
-    if args.size_scale is not None:
-      sizes_given = list(_SIZE_OPTIONS)
-    check_options(name, [*options, *sizes_given], args.error)
+    check_options(name, [*options, *sizes_given])
     plans.append((name, {**options, **size_options(task_sizes(name, args, options))}))
+  return plans
+
+
+def prepare(plans: Sequence[Tuple[str, Dict[str, Any]]], args: cli.Args) -> List[str]:
+  """Prepares every planned task; returns (and prints) their summary lines."""
   lines = []
   for name, task_options in plans:
-    line = prepare_task(name, task_options, args.data_dir, progress=not args.quiet)
+    line = prepare_task(name, task_options, pathlib.Path(args.data_dir),
+                        progress=not args.quiet)
     print(line, flush=True)
     lines.append(line)
   return lines
 
 
+def command_line(args: cli.Args) -> int:
+  """The command line's run: a task not taking an option given is one line
+  and exit status 2, before any task is prepared."""
+  try:
+    plans = plan(args)
+  except ValueError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  prepare(plans, args)
+  return 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> List[str]:
+  """This script from Python: `argv` and errors as in `cli.parse`, and `plan`'s."""
+  args = cli.parse(define_flags, argv, __name__)
+  return prepare(plan(args), args)
+
+
 if __name__ == "__main__":
-  main(sys.argv[1:])
+  cli.run(define_flags, command_line)

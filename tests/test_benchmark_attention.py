@@ -10,12 +10,14 @@ import pathlib
 import sys
 
 import pytest
+from absl import flags
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:  # experiments/ is a script folder, not installed.
   sys.path.insert(0, str(REPO_ROOT))
 
-from experiments import benchmark_attention  # pylint: disable=g-import-not-at-top
+# pylint: disable-next=g-import-not-at-top
+from experiments import benchmark_attention, cli
 
 LENGTHS = (64, 128)
 MODES = ("fwd", "fwd_bwd")
@@ -31,9 +33,9 @@ def payload(tmp_path_factory):
   out = tmp_path_factory.mktemp("bench") / "attention.json"
   # Causal only, for the same reason: the sweep stays well under a minute.
   benchmark_attention.main([
-      "--lengths", *map(str, LENGTHS), "--batch", "1", "--heads", "2", "--head-dims", "16",
-      "--causal", "true", "--modes", *MODES, "--impls", *REQUESTED, "--repeats", "1",
-      "--out", str(out),
+      f"--lengths={','.join(map(str, LENGTHS))}", "--batch=1", "--heads=2", "--head_dims=16",
+      "--causal=true", f"--modes={','.join(MODES)}", f"--impls={','.join(REQUESTED)}",
+      "--repeats=1", f"--out={out}",
   ])
   return json.loads(out.read_text())
 
@@ -64,6 +66,18 @@ def test_ratios_are_against_the_best_peer_of_the_same_shape(payload):
     expected = peer_ms[record["seq_len"], record["causal"], record["mode"]] / record["ms"]
     assert record["speedup_vs_best_peer"] == pytest.approx(expected)
     assert record["speedup_vs"] == {benchmark_attention.PEER: pytest.approx(expected)}
+
+
+def test_list_flags_are_comma_separated_and_checked():
+  args = cli.parse(benchmark_attention.define_flags, ["--lengths=64,128", "--modes=fwd"])
+  assert (args.lengths, args.modes, args.head_dims) == ([64, 128], ["fwd"], None)
+  with pytest.raises(flags.IllegalFlagValueError, match="flag --lengths=64,x: 'x'"):
+    cli.parse(benchmark_attention.define_flags, ["--lengths=64,x"])
+  with pytest.raises(flags.IllegalFlagValueError, match="flag --modes=fwd,back: 'back'"):
+    cli.parse(benchmark_attention.define_flags, ["--modes=fwd,back"])
+  # The old space-separated lists end the flags: the rest is refused, not ignored.
+  with pytest.raises(flags.Error, match="unexpected argument"):
+    cli.parse(benchmark_attention.define_flags, ["--lengths", "64", "128"])
 
 
 def test_best_peer_is_the_fastest_peer_that_ran():

@@ -6,6 +6,7 @@ import pathlib
 import sys
 
 import pytest
+from absl import flags
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:  # experiments/ is a script folder, not installed.
@@ -20,8 +21,8 @@ LENGTHS = (64, 128)
 def payload(tmp_path_factory):
   out = tmp_path_factory.mktemp("scaling") / "scaling.json"
   benchmark_scaling.main([
-      "--variants", "multi_query", "--lengths", *map(str, LENGTHS), "--heads", "2",
-      "--head-dim", "8", "--modes", "fwd", "fwd_bwd", "--repeats", "1", "--out", str(out)])
+      "--variants=multi_query", f"--lengths={','.join(map(str, LENGTHS))}", "--heads=2",
+      "--head_dim=8", "--modes=fwd,fwd_bwd", "--repeats=1", f"--out={out}"])
   return json.loads(out.read_text()), out
 
 
@@ -67,9 +68,10 @@ def test_log_log_slope():
   assert benchmark_scaling.log_log_slope(lengths, [None, None, None, 1.0]) is None
 
 
-def test_unknown_variant_lists_the_valid_names():
-  with pytest.raises(ValueError, match="unknown attention variant 'nope'; valid names are"):
-    benchmark_scaling.main(["--variants", "nope"])
+def test_unknown_variant_is_a_bad_flag_listing_the_valid_names():
+  with pytest.raises(flags.IllegalFlagValueError,
+                     match=r"flag --variants=\['nope'\]: unknown attention variant 'nope'"):
+    benchmark_scaling.main(["--variants=nope"])
 
 
 def test_default_selection_is_every_variant_but_the_interpreted_kernel_on_cpu():
@@ -81,8 +83,8 @@ def test_default_selection_is_every_variant_but_the_interpreted_kernel_on_cpu():
 
 
 def test_quadratic_variants_can_be_capped_in_length_but_dense_is_not():
-  args = benchmark_scaling.parse_args(["--lengths", "64", "128", "--modes", "fwd",
-                                       "--max-quadratic-length", "64"])
+  args = benchmark_scaling.parse_args(["--lengths=64,128", "--modes=fwd",
+                                       "--max_quadratic_length=64"])
   cells = list(benchmark_scaling.make_cells(args, ["dot_product", "multi_query", "local"]))
   assert {(c["variant"], c["seq_len"]) for c in cells} == {
       ("dot_product", 64), ("dot_product", 128), ("multi_query", 64), ("local", 64),

@@ -1,5 +1,6 @@
-"""experiments.reproduce: grids, filters, resuming, tables and plots; and one
-tiny cell of experiments.benchmark_lra_speed."""
+"""experiments.reproduce and experiments.tables: grids, filters, resuming,
+tables and plots, the command line; and one tiny cell of
+experiments.benchmark_lra_speed."""
 
 from __future__ import annotations
 
@@ -7,12 +8,15 @@ import csv
 import json
 import pathlib
 import signal
+import subprocess
 import sys
 import textwrap
 
 import pytest
+from absl import flags
 
-from experiments import benchmark_lra_speed, reproduce
+from experiments import benchmark_attention, benchmark_lra_speed, cli, reproduce, tables
+from experiments.tables import cells as table_cells
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 SMOKE = str(REPO / "configs" / "tables" / "lra_smoke.py")
@@ -71,7 +75,7 @@ def get_config():
 
 
 def test_smoke_grid_is_every_paper_variant_on_listops_with_two_seeds(tmp_path):
-  cells = reproduce.expand(reproduce.load_table(SMOKE), tmp_path / "out")
+  cells = tables.expand(tables.load_table(SMOKE), tmp_path / "out")
   assert len(cells) == 22
   assert {c.key["variant"] for c in cells} == PAPER_VARIANTS
   assert {c.key["task"] for c in cells} == {"listops"}
@@ -88,14 +92,14 @@ def test_smoke_grid_is_every_paper_variant_on_listops_with_two_seeds(tmp_path):
 
 
 def test_full_grid_and_only_filters(tmp_path):
-  cells = reproduce.expand(reproduce.load_table(FULL), tmp_path)
+  cells = tables.expand(tables.load_table(FULL), tmp_path)
   assert len(cells) == 6 * 11 * 3
-  only = reproduce.parse_only(["task=listops", "variant=performer,linear"])
-  selected = reproduce.select(cells, only)
+  only = table_cells.parse_only(["task=listops", "variant=performer,linear"])
+  selected = table_cells.select(cells, only)
   assert len(selected) == 2 * 3
   assert {(c.key["task"], c.key["variant"]) for c in selected} == {
       ("listops", "performer"), ("listops", "linear")}
-  assert len(reproduce.select(cells, reproduce.parse_only(["seed=2"]))) == 66
+  assert len(table_cells.select(cells, table_cells.parse_only(["seed=2"]))) == 66
 
 
 @pytest.mark.parametrize("filters, message", [
@@ -114,18 +118,19 @@ def test_bad_filters_are_clear_errors(tmp_path, capsys, filters, message):
   assert not runner.ran
 
 
-def test_bad_tables_are_clear_errors(tmp_path, capsys):
-  assert reproduce.main([f"--table={tmp_path / 'nope.py'}", f"--results={tmp_path}"]) == 2
-  assert "no such file" in capsys.readouterr().err
+def test_bad_tables_are_clear_errors(tmp_path):
+  nope = tmp_path / "nope.py"
+  with pytest.raises(flags.IllegalFlagValueError, match=f"flag --table={nope}: no such file"):
+    reproduce.main([f"--table={nope}", f"--results={tmp_path}"])
   bad = write_table(tmp_path, """
       import ml_collections
       def get_config():
         return ml_collections.ConfigDict(dict(name="x", kind="plots"))
       """)
-  assert reproduce.main([f"--table={bad}", f"--results={tmp_path}"]) == 2
-  assert "kind must be one of" in capsys.readouterr().err
+  with pytest.raises(flags.IllegalFlagValueError, match="kind must be one of"):
+    reproduce.main([f"--table={bad}", f"--results={tmp_path}"])
   with pytest.raises(ValueError, match="lacks tasks"):
-    reproduce.load_table(write_table(tmp_path, """
+    tables.load_table(write_table(tmp_path, """
         import ml_collections
         def get_config():
           return ml_collections.ConfigDict(dict(name="x", kind="accuracy", variants=("a",),
@@ -136,7 +141,7 @@ def test_bad_tables_are_clear_errors(tmp_path, capsys):
 def test_dry_run_runs_and_writes_nothing(tmp_path, capsys):
   runner = StubRunner()
   out = tmp_path / "out"
-  assert reproduce.main([f"--table={SMOKE}", f"--results={out}", "--dry-run",
+  assert reproduce.main([f"--table={SMOKE}", f"--results={out}", "--dry_run",
                          "--only", "variant=linear"], runner=runner) == 0
   assert not runner.ran
   printed = capsys.readouterr().out
@@ -154,7 +159,7 @@ def test_finished_cells_are_skipped(tmp_path):
   finished.write_text(json.dumps(fake_training_results(1, 0.3)))
   runner = StubRunner()
   assert reproduce.main([f"--table={table}", f"--results={out}",
-                         f"--data-dir={tmp_path / 'data'}"], runner=runner) == 0
+                         f"--data_dir={tmp_path / 'data'}"], runner=runner) == 0
   assert len(runner.ran) == 5
   assert finished.resolve() not in {p.resolve() for p in runner.ran}
 
@@ -167,7 +172,7 @@ def test_an_interrupted_grid_continues_with_the_rest(tmp_path):
     reproduce.main([f"--table={table}", f"--results={out}"], runner=first)
   assert len(first.ran) == 2
   second = StubRunner()
-  no_data = f"--data-dir={tmp_path / 'data'}"
+  no_data = f"--data_dir={tmp_path / 'data'}"
   assert reproduce.main([f"--table={table}", f"--results={out}", no_data], runner=second) == 0
   assert len(second.ran) == 4
   assert not {p.resolve() for p in first.ran} & {p.resolve() for p in second.ran}
@@ -187,8 +192,8 @@ def test_accuracy_table_csv_and_plot_from_fake_results(tmp_path):
   path = out / "runs" / "listops" / "linear" / "seed0" / "results.json"
   path.parent.mkdir(parents=True)
   path.write_text(json.dumps(fake_training_results(0, 0.25)))
-  assert reproduce.main([f"--table={table}", f"--results={out}", "--no-run",
-                         f"--data-dir={tmp_path / 'data'}"]) == 0
+  assert reproduce.main([f"--table={table}", f"--results={out}", "--norun",
+                         f"--data_dir={tmp_path / 'data'}"]) == 0
 
   text = (out / "table.md").read_text()
   assert "1 x cpu (cpu)" in text and "abc123def" in text
@@ -226,7 +231,7 @@ def test_speed_table_ratios_statuses_and_plots(tmp_path):
   record("dot_product", 2048, 1.0, 300)
   record("performer", 2048, None, None, status="oom")
   record("linear", 2048, 3.0, 100)
-  assert reproduce.main([f"--table={SPEED}", f"--results={out}", "--no-run",
+  assert reproduce.main([f"--table={SPEED}", f"--results={out}", "--norun",
                          "--only", "length=1024,2048"]) == 0
   text = (out / "table.md").read_text()
   assert "fedcba" in text and "Batch size 2" in text
@@ -261,7 +266,7 @@ def test_kernels_table_from_benchmark_records(tmp_path):
                best_peer="jax.nn:xla", memory=dict(peak_delta_bytes=77 * 2**20), error=None),
           dict(shape, impl="attention_jax:xla", ms=None, error="MemoryError: too big"),
       ])))
-  assert reproduce.main([f"--table={KERNELS}", f"--results={out}", "--no-run"]) == 0
+  assert reproduce.main([f"--table={KERNELS}", f"--results={out}", "--norun"]) == 0
   text = (out / "table.md").read_text()
   assert "1 x cpu (cpu)" in text and "0ddba11" in text
   assert "cells finished: 1 of 4" in text
@@ -272,7 +277,7 @@ def test_kernels_table_from_benchmark_records(tmp_path):
 
 
 def test_speed_cells_carry_the_batch_override_and_their_config_overrides(tmp_path):
-  cells = reproduce.expand(reproduce.load_table(SPEED), tmp_path, batch_size=2)
+  cells = tables.expand(tables.load_table(SPEED), tmp_path, batch_size=2)
   assert len(cells) == 11 * 4
   synth = next(c for c in cells if c.key == dict(variant="synthesizer_dense", length=3072))
   assert "--batch=2" in synth.command
@@ -283,29 +288,55 @@ def test_speed_cells_carry_the_batch_override_and_their_config_overrides(tmp_pat
   assert all(c.record_failure for c in cells)
 
 
+@pytest.mark.parametrize("path, script", [(SPEED, benchmark_lra_speed),
+                                          (KERNELS, benchmark_attention)])
+def test_benchmark_cells_are_command_lines_of_their_scripts(tmp_path, path, script):
+  for cell in tables.expand(tables.load_table(path), tmp_path, batch_size=2):
+    assert cell.command[1:3] == ("-m", script.__name__)
+    args = cli.parse(script.define_flags, cell.command[3:])
+    assert pathlib.Path(args.out) == cell.results_path
+  if script is benchmark_attention:
+    assert (args.lengths, args.head_dims, args.modes) == ([8192], [64], ["fwd", "fwd_bwd"])
+
+
+def test_command_line_dry_run_and_a_misspelt_flag(tmp_path):
+  command = [sys.executable, "-m", "experiments.reproduce", f"--table={SMOKE}",
+             f"--results={tmp_path}", "--only=variant=linear"]
+  ran = subprocess.run([*command, "--dry_run"], cwd=REPO, capture_output=True, text=True,
+                       check=False)
+  assert ran.returncode == 0, ran.stderr
+  assert ran.stdout.count("would run") == 2
+  ran = subprocess.run([*command, "--batch-size=2"], cwd=REPO, capture_output=True, text=True,
+                       check=False)
+  assert ran.returncode == 1
+  assert ran.stderr.strip().splitlines()[0] == (
+      "FATAL Flags parsing error: Unknown command line flag 'batch-size'. "
+      "Did you mean: batch_size ?")
+
+
 def test_run_cell_runs_once_and_records_kills_and_timeouts(tmp_path):
   results = tmp_path / "a" / "results.json"
   write = f"import json, pathlib; p = pathlib.Path({str(results)!r}); " \
           "p.parent.mkdir(parents=True, exist_ok=True); p.write_text(json.dumps({'x': 1}))"
-  assert reproduce.run_cell([sys.executable, "-c", write], results) == {"x": 1}
+  assert table_cells.run_cell([sys.executable, "-c", write], results) == {"x": 1}
   marker = tmp_path / "ran"
   touch = f"import pathlib; pathlib.Path({str(marker)!r}).touch()"
-  assert reproduce.run_cell([sys.executable, "-c", touch], results) == {"x": 1}
+  assert table_cells.run_cell([sys.executable, "-c", touch], results) == {"x": 1}
   assert not marker.exists()  # finished: not run again
 
   failing = tmp_path / "b" / "results.json"
-  assert reproduce.run_cell([sys.executable, "-c", "raise SystemExit(3)"], failing,
+  assert table_cells.run_cell([sys.executable, "-c", "raise SystemExit(3)"], failing,
                             record_failure=True) is None
   assert not failing.exists()  # an ordinary failure is retried next time
 
   killed = tmp_path / "c" / "results.json"
   kill = f"import os, signal; os.kill(os.getpid(), {int(signal.SIGKILL)})"
-  assert reproduce.run_cell([sys.executable, "-c", kill], killed,
+  assert table_cells.run_cell([sys.executable, "-c", kill], killed,
                             record_failure=True)["status"] == "killed"
   assert json.loads(killed.read_text())["status"] == "killed"
 
   slow = tmp_path / "d" / "results.json"
-  result = reproduce.run_cell([sys.executable, "-c", "import time; time.sleep(30)"], slow,
+  result = table_cells.run_cell([sys.executable, "-c", "import time; time.sleep(30)"], slow,
                               timeout_s=1, record_failure=True)
   assert result["status"] == "timeout"
 

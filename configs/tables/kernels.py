@@ -20,7 +20,7 @@ def get_config():
   config.description = "attention kernels against their peers"
   config.lengths = (1024, 2048, 4096, 8192)
   # The other flags of experiments.benchmark_attention, the same for every cell.
-  config.args = ("--batch", "1", "--heads", "8", "--head-dims", "64", "--dtype", "float32",
-                 "--causal", "both", "--modes", "fwd", "fwd_bwd", "--repeats", "3")
+  config.args = ("--batch=1", "--heads=8", "--head_dims=64", "--dtype=float32", "--causal=both",
+                 "--modes=fwd,fwd_bwd", "--repeats=3")
   config.cell_timeout_s = 3600
   return config

@@ -5,7 +5,7 @@ relative to the Transformer (`dot_product`).
   python -m experiments.reproduce --table=configs/tables/lra_speed.py --results=results/lra_speed/
   # on a 2-core CPU, where batch 32 at 4K does not fit dense attention:
   python -m experiments.reproduce --table=configs/tables/lra_speed.py \
-      --results=results/lra_speed/ --batch-size=2
+      --results=results/lra_speed/ --batch_size=2
 
 Each (variant, length) runs `experiments.benchmark_lra_speed` in its own
 process (the `configs/lra/text.py` model on random bytes, no dataset). The
@@ -45,7 +45,7 @@ def get_config():
   config.description = "LRA speed and memory table (byte-level text model)"
   config.variants = VARIANTS
   config.lengths = LENGTHS
-  config.batch_size = 32  # the paper's; --batch-size overrides it
+  config.batch_size = 32  # the paper's; --batch_size overrides it
   config.steps = 5  # timed train steps per cell; steps/s is from the median step
   config.warmup = 1  # untimed steps after compilation
   config.cell_timeout_s = 1800  # a cell running longer is recorded as timed out

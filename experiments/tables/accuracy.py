@@ -1,0 +1,188 @@
+"""The "accuracy" table: tasks x variants x seeds of `experiments.train`.
+
+Each cell trains one `(task, variant, seed)` in
+`<results>/runs/<task>/<variant>/seed<k>/` (data in the shared `--data_dir`);
+the table gives test accuracy as mean ± std over seeds beside the LRA paper's
+number, then best validation accuracy, steps/s and peak memory.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import pathlib
+import sys
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+
+from attention_jax.train.config import load_config_module
+from experiments import lra_paper
+from experiments.tables import report
+from experiments.tables.cells import Cell, read_results
+
+REQUIRED = ("name", "tasks", "variants", "seeds")
+PAPER = True  # the LRA paper's number stands beside each measured one
+CELL_CONFIG = "configs/tables/cell.py"
+
+
+def plain(value: Any) -> Any:
+  """ConfigDicts and tuples as plain dicts and lists (for JSON)."""
+  if hasattr(value, "to_dict"):
+    value = value.to_dict()
+  if isinstance(value, Mapping):
+    return {k: plain(v) for k, v in value.items()}
+  if isinstance(value, (list, tuple)):
+    return [plain(v) for v in value]
+  return value
+
+
+def training_command(config_file: str, variant: str, presets: Sequence[str],
+                     workdir: pathlib.Path, flags: Sequence[str] = (),
+                     overrides: Optional[Mapping[str, Any]] = None) -> Tuple[str, ...]:
+  """The `experiments.train` argv of one run; `overrides` (nested dicts) go
+  through `configs/tables/cell.py` when given."""
+  arg = ",".join([variant, *presets])
+  if overrides:
+    config = f"{CELL_CONFIG}:{config_file}|{arg}|{json.dumps(plain(overrides), sort_keys=True)}"
+  else:
+    config = f"{config_file}:{arg}"
+  return (sys.executable, "-m", "experiments.train", f"--config={config}",
+          f"--workdir={workdir}", *flags)
+
+
+def expand(table: Any, runs: pathlib.Path, *, data_dir: str = "data",
+           batch_size: Optional[int] = None) -> List[Cell]:
+  """The cells, seed-major (a stopped run has whole seeds first); `batch_size`
+  is unused (a training cell's batch is its config's). See `experiments.tables.expand`."""
+  del batch_size
+  overrides = plain(table.get("cell_overrides", {})) or {}
+  presets = tuple(table.get("presets", ()))
+  cells = []
+  for seed in table.seeds:
+    for task, config_file in table.tasks.items():
+      for variant in table.variants:
+        workdir = runs / task / variant / f"seed{seed}"
+        flags = (f"--config.seed={seed}", f"--config.data_dir={data_dir}",
+                 "--config.progress=False", *table.get("flags", ()))
+        cells.append(Cell(
+            key=dict(task=task, variant=variant, seed=seed), workdir=workdir,
+            command=training_command(config_file, variant, presets, workdir, flags,
+                                     overrides.get(task, {}).get(variant))))
+  return cells
+
+
+def summarize(table: Any, cells: Sequence[Cell]) -> List[Dict[str, Any]]:
+  """One row per (task, variant): spreads of test accuracy (%), best
+  validation accuracy (%), steps/s and peak memory (MiB), and the paper's number."""
+  del table
+  groups: Dict[Tuple[str, str], List[Dict[str, Any]]] = {}
+  for cell in cells:
+    groups.setdefault((cell.key["task"], cell.key["variant"]), [])
+    results = read_results(cell.results_path)
+    if results is not None and "metrics" in results:
+      groups[(cell.key["task"], cell.key["variant"])].append(results)
+  rows = []
+  for (task, variant), runs in groups.items():
+    metrics = [r["metrics"] for r in runs]
+    rows.append(dict(
+        task=task, variant=variant,
+        test=report.spread([100 * m["test"]["accuracy"] for m in metrics if "test" in m]),
+        validation=report.spread([100 * m["best_validation"]["accuracy"] for m in metrics
+                                  if "best_validation" in m]),
+        steps_per_s=report.spread([m.get("steps_per_s") for m in metrics]),
+        memory_mib=report.spread([m["peak_memory_bytes"] / 2**20 for m in metrics
+                                  if m.get("peak_memory_bytes")]),
+        memory_source=next((m.get("memory_source") for m in metrics), None),
+        seeds=[r["config"]["seed"] for r in runs],
+        paper=lra_paper.accuracy(variant, task)))
+  return rows
+
+
+def majority_class(config_file: str, presets: Sequence[str], data_dir: str,
+                   split: str = "test") -> Optional[float]:
+  """The share (%) of the most common label in a task's prepared `split`, the
+  accuracy of always guessing it; None when the data is not there (or the task
+  is not a classification of single labels)."""
+  try:
+    from attention_jax import data as lra_data  # pylint: disable=g-import-not-at-top
+    # pylint: disable-next=g-import-not-at-top
+    from attention_jax.train.trainer import task_data_dir, task_options
+    config = load_config_module(config_file).get_config(",".join(["dot_product", *presets]))
+    config.data_dir = data_dir
+    folder = task_data_dir(config)
+    if not folder.is_dir():
+      return None
+    source = lra_data.get_task(config.task, **task_options(config)).splits(folder)[split]
+    counts: Dict[int, int] = {}
+    for batch in lra_data.batches(source, batch_size=256, seed=0, shuffle=False,
+                                  num_steps=math.ceil(len(source) / 256)):
+      for label, weight in zip(batch["label"].tolist(), batch["weight"].tolist()):
+        if weight > 0:
+          counts[label] = counts.get(label, 0) + 1
+    return 100 * max(counts.values()) / sum(counts.values()) if counts else None
+  except Exception:  # pylint: disable=broad-except
+    return None  # A missing or unreadable dataset: the table just goes without it.
+
+
+def markdown(table: Any, rows: Sequence[Dict[str, Any]], data_dir: str = "data") -> List[str]:
+  """The majority class of each task, test accuracy (variants x tasks) beside
+  the paper's, then validation accuracy, steps/s and memory per cell."""
+  tasks = list(table.tasks)
+  by = {(r["task"], r["variant"]): r for r in rows}
+  majority = {task: majority_class(table.tasks[task], tuple(table.get("presets", ())), data_dir)
+              for task in tasks}
+  lines = []
+  known = [f"{task} {value:.1f}%" for task, value in majority.items() if value is not None]
+  if known:
+    lines += [f"Majority class of the test split (always guessing it): {', '.join(known)}.", ""]
+
+  def test_cell(variant: str, task: str) -> str:
+    row = by.get((task, variant), {})
+    paper = row.get("paper")
+    return f"{report.spread_text(row.get('test'))} / {'-' if paper is None else f'{paper:.2f}'}"
+
+  lines += ["## Test accuracy (%): measured mean ± std (n seeds) / LRA paper", "",
+            *report.markdown_head(["variant", *tasks]),
+            *report.variant_rows(table.variants, tasks, test_cell)]
+  lines += ["", "## Best validation accuracy (%), train steps/s and peak memory (MiB)", "",
+            *report.markdown_head(["task", "variant", "best validation (%)", "steps/s",
+                                   "peak memory (MiB)"])]
+  for task in tasks:
+    for variant in table.variants:
+      row = by.get((task, variant), {})
+      source = " host RSS" if row.get("memory_source") == "host_rss" else ""
+      lines.append(report.markdown_row([
+          task, variant, report.spread_text(row.get("validation")),
+          report.spread_text(row.get("steps_per_s")),
+          report.spread_text(row.get("memory_mib"), digits=0) + source]))
+  return lines
+
+
+def plot(table: Any, rows: Sequence[Dict[str, Any]], out: pathlib.Path) -> List[str]:
+  """`accuracy.png`: test accuracy by variant, one bar group per task, error bars
+  of one std over seeds, the paper's number as a black tick."""
+  plt = report.pyplot()
+  tasks = [t for t in table.tasks if any(r["task"] == t and r["test"]["n"] for r in rows)]
+  if not tasks:
+    return []
+  by = {(r["task"], r["variant"]): r for r in rows}
+  variants = list(table.variants)
+  width = 0.8 / len(tasks)
+  fig, ax = plt.subplots(figsize=(max(6, 0.7 * len(variants) * max(1, len(tasks) / 2)), 4))
+  for i, task in enumerate(tasks):
+    xs = [j + (i - (len(tasks) - 1) / 2) * width for j in range(len(variants))]
+    means = [(by.get((task, v), {}).get("test") or {}).get("mean") or 0 for v in variants]
+    stds = [(by.get((task, v), {}).get("test") or {}).get("std") or 0 for v in variants]
+    ax.bar(xs, means, width, yerr=stds, capsize=2, label=task)
+    papers = [(x, by.get((task, v), {}).get("paper")) for x, v in zip(xs, variants)]
+    papers = [(x, p) for x, p in papers if p is not None]
+    if papers:
+      ax.scatter([x for x, _ in papers], [p for _, p in papers], marker="_", s=200,
+                 color="black", zorder=3,
+                 label=("LRA paper" + (" (full settings)" if table.get("presets") else ""))
+                 if i == 0 else None)
+  ax.set_xticks(range(len(variants)))
+  ax.set_xticklabels(variants, rotation=45, ha="right")
+  ax.set_ylabel("test accuracy (%)")
+  ax.set_title(table.get("description", table.name))
+  ax.legend(fontsize=8)
+  return [report.save_figure(fig, out, "accuracy.png")]

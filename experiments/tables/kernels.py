@@ -1,0 +1,88 @@
+"""The "kernels" table: lengths of `experiments.benchmark_attention`.
+
+Each cell runs the benchmark at one sequence length in
+`<results>/runs/len<T>/` (the table config's `args` are its other flags); the
+table has one row per benchmark record: implementation, length, mode, causal,
+milliseconds, peak memory and the ratio to the fastest peer.
+"""
+
+from __future__ import annotations
+
+import pathlib
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from experiments.tables import report
+from experiments.tables.cells import Cell, benchmark_cell, read_results
+
+REQUIRED = ("name", "lengths")
+PAPER = False  # the LRA paper has no kernel table
+
+
+def expand(table: Any, runs: pathlib.Path, *, data_dir: str = "data",
+           batch_size: Optional[int] = None) -> List[Cell]:
+  """One cell per length; `data_dir` and `batch_size` are unused (the inputs
+  are random, the batch is in the table's `args`). See `experiments.tables.expand`."""
+  del data_dir, batch_size
+  return [benchmark_cell(table, dict(length=length), runs / f"len{length}",
+                         "experiments.benchmark_attention",
+                         (f"--lengths={length}", *table.get("args", ())))
+          for length in table.lengths]
+
+
+def summarize(table: Any, cells: Sequence[Cell]) -> List[Dict[str, Any]]:
+  """One row per benchmark record (implementation, length, mode, causal)."""
+  del table
+  rows = []
+  for cell in cells:
+    payload = read_results(cell.results_path) or {}
+    for r in payload.get("records", []):
+      rows.append(dict(impl=r.get("impl"), length=r.get("seq_len"), mode=r.get("mode"),
+                       causal=r.get("causal"), head_dim=r.get("head_dim"), ms=r.get("ms"),
+                       peak_mib=((r.get("memory") or {}).get("peak_delta_bytes") or 0) / 2**20
+                       or None, speedup_vs_best_peer=r.get("speedup_vs_best_peer"),
+                       best_peer=r.get("best_peer"), error=r.get("error")))
+  return rows
+
+
+def markdown(table: Any, rows: Sequence[Dict[str, Any]], data_dir: str = "") -> List[str]:
+  """One line per record; a failed one says why in place of its numbers."""
+  del table, data_dir
+  lines = report.markdown_head(["impl", "T", "mode", "causal", "ms", "peak MiB",
+                                "vs best peer", "best peer"])
+  for r in rows:
+    shape = [r["impl"], r["length"], r["mode"], r["causal"]]
+    if r.get("error"):
+      failed = f"failed: {str(r['error']).splitlines()[0][:60]}"
+      lines.append(report.markdown_row([*shape, failed]) + " | | |")
+      continue
+    peak = "-" if r["peak_mib"] is None else f"{r['peak_mib']:.1f}"
+    lines.append(report.markdown_row([*shape, f"{r['ms']:.2f}", peak,
+                                      report.ratio_text(r.get("speedup_vs_best_peer")),
+                                      r.get("best_peer") or "-"]))
+  return lines
+
+
+def plot(table: Any, rows: Sequence[Dict[str, Any]], out: pathlib.Path) -> List[str]:
+  """`kernels.png`: milliseconds against length, log-log; one panel per mode,
+  one colour per implementation, dashed when causal."""
+  del table
+  plt = report.pyplot()
+  series: Dict[Tuple[str, str, bool], List[Tuple[int, float]]] = {}
+  for r in rows:
+    if r.get("ms"):
+      series.setdefault((r["mode"], r["impl"], bool(r["causal"])), []).append(
+          (r["length"], r["ms"]))
+  if not series:
+    return []
+  modes = sorted({mode for mode, _, _ in series})
+  impls = sorted({impl for _, impl, _ in series})
+  colours = {impl: f"C{i}" for i, impl in enumerate(impls)}
+  fig, axes = plt.subplots(1, len(modes), figsize=(6 * len(modes), 4.5), squeeze=False)
+  for ax, mode in zip(axes[0], modes):
+    for (m, impl, causal), points in sorted(series.items()):
+      if m == mode:
+        ax.plot(*zip(*sorted(points)), marker="o", color=colours[impl],
+                linestyle="--" if causal else "-", label=f"{impl}{' causal' if causal else ''}")
+    report.length_axes(ax, "ms", mode)
+    ax.legend(fontsize=7)
+  return [report.save_figure(fig, out, "kernels.png")]
