@@ -187,6 +187,15 @@ def test_without_best_metric_only_the_latest_k_remain(tmp_path):
   ckpt.close()
 
 
+def test_step_path_names_the_directory_a_save_writes(tmp_path):
+  ckpt = Checkpointer(tmp_path / "ckpts", keep=2, async_save=False)
+  assert str(ckpt.step_path(12)) == str(tmp_path / "ckpts" / "12")
+  assert not ckpt.step_path(12).exists()
+  ckpt.save(12, _state(12))
+  assert ckpt.step_path(12).is_dir()
+  ckpt.close()
+
+
 def test_saving_a_step_twice_is_a_no_op(tmp_path):
   ckpt = Checkpointer(tmp_path, keep=2, best_metric="accuracy", async_save=False)
   assert ckpt.save(5, _state(5))
