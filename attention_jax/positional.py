@@ -18,6 +18,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from attention_jax import registry
+
 Array = jnp.ndarray
 Dtype = Any
 Initializer = Callable[..., Array]
@@ -31,7 +33,7 @@ RELATIVE_POSITIONS = ("rope", "alibi", "t5")
 def check_position_encoding(name: str) -> str:
   """Returns `name` if it is one of `POSITION_ENCODINGS`, else raises ValueError."""
   if name not in POSITION_ENCODINGS:
-    raise ValueError(f"position encoding must be one of {POSITION_ENCODINGS}, got {name!r}.")
+    raise registry.unknown_name_error("position encoding", name, POSITION_ENCODINGS)
   return name
 
 

@@ -304,5 +304,6 @@ def test_t5_module_equal_offsets_equal_bias():
 def test_check_position_encoding():
   for name in ("none", "sinusoidal", "learned", "rope", "alibi", "t5"):
     assert positional.check_position_encoding(name) == name
-  with pytest.raises(ValueError, match=r"position encoding must be one of .*'rope'.* got 'xpos'"):
+  with pytest.raises(ValueError, match=r"unknown position encoding 'xpos'. Valid names are: "
+                                       r"none, sinusoidal, learned, rope, alibi, t5"):
     positional.check_position_encoding("xpos")

@@ -35,8 +35,6 @@ def build_model(config: Union[Mapping[str, Any], ModelConfig]) -> Model:
       trace.
   """
   model_config = config if isinstance(config, ModelConfig) else ModelConfig.from_config(config)
-  if isinstance(config, ModelConfig):
-    model_config.check()
   return _MODELS[model_config.kind](model_config)
 
 

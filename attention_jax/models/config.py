@@ -1,4 +1,4 @@
-"""The model config: one frozen dataclass, made and checked once, passed whole.
+"""The model config: one frozen dataclass, checked when made, passed whole.
 
   model_config = ModelConfig.from_config(config.model)   # what `build_model` does
   SequenceClassifier(model_config)
@@ -45,7 +45,7 @@ REMAT_POLICIES = {
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-  """What a model is built from; `ModelConfig.from_config` checks every field.
+  """What a model is built from; every field is checked when it is made.
 
   Attributes:
     kind: one of `MODEL_KINDS`.
@@ -108,9 +108,24 @@ class ModelConfig:
   scan_layers: bool = False
   remat_policy: str = "none"
 
+  def __post_init__(self):
+    # Every ModelConfig is checked and hashable (Flax hashes module fields),
+    # however it was made: mappings frozen, lists made tuples.
+    for field in dataclasses.fields(self):
+      object.__setattr__(self, field.name, _frozen(getattr(self, field.name)))
+    # Options left unset (None) or at their declared default are dropped:
+    # configs list every option of their variant so that each can be
+    # overridden from the command line, and only what differs is passed on.
+    registry.get_variant(self.attention)
+    for name in self.layer_attention:
+      registry.get_variant(name)
+    object.__setattr__(self, "attention_options", FrozenDict(_set_options(
+        self.attention_options, self.attention, self.layer_attention)))
+    self.check()
+
   @classmethod
   def from_config(cls, config: Mapping[str, Any]) -> "ModelConfig":
-    """The checked config from a `ConfigDict` or mapping; missing keys take defaults.
+    """The config from a `ConfigDict` or mapping; missing keys take defaults.
 
     Raises:
       ValueError: on an unknown key (with the closest valid one), an unknown
@@ -124,16 +139,7 @@ class ModelConfig:
     for key in given:
       if key not in fields:
         raise registry.unknown_name_error("model config key", key, sorted(fields))
-    values = {key: _frozen(value) for key, value in given.items()}
-    # Options left unset (None) or at their declared default are dropped:
-    # configs list every option of their variant so that each can be
-    # overridden from the command line, and only what differs is passed on.
-    values["attention_options"] = FrozenDict(_set_options(
-        values.get("attention_options", {}), values.get("attention", cls.attention),
-        values.get("layer_attention", ())))
-    model_config = cls(**values)
-    model_config.check()
-    return model_config
+    return cls(**given)
 
   @property
   def schedule(self) -> Tuple[str, ...]:
@@ -235,6 +241,8 @@ def attention_options_config(*variants: str) -> ml_collections.ConfigDict:
 
 
 def _frozen(value: Any) -> Any:
+  if isinstance(value, ml_collections.ConfigDict):
+    value = value.to_dict()
   if isinstance(value, Mapping):
     return FrozenDict({k: _frozen(v) for k, v in value.items()})
   if isinstance(value, list):

@@ -136,12 +136,13 @@ def test_bad_inputs_raise():
     init(_tokens(), padding_mask=jnp.ones((B, T), jnp.int32))
   with pytest.raises(ValueError, match="tokens must be"):
     init(jnp.ones((B, T), jnp.float32))
-  # An unknown position is caught when the config is checked (from_config, or
-  # build_model of an unchecked ModelConfig), no longer when the Encoder is traced.
-  with pytest.raises(ValueError, match="position encoding must be one of.*'absolute'"):
+  # An unknown position is caught when the config is made, however it is
+  # made, not when the Encoder is traced.
+  expected = r"unknown position encoding 'absolute'. Valid names are: none, sinusoidal"
+  with pytest.raises(ValueError, match=expected):
     _small(position="absolute")
-  with pytest.raises(ValueError, match="position encoding must be one of.*'absolute'"):
-    build_model(ModelConfig(**SMALL, position="absolute"))
+  with pytest.raises(ValueError, match=expected):
+    ModelConfig(**SMALL, position="absolute")
 
 
 def test_post_norm_encoder_has_no_final_norm_and_rmsnorm_has_no_bias():

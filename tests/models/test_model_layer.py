@@ -291,7 +291,7 @@ for name in registry.list_variants():
   aj.variant_options(name)
   assert spec.fn is not None
 out = aj.dot_product_attention(q, q, q, is_causal=True)
-ref = aj.reference_attention(q, q, q, is_causal=True)
+ref = aj.reference_attention(q, q, q, mask=aj.make_attention_mask(64, 64, is_causal=True))
 assert jnp.allclose(out, ref, atol=1e-5)
 assert blockwise_dot_product_attention(q, q, q).shape == q.shape
 assert registry.get_variant("local").fn(q, q, q, window_size=4).shape == q.shape
