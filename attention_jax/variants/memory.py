@@ -311,9 +311,14 @@ class _LatentMixer(nn.Module):
     return lambda queries, inputs, valid: block(queries, inputs, valid,
                                                 deterministic=deterministic)
 
-  def _padding(self, x: Array, context: Optional[Array], mask, is_causal, query_seq_lengths,
-               key_value_seq_lengths, segment_ids, positions):
-    """Validates the call; returns `(inputs_valid [B, Tk] | None, query_valid [B, Tq] | None)`."""
+  @nn.compact
+  def __call__(self, x: Array, context: Optional[Array] = None, *, mask=None,
+               is_causal: bool = False, query_seq_lengths=None, key_value_seq_lengths=None,
+               segment_ids=None, positions=None, deterministic: bool = True, carry=None):
+    """The mixer contract. x: `[B, Tq, E]`; context: `[B, Tk, E]` or None; mask:
+    key padding `[B|1, 1, 1, Tk]`; key_value_seq_lengths / query_seq_lengths:
+    `[B]`; carry: passed through. Returns `[B, Tq, E]` (with the carry when
+    given one)."""
     # Every latent reads every token, so there is no causal form; segments would
     # need latents per segment.
     common.reject_unsupported(self.variant, is_causal=is_causal, segment_ids=segment_ids,
@@ -325,7 +330,13 @@ class _LatentMixer(nn.Module):
     query_valid = None
     if query_seq_lengths is not None:
       query_valid = jnp.arange(x.shape[1])[None, :] < jnp.asarray(query_seq_lengths)[:, None]
-    return inputs_valid, query_valid
+    out = self._attend(x, context, inputs_valid, query_valid, deterministic)
+    return common.mixer_output(out, carry)
+
+  def _attend(self, x: Array, context: Optional[Array], inputs_valid: Optional[Array],
+              query_valid: Optional[Array], deterministic: bool) -> Array:
+    """The variant's latents and blocks (called inside `__call__`'s compact scope)."""
+    raise NotImplementedError
 
 
 class InducingPointAttention(_LatentMixer):
@@ -342,23 +353,15 @@ class InducingPointAttention(_LatentMixer):
 
   variant = "inducing_points"
 
-  @nn.compact
-  def __call__(self, x: Array, context: Optional[Array] = None, *, mask=None,
-               is_causal: bool = False, query_seq_lengths=None, key_value_seq_lengths=None,
-               segment_ids=None, positions=None, deterministic: bool = True, carry=None):
-    """x: `[B, Tq, E]`; context: `[B, Tk, E]` or None; mask: key padding `[B|1, 1, 1, Tk]`;
-    key_value_seq_lengths / query_seq_lengths: `[B]`; carry: passed through.
-    Returns `[B, Tq, E]` (with the carry when given one)."""
+  def _attend(self, x: Array, context: Optional[Array], inputs_valid: Optional[Array],
+              query_valid: Optional[Array], deterministic: bool) -> Array:
     num_points = common.check_size("num_inducing_points", self.num_inducing_points)
-    inputs_valid, query_valid = self._padding(x, context, mask, is_causal, query_seq_lengths,
-                                              key_value_seq_lengths, segment_ids, positions)
     inducing_points = self.param("inducing_points", nn.initializers.xavier_uniform(),
                                  (num_points, x.shape[-1]), self.param_dtype)
-    out = latent_bottleneck_attention(
+    return latent_bottleneck_attention(
         x, inducing_points, self._block("induce", deterministic),
         self._block("attend", deterministic), context=context, inputs_valid=inputs_valid,
         query_valid=query_valid)
-    return common.mixer_output(out, carry)
 
 
 class Perceiver(_LatentMixer):
@@ -379,23 +382,17 @@ class Perceiver(_LatentMixer):
 
   variant = "perceiver"
 
-  @nn.compact
-  def __call__(self, x: Array, context: Optional[Array] = None, *, mask=None,
-               is_causal: bool = False, query_seq_lengths=None, key_value_seq_lengths=None,
-               segment_ids=None, positions=None, deterministic: bool = True, carry=None):
-    """As `InducingPointAttention.__call__`."""
+  def _attend(self, x: Array, context: Optional[Array], inputs_valid: Optional[Array],
+              query_valid: Optional[Array], deterministic: bool) -> Array:
     num_latents = common.check_size("num_latents", self.num_latents)
     num_layers = common.check_size("num_latent_layers", self.num_latent_layers, minimum=0)
-    inputs_valid, query_valid = self._padding(x, context, mask, is_causal, query_seq_lengths,
-                                              key_value_seq_lengths, segment_ids, positions)
     latents = self.param("latents", nn.initializers.truncated_normal(0.02),
                          (num_latents, x.shape[-1]), self.param_dtype)
     process = [self._block(f"latent_{i}", deterministic, pre_norm=True) for i in range(num_layers)]
-    out = latent_bottleneck_attention(
+    return latent_bottleneck_attention(
         x, latents, self._block("encode", deterministic, pre_norm=True),
         self._block("decode", deterministic, pre_norm=True, query_residual=False),
         context=context, process=process, inputs_valid=inputs_valid, query_valid=query_valid)
-    return common.mixer_output(out, carry)
 
 
 _LATENT = dict(fn=latent_bottleneck_attention, family="memory", subquadratic=True, exact=False,
