@@ -190,7 +190,7 @@ def test_dropout_is_active_only_when_not_deterministic():
     (dict(num_heads=5), r"qkv_features \(16\) must be divisible by num_heads \(5\)"),
     (dict(num_heads=4, attention="nope"), "unknown attention variant 'nope'"),
     (dict(num_heads=4, attention="multi_head"), "is not Q/K/V attention"),
-    (dict(num_heads=4, position="sinusoidal"), "position must be one of"),
+    (dict(num_heads=4, position="sinusoidal"), "position must be None or one of"),
 ])
 def test_bad_configuration_raises_value_errors(kwargs, message):
   with pytest.raises(ValueError, match=message):
