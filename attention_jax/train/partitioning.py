@@ -37,6 +37,30 @@ DATA_AXES = axes.DATA_AXES
 LOGICAL_AXIS_RULES: Tuple[Tuple[str, Any], ...] = axes.DEFAULT_RULES
 
 
+def axis_rules(rules: Sequence[Sequence[Any]]) -> Tuple[Tuple[str, Any], ...]:
+  """Checked `(logical axis, mesh axes)` rules, e.g. `config.logical_axis_rules`
+  (which JSON may have turned into lists).
+
+  Raises:
+    ValueError: when an entry is not a pair of a name and None, a mesh axis or
+      a sequence of mesh axes, or names a mesh axis that is not in `MESH_AXES`.
+  """
+  checked = []
+  for rule in rules:
+    if (not isinstance(rule, (tuple, list)) or len(rule) != 2
+        or not isinstance(rule[0], str)):
+      raise ValueError(f"logical_axis_rules entries must be (logical axis, mesh axes) pairs, "
+                       f"got {rule!r}.")
+    name, targets = rule
+    targets = tuple(targets) if isinstance(targets, (tuple, list)) else targets
+    for target in (targets if isinstance(targets, tuple) else (targets,)):
+      if target is not None and target not in MESH_AXES:
+        raise ValueError(f"logical_axis_rules maps {name!r} to {target!r}, which is not a mesh "
+                         f"axis; mesh axes are {MESH_AXES}.")
+    checked.append((name, targets))
+  return tuple(checked)
+
+
 def make_mesh(mesh_shape: Sequence[int], axis_names: Sequence[str] = MESH_AXES, *,
               devices: Optional[Sequence[jax.Device]] = None) -> Mesh:
   """A device mesh of `mesh_shape` over all (or the given) devices.

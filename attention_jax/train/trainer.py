@@ -137,6 +137,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
   check_workdir_path(workdir)
   config = _completed(config)
   mesh = partitioning.make_mesh(config.mesh_shape)
+  rules = partitioning.axis_rules(config.logical_axis_rules)
   partitioning.check_batch_size(config.batch_size, mesh)
   partitioning.check_batch_size(config.eval_batch_size, mesh)
   model = build_model(config.model)
@@ -165,20 +166,20 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
                                         seed=config.seed, **host))
 
   abstract_state, shardings = abstract_state_and_shardings(model, optimizer, example_batch, mesh,
-                                                           objective=objective)
+                                                           rules, objective=objective)
   checkpointer = Checkpointer(workdir / "checkpoints", keep=config.keep_checkpoints,
                               best_metric="accuracy", best_mode="max",
                               async_save=config.async_checkpoints)
   restored = checkpointer.restore(abstract_state, shardings)
   if restored is None:
-    state, _ = create_sharded_state(model, optimizer, example_batch, mesh,
+    state, _ = create_sharded_state(model, optimizer, example_batch, mesh, rules,
                                     rng=jax.random.key(config.seed), objective=objective)
     start_step = 0
   else:
     state, start_step = restored
-  train_step = make_train_step(model, optimizer, mesh, shardings, seed=config.seed,
+  train_step = make_train_step(model, optimizer, mesh, shardings, seed=config.seed, rules=rules,
                                rng_streams=tuple(config.rng_streams), objective=objective)
-  eval_step = make_eval_step(model, mesh, shardings, objective=objective)
+  eval_step = make_eval_step(model, mesh, shardings, rules=rules, objective=objective)
 
   def evaluate(state, split: str) -> Dict[str, float]:
     source = splits[split]

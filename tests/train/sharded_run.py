@@ -106,14 +106,23 @@ def trainer_runs(tmp):
   from attention_jax.train import metrics  # pylint: disable=g-import-not-at-top
   from attention_jax.train.trainer import train_and_evaluate  # pylint: disable=g-import-not-at-top
   out = {"losses": {}}
-  for shape in [(8, 1, 1), (2, 4, 1), (2, 2, 2)]:
+  # The last run takes its sharding rules from the config: no FSDP, the heads
+  # and the feed-forward over "tensor" (and the activations' batch over "data"
+  # and "fsdp", as always).
+  tensor_only = tuple((name, None if name == "embed" else target)
+                      for name, target in tiny_config.get_config().logical_axis_rules)
+  for shape, rules in [((8, 1, 1), None), ((2, 4, 1), None), ((2, 2, 2), None),
+                       ((2, 2, 2), tensor_only)]:
     config = tiny_config.get_config()
     config.update(data_dir=str(tmp / "data"), mesh_shape=shape, num_train_steps=6, log_every=1,
                   eval_every=6, checkpoint_every=6)
-    workdir = tmp / ("mesh-" + "x".join(map(str, shape)))
+    name = "x".join(map(str, shape)) + ("-tensor-only-rules" if rules else "")
+    if rules:
+      config.logical_axis_rules = rules
+    workdir = tmp / ("mesh-" + name)
     results = train_and_evaluate(config, workdir)
-    out["losses"][str(shape)] = [r["loss"] for r in metrics.read_metrics(workdir, "train")]
-    out.setdefault("validation", {})[str(shape)] = results["metrics"]["validation"]
+    out["losses"][name] = [r["loss"] for r in metrics.read_metrics(workdir, "train")]
+    out.setdefault("validation", {})[name] = results["metrics"]["validation"]
   config = tiny_config.get_config()
   config.update(data_dir=str(tmp / "data"), mesh_shape=(8, 1, 1), batch_size=12)
   out["batch_error"] = error_of(lambda: train_and_evaluate(config, tmp / "bad-batch"))

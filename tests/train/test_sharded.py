@@ -106,3 +106,13 @@ def test_the_training_loop_refuses_a_batch_that_does_not_split_before_writing(ru
   message = run["trainer"]["batch_error"]
   assert message is not None and "12" in message and "8" in message
   assert not run["trainer"]["bad_batch_workdir_exists"]
+
+
+def test_axis_rules_are_checked():
+  from attention_jax.train import partitioning  # pylint: disable=g-import-not-at-top
+  assert partitioning.axis_rules([["activation_batch", ["data", "fsdp"]], ["kv", None]]) == (
+      ("activation_batch", ("data", "fsdp")), ("kv", None))
+  with pytest.raises(ValueError, match="maps 'embed' to 'model', which is not a mesh axis"):
+    partitioning.axis_rules([("embed", "model")])
+  with pytest.raises(ValueError, match="must be \\(logical axis, mesh axes\\) pairs"):
+    partitioning.axis_rules([("embed",)])
