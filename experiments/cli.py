@@ -26,11 +26,13 @@ lists them and absl reports a bad one.
 from __future__ import annotations
 
 import re
+import difflib
 import sys
 import types
 from typing import Any, Callable, Optional, Sequence
 
 from absl import app, flags, logging
+import ml_collections
 from ml_collections import config_flags
 
 # `define_flags(flag_values, argv)`: defines a script's flags on `flag_values`;
@@ -107,6 +109,27 @@ def check_config_file(flag_values: flags.FlagValues, name: str,
   flags.register_validator(name, checker, flag_values=flag_values)
 
 
+def config_keys(config: Any, prefix: str = "") -> list:
+  """Every key of a ConfigDict (or dict), dotted: "model", "model.embed_dim", ..."""
+  keys = []
+  for key, value in config.items():
+    keys.append(f"{prefix}{key}")
+    if isinstance(value, (ml_collections.ConfigDict, dict)):
+      keys.extend(config_keys(value, f"{prefix}{key}."))
+  return keys
+
+
+def unknown_override_message(flag_name: str, key: str, config: Any) -> str:
+  """The one line for `--<flag_name>.<key>=...` when `config` has no `key`:
+  the flag, and the closest keys as the fix."""
+  close = difflib.get_close_matches(key, config_keys(config), n=3, cutoff=0.6)
+  if close:
+    fix = "did you mean " + " or ".join(f"--{flag_name}.{match}" for match in close) + "?"
+  else:
+    fix = f"the valid keys are those the config file's get_config() returns."
+  return f"--{flag_name}.{key}: the config of --{flag_name} has no key {key!r}; {fix}"
+
+
 def _args(flag_values: flags.FlagValues, names: Sequence[str], argv: Sequence[str]) -> Args:
   args = Args(**{name: flag_values[name].value for name in names})
   args.argv = list(argv)
@@ -131,8 +154,7 @@ def _parse(flag_values: flags.FlagValues, argv: Sequence[str]) -> None:
       # Only a config flag takes `--<name>.<path>` overrides.
       if match and match.group(1) in flag_values and key in match.group(2).split("."):
         name, path = match.groups()
-        raise flags.Error(f"flag --{name}.{path}: the config of --{name} has no key "
-                          f"{path!r}.") from e
+        raise flags.Error(unknown_override_message(name, path, flag_values[name].value)) from e
     raise
   if len(rest) > 1:
     raise flags.Error(f"unexpected argument(s) {' '.join(rest[1:])!r}: every option is a flag, "

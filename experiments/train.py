@@ -44,7 +44,6 @@ the signal killed), after the checkpoint is written.
 
 from __future__ import annotations
 
-import difflib
 import importlib.util
 import json
 import os
@@ -58,6 +57,8 @@ from absl import app, flags, logging
 import ml_collections
 from ml_collections import config_flags
 from ml_collections.config_flags import config_path
+
+from experiments import cli
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "the experiment config file[:arg]",
                                           lock_config=True)
@@ -210,16 +211,6 @@ def _override_flags(argv: Sequence[str]) -> List[str]:
   return overrides
 
 
-def _config_keys(config: Any, prefix: str = "") -> List[str]:
-  """Every key of `config`, dotted ("model", "model.embed_dim", ...)."""
-  keys = []
-  for key, value in config.items():
-    keys.append(f"{prefix}{key}")
-    if isinstance(value, (ml_collections.ConfigDict, dict)):
-      keys.extend(_config_keys(value, f"{prefix}{key}."))
-  return keys
-
-
 def _unknown_override_message(argv: Sequence[str], config_argument: str) -> Optional[str]:
   """The one-line error for the first --config.<key> override whose key the
   config lacks, or None when every override names a key (so the failure was
@@ -232,7 +223,6 @@ def _unknown_override_message(argv: Sequence[str], config_argument: str) -> Opti
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     config = module.get_config(*arguments)
-    keys = _config_keys(config)
   except Exception:  # pylint: disable=broad-except
     return None  # Not an override's fault: let the original error show.
   for flag in _override_flags(argv):
@@ -242,17 +232,14 @@ def _unknown_override_message(argv: Sequence[str], config_argument: str) -> Opti
       continue
     except (AttributeError, KeyError, IndexError, ValueError):
       pass
-    close = difflib.get_close_matches(key, keys, n=3, cutoff=0.6)
-    if close:
-      fix = "did you mean " + " or ".join(f"--config.{match}" for match in close) + "?"
-    else:
-      fix = ("the valid keys are those of attention_jax/train/config.py's default_config() "
-             "(and of the model's config).")
-    if key.startswith(("task_options.", "model.attention_options.",
-                       "model.position_options.")):
-      fix += (" New keys of a free-form option dict cannot be added by a flag: set them in "
-              "a config file (see configs/tables/cell.py).")
-    return f"{flag}: the config of --config={config_argument} has no key {key!r}; {fix}"
+    message = cli.unknown_override_message("config", key, config)
+    if key.startswith("model.attention_options."):
+      message += (" A variant's options are those it declares: "
+                  "attention_jax.variant_options(name) and docs/variants.md list them.")
+    elif key.startswith(("task_options.", "model.position_options.")):
+      message += (" New keys of a free-form option dict cannot be added by a flag: set them in "
+                  "a config file (see configs/tables/cell.py).")
+    return message
   return None
 
 

@@ -131,7 +131,9 @@ def test_a_config_file_that_does_not_exist_is_refused(tmp_path):
                                      "did you mean --config.model.embed_dim"]),
     ("--config.optimiser.learning_rate=1", ["--config.optimiser.learning_rate",
                                             "did you mean --config.optimizer.learning_rate"]),
-    ("--config.zzz=1", ["--config.zzz", "no key 'zzz'", "default_config()"]),
+    ("--config.zzz=1", ["--config.zzz", "no key 'zzz'", "get_config() returns"]),
+    ("--config.model.attention_options.window=3", [
+        "no key 'model.attention_options.window'", "variant_options"]),
 ])
 def test_an_override_of_a_key_that_does_not_exist_is_refused(tmp_path, override, words):
   result = _run(tmp_path, f"--config={TINY}", f"--workdir={tmp_path / 'w'}", override)
