@@ -309,3 +309,36 @@ print("ok")
                           text=True, timeout=300)
   assert result.returncode == 0, result.stderr[-3000:]
   assert "ok" in result.stdout and "layers unimportable" in result.stdout
+
+
+def _override_text(option):
+  """A value for `--config.model.attention_options.<name>=` of the option's type."""
+  if option.type is bool:
+    return str(not option.default)
+  if option.type is int:
+    return str((option.default or 2) + 1)
+  if option.type is float:
+    return "0.5"
+  if option.type is tuple:
+    return "(2, 2)"
+  return "xla"
+
+
+@pytest.mark.parametrize("variant", registry.list_variants())
+def test_every_declared_option_is_a_command_line_override(variant):
+  """`--config.model.attention_options.<name>=<value>` parses for every declared
+  option (ml_collections can only override keys the config has, typed), and the
+  model config accepts the result."""
+  from ml_collections import config_flags  # pylint: disable=import-outside-toplevel
+  from experiments import cli  # pylint: disable=import-outside-toplevel
+  for option in aj.variant_options(variant):
+    def define(flag_values, argv):
+      config_flags.DEFINE_config_file("config", None, "", flag_values=flag_values,
+                                      sys_argv=list(argv))
+    text = _override_text(option)
+    args = cli.parse(define, [f"--config={REPO / 'tests/train/tiny_config.py'}:{variant}",
+                              f"--config.model.attention_options.{option.name}={text}"])
+    value = args.config.model.attention_options[option.name]
+    assert isinstance(value, option.type) and value != option.default, (option, value)
+    model = dict(args.config.model, vocab_size=11, num_classes=10, max_length=40)
+    assert ModelConfig.from_config(model).attention_options[option.name] == value
