@@ -4,4 +4,5 @@ from attention_jax.core.masks import (Reach, and_masks, length_predicate, make_a
                                       normalize_window, reach_of, reach_predicate,
                                       segment_predicate, split_segment_ids)
 from attention_jax.core.reference import reference_attention
-from attention_jax.core.softmax import masked_softmax
+from attention_jax.core.softmax import (MASKED_LOGSUMEXP, logsumexp_residual, masked_softmax,
+                                        masked_softmax_and_logsumexp)

@@ -6,12 +6,12 @@ K/V heads are repeated explicitly, and matrix products use the highest precision
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Tuple, Union
 
 import jax
 import jax.numpy as jnp
 
-from attention_jax.core.softmax import masked_softmax
+from attention_jax.core.softmax import masked_softmax_and_logsumexp
 
 Array = jnp.ndarray
 
@@ -24,7 +24,8 @@ def reference_attention(
     mask: Optional[Array] = None,
     *,
     scale: Optional[float] = None,
-) -> Array:
+    return_residual: bool = False,
+) -> Union[Array, Tuple[Array, Array]]:
   """softmax(q k^T * scale + bias, masked) v, all in float32.
 
   Args:
@@ -34,9 +35,12 @@ def reference_attention(
     bias: additive, broadcastable to `[B, H, Tq, Tk]`.
     mask: boolean, broadcastable to `[B, H, Tq, Tk]`; True may attend.
     scale: logit scale; 1/sqrt(D) when None.
+    return_residual: also return the log-sum-exp of each row's allowed logits.
 
   Returns:
-    `[B, Tq, H, Dv]` float32; rows with no allowed key are zero.
+    `[B, Tq, H, Dv]` float32; rows with no allowed key are zero. With
+    `return_residual`, `(out, lse)` and lse `[B, Tq, H]` float32
+    (`MASKED_LOGSUMEXP` on rows with no allowed key).
   """
   query, key, value = (x.astype(jnp.float32) for x in (query, key, value))
   num_heads, num_kv_heads = query.shape[2], key.shape[2]
@@ -49,5 +53,6 @@ def reference_attention(
   logits = jnp.einsum("bqhd,bkhd->bhqk", query, key, precision=highest) * scale
   if bias is not None:
     logits = logits + bias.astype(jnp.float32)
-  weights = masked_softmax(logits, mask)
-  return jnp.einsum("bhqk,bkhd->bqhd", weights, value, precision=highest)
+  weights, lse = masked_softmax_and_logsumexp(logits, mask)
+  out = jnp.einsum("bhqk,bkhd->bqhd", weights, value, precision=highest)
+  return (out, lse.transpose(0, 2, 1)) if return_residual else out

@@ -1,10 +1,13 @@
-"""masked_softmax: agrees with jax.nn.softmax where defined, zeros where nothing is allowed."""
+"""masked_softmax: agrees with jax.nn.softmax where defined, zeros where nothing is allowed;
+its log-sum-exp agrees with jax.nn.logsumexp, finite where nothing is allowed."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
-from attention_jax.core import masked_softmax
+from attention_jax.core import (MASKED_LOGSUMEXP, logsumexp_residual, masked_softmax,
+                                masked_softmax_and_logsumexp)
 
 
 def test_equals_softmax_over_the_allowed_entries():
@@ -68,3 +71,63 @@ def test_backward_keeps_the_weights_alone():
   ours = size(lambda l: masked_softmax(l, mask))
   theirs = size(lambda l: jax.nn.softmax(jnp.where(mask, l, -jnp.inf)))
   assert ours <= theirs
+
+
+def test_logsumexp_equals_jax_nn_over_the_allowed_entries_and_is_finite_on_empty_rows():
+  logits = jax.random.normal(jax.random.PRNGKey(5), (3, 5)) * 10
+  mask = jnp.array([[1, 1, 1, 1, 1], [1, 0, 1, 0, 0], [0, 0, 0, 0, 0]], bool)
+  weights, lse = masked_softmax_and_logsumexp(logits, mask)
+  np.testing.assert_array_equal(weights, masked_softmax(logits, mask))
+  assert lse.shape == (3,) and lse.dtype == jnp.float32
+  for row in range(2):
+    expected = jax.nn.logsumexp(logits[row][np.asarray(mask[row])])
+    np.testing.assert_allclose(lse[row], expected, rtol=1e-6)
+  # log 0 is reported as jax.nn's mask fill (finite), not -inf.
+  assert lse[2] == MASKED_LOGSUMEXP == np.float32(-0.7) * np.finfo(np.float32).max
+
+
+def test_logsumexp_gradient_is_the_weights_and_zero_on_empty_rows():
+  logits = jax.random.normal(jax.random.PRNGKey(6), (3, 6)) * 3
+  mask = jax.random.bernoulli(jax.random.PRNGKey(7), 0.6, (3, 6)).at[:2, 0].set(True)
+  mask = mask.at[2].set(False)
+  cotangent = jnp.array([0.5, -2.0, 3.0])
+  grad = jax.grad(lambda l: jnp.sum(masked_softmax_and_logsumexp(l, mask)[1] * cotangent))(logits)
+  np.testing.assert_allclose(grad, masked_softmax(logits, mask) * cotangent[:, None], rtol=1e-6)
+  np.testing.assert_array_equal(grad[2], 0.0)
+
+
+def test_finite_under_debug_infs_with_a_fully_masked_row():
+  """Masked logits take a finite fill, so jax.debug_infs (which checks every
+  operation run eagerly) finds nothing, forward or backward."""
+  logits = jnp.array([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
+  mask = jnp.array([[True, False, True], [False, False, False]])
+  with jax.debug_infs(True):
+    weights, lse = masked_softmax_and_logsumexp(logits, mask)
+    grad = jax.grad(lambda l: jnp.sum(masked_softmax(l, mask) * jnp.arange(3.0)))(logits)
+  np.testing.assert_array_equal(weights[1], 0.0)
+  np.testing.assert_array_equal(grad[1], 0.0)
+  assert np.isfinite(lse[1])
+
+
+@pytest.mark.parametrize("with_mask", [False, True])
+def test_differentiating_the_logsumexp_too_saves_nothing_more(with_mask):
+  """d lse = <t, weights> is a term of d weights: reverse mode keeps the same arrays."""
+  from jax._src.ad_checkpoint import saved_residuals  # pylint: disable=import-outside-toplevel
+  shape = (2, 3, 64, 80)
+  logits = jax.random.normal(jax.random.PRNGKey(8), shape)
+  mask = jnp.ones(shape[-2:], bool) if with_mask else None
+  saved = lambda fn: sorted((aval.shape, str(aval.dtype)) for aval, _ in saved_residuals(fn, logits))
+  both = lambda l: sum(jnp.sum(x) for x in masked_softmax_and_logsumexp(l, mask))
+  weights_alone = lambda l: jnp.sum(masked_softmax(l, mask))
+  assert saved(both) == saved(weights_alone)
+  if not with_mask:
+    assert saved(both) == [(shape, "float32")]
+
+
+def test_residual_dtype_clips_into_its_finite_range():
+  lse = jnp.array([MASKED_LOGSUMEXP, 3.25])
+  np.testing.assert_array_equal(logsumexp_residual(lse, jnp.float32), lse)
+  np.testing.assert_array_equal(logsumexp_residual(lse, jnp.float16),
+                                jnp.array([-65504.0, 3.25], jnp.float16))
+  assert logsumexp_residual(lse, jnp.bfloat16).dtype == jnp.bfloat16
+  assert np.isfinite(np.asarray(logsumexp_residual(lse, jnp.bfloat16), np.float32)).all()
