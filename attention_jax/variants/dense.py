@@ -2,8 +2,12 @@
 
 `dot_product_attention` is a drop-in for `jax.nn.dot_product_attention`: the
 same argument names and `[B, T, H, D]` layout, grouped K/V heads when K/V have
-fewer heads than the query, plus `segment_ids` for packed sequences, and an
-`implementation` switch. Implementations register themselves in
+fewer heads than the query, a bias or mask of rank below 4 padded with leading
+1s, `return_residual` for the log-sum-exp, finite values throughout (it runs
+under `jax.debug_infs(True)`); plus `segment_ids` for packed sequences, and an
+`implementation` switch. Where it differs on purpose: a query with nothing to
+attend outputs zeros (jax.nn averages the values), and the residual has true
+gradients (jax.nn stops them). Implementations register themselves in
 `_IMPLEMENTATIONS`; the kernels add "blockwise" and "pallas" there.
 
 `implementation=None` takes the available implementation of highest priority
@@ -24,7 +28,7 @@ import numpy as np
 
 from attention_jax import registry
 from attention_jax.core.masks import Window, make_attention_mask, normalize_window, split_segment_ids
-from attention_jax.core.softmax import masked_softmax
+from attention_jax.core.softmax import logsumexp_residual, masked_softmax_and_logsumexp
 from attention_jax.variants import common
 
 Array = jnp.ndarray
@@ -75,7 +79,11 @@ class Implementation:
   """One way to compute exact attention.
 
   Attributes:
-    fn: `fn(inputs: AttentionInputs, **options) -> [B, Tq, H, Dv]`.
+    fn: `fn(inputs: AttentionInputs, **options) -> [B, Tq, H, Dv]`. With the
+      option `return_residual=True` (passed only when asked for) it returns
+      `(out, lse)` instead: lse `[B, Tq, H]` float32, the log-sum-exp of each
+      query's allowed logits, `MASKED_LOGSUMEXP` where it may attend nothing
+      (past `query_seq_lengths` too), differentiable where the fn can.
     is_available: whether it runs on the default backend.
     priority: `implementation=None` takes the highest; a function of the
       inputs where the best choice depends on the shapes.
@@ -102,7 +110,10 @@ def register_implementation(name: str, fn: Callable[..., Array], *,
                             priority: Priority = 0,
                             rejects: Callable[[AttentionInputs], Optional[str]] = lambda _: None,
                             takes_dropout: bool = False) -> None:
-  """Makes `fn(inputs: AttentionInputs) -> out` selectable as `implementation=name`."""
+  """Makes `fn(inputs: AttentionInputs) -> out` selectable as `implementation=name`.
+
+  `fn` also takes `return_residual=True` (see `Implementation.fn`).
+  """
   _IMPLEMENTATIONS[name] = Implementation(fn, is_available, priority, rejects, takes_dropout)
 
 
@@ -160,15 +171,25 @@ def select_implementation(inputs: AttentionInputs, implementation: Optional[str]
   raise ValueError(f"no implementation takes these inputs: {'; '.join(declined)}")
 
 
-def _check_broadcastable(name: str, array: Optional[Array], target: Sequence[int]) -> None:
+def _pairwise_rank4(name: str, array, target: Sequence[int]) -> Optional[Array]:
+  """A bias or mask as `[B|1, H|1, Tq|1, Tk|1]`.
+
+  Lower ranks gain leading 1s, jax.nn's rule (a `[Tk]` mask masks keys for
+  every query, a `[Tq, Tk]` one is shared by batch and heads).
+  """
   if array is None:
-    return
-  shape = tuple(jnp.shape(array))
-  ok = len(shape) == len(target) and all(s in (1, t) for s, t in zip(shape, target))
-  if not ok:
+    return None
+  array = jnp.asarray(array)
+  shape = tuple(array.shape)
+  if len(shape) > len(target):
+    raise ValueError(f"{name} must have rank at most 4, [B, H, Tq, Tk] = {list(target)} (lower "
+                     f"ranks gain leading 1s, as in jax.nn), got shape {list(shape)}.")
+  padded = (1,) * (len(target) - len(shape)) + shape
+  if not all(s in (1, t) for s, t in zip(padded, target)):
     raise ValueError(
-        f"{name} must have rank {len(target)} and broadcast to [B, H, Tq, Tk] = "
-        f"{list(target)} (each dimension equal or 1), got shape {list(shape)}.")
+        f"{name} must broadcast to [B, H, Tq, Tk] = {list(target)} (each dimension equal or 1; "
+        f"lower ranks gain leading 1s, as in jax.nn), got shape {list(shape)}.")
+  return array.reshape(padded)
 
 
 def _check_lengths(name: str, lengths: Optional[Array], batch: int, max_len: int) -> None:
@@ -196,6 +217,9 @@ def prepare_inputs(query, key, value, bias=None, mask=None, *, scale=None, is_ca
                    segment_ids: SegmentIds = None) -> Tuple[AttentionInputs, bool]:
   """Validates the arguments of `dot_product_attention` and brings them to rank 4.
 
+  A bias or mask of rank below 4 gains leading 1s (as in jax.nn), also for an
+  unbatched call, whose batch is then 1.
+
   Returns the inputs and whether the call was unbatched (rank 3).
   """
   query, key, value = jnp.asarray(query), jnp.asarray(key), jnp.asarray(value)
@@ -209,8 +233,6 @@ def prepare_inputs(query, key, value, bias=None, mask=None, *, scale=None, is_ca
   unbatched = query.ndim == 3
   if unbatched:
     query, key, value = query[None], key[None], value[None]
-    bias = None if bias is None else jnp.asarray(bias)[None]
-    mask = None if mask is None else jnp.asarray(mask)[None]
 
   batch, q_len, num_heads, head_dim = query.shape
   if key.shape[0] != batch or value.shape[0] != batch:
@@ -232,10 +254,10 @@ def prepare_inputs(query, key, value, bias=None, mask=None, *, scale=None, is_ca
 
   kv_len = key.shape[1]
   target = (batch, num_heads, q_len, kv_len)
-  _check_broadcastable("bias", bias, target)
-  _check_broadcastable("mask", mask, target)
-  if mask is not None and jnp.asarray(mask).dtype != jnp.bool_:
-    raise ValueError(f"mask must be boolean (True may attend), got dtype {jnp.asarray(mask).dtype}.")
+  bias = _pairwise_rank4("bias", bias, target)
+  mask = _pairwise_rank4("mask", mask, target)
+  if mask is not None and mask.dtype != jnp.bool_:
+    raise ValueError(f"mask must be boolean (True may attend), got dtype {mask.dtype}.")
   _check_lengths("query_seq_lengths", query_seq_lengths, batch, q_len)
   _check_lengths("key_value_seq_lengths", key_value_seq_lengths, batch, kv_len)
   q_segment_ids, kv_segment_ids = split_segment_ids(segment_ids)
@@ -248,8 +270,7 @@ def prepare_inputs(query, key, value, bias=None, mask=None, *, scale=None, is_ca
 
   inputs = AttentionInputs(
       query=query, key=key, value=value,
-      bias=None if bias is None else jnp.asarray(bias),
-      mask=None if mask is None else jnp.asarray(mask),
+      bias=bias, mask=mask,
       scale=scale, is_causal=bool(is_causal),
       query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
       local_window_size=normalize_window(local_window_size),
@@ -271,17 +292,20 @@ def dot_product_attention(
     local_window_size: Optional[Window] = None,
     segment_ids: SegmentIds = None,
     implementation: Optional[str] = None,
+    return_residual: bool = False,
     dropout_rate: float = 0.0,
     dropout_rng: Optional[jax.Array] = None,
-) -> Array:
+) -> Union[Array, Tuple[Array, Array]]:
   """Scaled dot-product attention softmax(q k^T * scale + bias) v.
 
   Args:
     query: `[B, Tq, H, D]` (or `[Tq, H, D]`).
     key: `[B, Tk, Hkv, D]`; `H` must be a multiple of `Hkv` (MQA: Hkv = 1, GQA).
     value: `[B, Tk, Hkv, Dv]`.
-    bias: additive logits bias, rank 4, broadcastable to `[B, H, Tq, Tk]`.
-    mask: boolean, rank 4, broadcastable to `[B, H, Tq, Tk]`; True may attend.
+    bias: additive logits bias broadcastable to `[B, H, Tq, Tk]`; a lower rank
+      gains leading 1s (`[Tq, Tk]`, `[Tk]`), as in jax.nn.
+    mask: boolean broadcastable to `[B, H, Tq, Tk]` (lower ranks as for bias);
+      True may attend.
     scale: logit scale, 1/sqrt(D) by default.
     is_causal: query i attends keys j <= i (top-left aligned, as jax.nn).
     query_seq_lengths: `[B]` int; queries past the length output zeros.
@@ -292,12 +316,22 @@ def dot_product_attention(
       within their own segment.
     implementation: one of `available_implementations()`, or None for the best
       that takes these inputs (see `select_implementation`).
+    return_residual: also return the residual, the log-sum-exp of each query's
+      (scaled, biased) logits over the keys it may attend, as jax.nn does.
     dropout_rate: dropout on the attention weights (only with a `dropout_rng`).
     dropout_rng: PRNG key for the dropout; None disables dropout.
 
   Returns:
     `[B, Tq, H, Dv]` in the query dtype. A query that may attend to no key
-    returns zeros (and passes zero gradients), never NaN.
+    returns zeros (and passes zero gradients), never NaN. With
+    `return_residual`, `(out, residual)`: residual `[B, Tq, H]` (or `[Tq, H]`)
+    in the query dtype, as jax.nn's. A query that may attend to no key (past
+    `query_seq_lengths` too) has the residual `MASKED_LOGSUMEXP` = -0.7 * the
+    largest float32, finite where log 0 would be -inf (what jax.nn returns
+    there, except that float16, whose range stops at 65504, gets -65504 where
+    jax.nn's overflows to -inf). Unlike jax.nn's, the residual is
+    differentiable (d lse / d logits = the attention weights), in every
+    implementation but "cudnn", whose residual passes no gradient (as jax.nn's).
   """
   inputs, unbatched = prepare_inputs(
       query, key, value, bias, mask, scale=scale, is_causal=is_causal,
@@ -310,12 +344,31 @@ def dot_product_attention(
     warnings.warn(f"dot_product_attention: using implementation {implementation!r}; {note}.",
                   stacklevel=2)
   options = dict(dropout_rate=dropout_rate, dropout_rng=dropout_rng) if dropout else {}
-  out = _IMPLEMENTATIONS[implementation].fn(inputs, **options)
-  return out[0] if unbatched else out
+  if return_residual:
+    options["return_residual"] = True
+  return returned_outputs(_IMPLEMENTATIONS[implementation].fn(inputs, **options), unbatched)
+
+
+def returned_outputs(result, unbatched: bool):
+  """An implementation's result as `dot_product_attention` returns it.
+
+  Args:
+    result: `out` `[B, Tq, H, Dv]`, or `(out, lse)` with lse `[B, Tq, H]` float32.
+    unbatched: the call had rank-3 inputs; the batch axis of 1 is dropped again.
+
+  Returns:
+    `out`, or `(out, residual)` with the residual in the output dtype
+    (`logsumexp_residual`).
+  """
+  if isinstance(result, tuple):
+    out, lse = result
+    result = (out, logsumexp_residual(lse, out.dtype))
+  return jax.tree.map(lambda x: x[0], result) if unbatched else result
 
 
 def _xla_attention(inputs: AttentionInputs, dropout_rate: float = 0.0,
-                   dropout_rng: Optional[jax.Array] = None) -> Array:
+                   dropout_rng: Optional[jax.Array] = None,
+                   return_residual: bool = False) -> Union[Array, Tuple[Array, Array]]:
   """Materialises the [B, H, Tq, Tk] logits; grouped heads are never repeated in memory.
 
   The G = H // Hkv query heads that share a K/V head are stacked along the
@@ -336,19 +389,30 @@ def _xla_attention(inputs: AttentionInputs, dropout_rate: float = 0.0,
   logits = logits.reshape(batch, num_heads, q_len, kv_len) * inputs.scale
   if inputs.bias is not None:
     logits = logits + inputs.bias.astype(jnp.float32)
-  weights = common.dropout_weights(masked_softmax(logits, inputs.dense_mask()), dropout_rate,
-                                   dropout_rng)
-  return common.weighted_values(weights, value).astype(query.dtype)
+  weights, lse = masked_softmax_and_logsumexp(logits, inputs.dense_mask())
+  weights = common.dropout_weights(weights, dropout_rate, dropout_rng)
+  out = common.weighted_values(weights, value).astype(query.dtype)
+  return (out, lse.transpose(0, 2, 1)) if return_residual else out
 
 
-def _cudnn_attention(inputs: AttentionInputs) -> Array:
-  """cuDNN's fused kernel through jax.nn, for the masks it supports."""
-  return jax.nn.dot_product_attention(
+def _cudnn_attention(inputs: AttentionInputs,
+                     return_residual: bool = False) -> Union[Array, Tuple[Array, Array]]:
+  """cuDNN's fused kernel through jax.nn, for the masks it supports.
+
+  Its residual is cuDNN's own, in the input dtype and with no gradient (jax's
+  cuDNN backward drops the residual's cotangent; the stop_gradient says so).
+  """
+  result = jax.nn.dot_product_attention(
       inputs.query, inputs.key, inputs.value, inputs.bias, inputs.mask,
       scale=inputs.scale, is_causal=inputs.is_causal,
       query_seq_lengths=inputs.query_seq_lengths,
       key_value_seq_lengths=inputs.key_value_seq_lengths,
-      local_window_size=inputs.local_window_size, implementation="cudnn")
+      local_window_size=inputs.local_window_size, implementation="cudnn",
+      return_residual=return_residual)
+  if not return_residual:
+    return result
+  out, residual = result
+  return out, jax.lax.stop_gradient(residual.astype(jnp.float32))
 
 
 def _cudnn_rejects(inputs: AttentionInputs) -> Optional[str]:

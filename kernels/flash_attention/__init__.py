@@ -15,12 +15,13 @@ with `attention_jax.dot_product_attention`, and the variants `blockwise` and
 `flash` with the registry.
 """
 
-from typing import Optional
+from typing import Optional, Tuple, Union
 
 import jax
 
 from attention_jax import registry
-from attention_jax.variants.dense import AttentionInputs, prepare_inputs, register_implementation
+from attention_jax.variants.dense import (AttentionInputs, prepare_inputs,
+                                          register_implementation, returned_outputs)
 
 from . import pallas_gpu, pallas_mgpu, pallas_tpu
 from .blockwise import blockwise_attention, blockwise_dot_product_attention, default_block_sizes
@@ -42,15 +43,15 @@ def _blockwise_priority(inputs: AttentionInputs) -> int:
 
 
 def pallas_attention(inputs: AttentionInputs, block_sizes: Optional[BlockSizes] = None, *,
-                     interpret: Optional[bool] = None) -> jax.Array:
+                     interpret: Optional[bool] = None, return_residual: bool = False
+                     ) -> Union[jax.Array, Tuple[jax.Array, jax.Array]]:
   """The Pallas kernel of the default backend: Mosaic on TPU, Triton elsewhere.
 
   Off an accelerator the Triton kernel runs in the Pallas interpreter
   (`interpret=None`): exact, and slow; it exists for testing.
   """
-  if jax.default_backend() == "tpu":
-    return flash_attention_tpu(inputs, block_sizes, interpret=interpret)
-  return flash_attention_gpu(inputs, block_sizes, interpret=interpret)
+  kernel = flash_attention_tpu if jax.default_backend() == "tpu" else flash_attention_gpu
+  return kernel(inputs, block_sizes, interpret=interpret, return_residual=return_residual)
 
 
 def _pallas_rejects(inputs: AttentionInputs) -> Optional[str]:
@@ -61,21 +62,24 @@ def _pallas_rejects(inputs: AttentionInputs) -> Optional[str]:
 
 def flash_dot_product_attention(query, key, value, bias=None, mask=None, *,
                                 block_sizes: Optional[BlockSizes] = None,
-                                interpret: Optional[bool] = None, **kwargs) -> jax.Array:
+                                interpret: Optional[bool] = None,
+                                return_residual: bool = False, **kwargs):
   """`attention_jax.dot_product_attention` computed by the Pallas flash kernel.
 
   Takes every argument of `dot_product_attention` except `implementation`,
   plus the kernel's `block_sizes`. On CPU the kernel is interpreted (slow).
   """
   inputs, unbatched = prepare_inputs(query, key, value, bias, mask, **kwargs)
-  out = pallas_attention(inputs, block_sizes, interpret=interpret)
-  return out[0] if unbatched else out
+  return returned_outputs(pallas_attention(inputs, block_sizes, interpret=interpret,
+                                           return_residual=return_residual), unbatched)
 
 
 def mosaic_gpu_attention(inputs: AttentionInputs, block_sizes: Optional[BlockSizes] = None, *,
-                         interpret: Optional[bool] = None) -> jax.Array:
+                         interpret: Optional[bool] = None, return_residual: bool = False
+                         ) -> Union[jax.Array, Tuple[jax.Array, jax.Array]]:
   """The Mosaic GPU kernels (Hopper GPUs)."""
-  return flash_attention_mgpu(inputs, block_sizes, interpret=interpret)
+  return flash_attention_mgpu(inputs, block_sizes, interpret=interpret,
+                              return_residual=return_residual)
 
 
 register_implementation("blockwise", blockwise_attention, priority=_blockwise_priority)

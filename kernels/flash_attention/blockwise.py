@@ -3,10 +3,11 @@
 Queries are processed a block at a time; for each query block a loop over the
 key blocks it can see keeps a running maximum `m`, normaliser `l` and output
 accumulator, so no `[Tq, Tk]` array is ever built. The forward pass saves the
-output and the log-sum-exp `lse = m + log(l)`; the backward pass (a
-`jax.custom_vjp`) recomputes each block's probabilities from `lse` instead of
-storing them, in two sweeps: one over query blocks for dq (and dbias), one over
-key blocks for dk and dv. Memory is O(T) in both directions.
+output and the log-sum-exp `lse = m + log(l)` (also returned, with
+`return_residual`); the backward pass (`common.flash_attention_vjp`)
+recomputes each block's probabilities from `lse` instead of storing them, in
+two sweeps: one over query blocks for dq (and dbias), one over key blocks for
+dk and dv. Memory is O(T) in both directions.
 
 Internal layout: query `[B, Hkv, G, Tq, D]` (G = H // Hkv query heads per K/V
 head), key and value `[B, Hkv, Tk, D]`, so grouped heads share K/V blocks
@@ -16,13 +17,12 @@ without copies.
 from __future__ import annotations
 
 import dataclasses
-import functools
-from typing import Optional, Tuple
+from typing import Optional, Tuple, Union
 
 import jax
 import jax.numpy as jnp
 
-from attention_jax.variants.dense import AttentionInputs, prepare_inputs
+from attention_jax.variants.dense import AttentionInputs, prepare_inputs, returned_outputs
 
 from . import common
 
@@ -113,9 +113,10 @@ def _forward(cfg: _Static, q, k, v, bias, masks: _Masks):
 
     lo, hi = common.kv_block_range(i, bq, bk, num_kv_blocks, cfg.reach)
     row_max, row_sum, acc = jax.lax.fori_loop(lo, hi, visit_key_block, init)
-    empty = row_sum == 0.0  # nothing to attend: output 0, lse -inf
+    empty = row_sum == 0.0  # nothing to attend: output 0, lse finite (see EMPTY_ROW_LSE)
     out = acc / jnp.where(empty, 1.0, row_sum)[..., None]
-    lse = jnp.where(empty, -jnp.inf, row_max + jnp.log(jnp.where(empty, 1.0, row_sum)))
+    lse = jnp.where(empty, common.EMPTY_ROW_LSE,
+                    row_max + jnp.log(jnp.where(empty, 1.0, row_sum)))
     return out.astype(q.dtype), lse
 
   out, lse = jax.lax.map(one_query_block, jnp.arange(cfg.q_len // bq))
@@ -125,18 +126,12 @@ def _forward(cfg: _Static, q, k, v, bias, masks: _Masks):
   return out, lse
 
 
-def _reduce_to(x, shape):
-  """Sums the block `x` over the axes where a tensor of `shape` broadcasts (size 1)."""
-  axes = tuple(a for a, (n, m) in enumerate(zip(x.shape, shape)) if m == 1 and n != 1)
-  return jnp.sum(x, axis=axes, keepdims=True) if axes else x
+def _backward(cfg: _Static, q, k, v, bias, masks: _Masks, lse, d_out, delta):
+  """Gradients of q, k, v and bias, recomputing block probabilities from lse.
 
-
-def _backward(cfg: _Static, q, k, v, bias, masks: _Masks, out, lse, d_out):
-  """Gradients of q, k, v and bias, recomputing block probabilities from lse."""
-  # Rows with nothing to attend have lse = -inf; +inf makes their probabilities 0.
-  lse = jnp.where(jnp.isneginf(lse), jnp.inf, lse)
-  delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
-
+  lse, delta: `[B, Hkv, G, Tq']` float32 (delta as `common.flash_attention_vjp`
+  gives it).
+  """
   def block_grads(i_start, j_start, bq, bk):
     """p and ds = p * (dO v^T - delta) of one block, and the slices they came from."""
     q_blk = jax.lax.dynamic_slice_in_dim(q, i_start, bq, axis=3)
@@ -159,7 +154,7 @@ def _backward(cfg: _Static, q, k, v, bias, masks: _Masks, out, lse, d_out):
       dq += jnp.einsum("bhgqk,bhkd->bhgqd", d_logits.astype(k.dtype), k_blk,
                        preferred_element_type=jnp.float32)
       if d_bias is not None:
-        d_bias = _add_block(d_bias, _reduce_to(d_logits, bias.shape), i * bq, j * bk)
+        d_bias = _add_block(d_bias, common.sum_to_shape(d_logits, bias.shape), i * bq, j * bk)
       return dq, d_bias
 
     lo, hi = common.kv_block_range(i, bq, bk, cfg.kv_len // bk, cfg.reach)
@@ -203,33 +198,21 @@ def _add_block(total, block, q_start, k_start):
   return jax.lax.dynamic_update_slice(total, current + block, starts)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _attention(cfg, q, k, v, bias, masks):
-  return _forward(cfg, q, k, v, bias, masks)[0]
-
-
-def _attention_fwd(cfg, q, k, v, bias, masks):
-  out, lse = _forward(cfg, q, k, v, bias, masks)
-  return out, (q, k, v, bias, masks, out, lse)
-
-
-def _attention_bwd(cfg, residuals, d_out):
-  q, k, v, bias, masks, out, lse = residuals
-  dq, dk, dv, d_bias = _backward(cfg, q, k, v, bias, masks, out, lse, d_out)
-  return dq, dk, dv, d_bias, None
-
-
-_attention.defvjp(_attention_fwd, _attention_bwd)
+# (q, k, v, bias) are differentiated, _Masks is not.
+_attention = common.flash_attention_vjp(_forward, _backward)
 
 
 def blockwise_attention(inputs: AttentionInputs,
-                        block_sizes: Optional[common.BlockSizes] = None) -> Array:
+                        block_sizes: Optional[common.BlockSizes] = None, *,
+                        return_residual: bool = False) -> Union[Array, Tuple[Array, Array]]:
   """Exact attention over `inputs` with O(T) memory; `[B, Tq, H, Dv]`.
 
   Args:
     inputs: validated arguments of `attention_jax.dot_product_attention`.
     block_sizes: query/key block lengths; `default_block_sizes()` when None.
       Sequences that are not a multiple of a block are padded internally.
+    return_residual: also return the log-sum-exp `[B, Tq, H]` float32
+      (differentiable; `common.EMPTY_ROW_LSE` where a query attends nothing).
   """
   query, key, value = inputs.query, inputs.key, inputs.value
   batch, q_len, num_heads, head_dim = query.shape
@@ -262,9 +245,12 @@ def blockwise_attention(inputs: AttentionInputs,
       q_segment_ids=pad_ids(inputs.q_segment_ids, q_multiple),
       kv_segment_ids=pad_ids(inputs.kv_segment_ids, kv_multiple))
 
-  out = _attention(cfg, q, k, v, bias, masks)  # [B, Hkv, G, Tq', Dv]
+  out, lse = _attention(cfg, (q, k, v, bias), masks)  # [B, Hkv, G, Tq', Dv], [B, Hkv, G, Tq']
   out = out[:, :, :, :q_len].transpose(0, 3, 1, 2, 4)
-  return out.reshape(batch, q_len, num_heads, value.shape[-1])
+  lse = lse[:, :, :, :q_len].transpose(0, 3, 1, 2)
+  # query_seq_lengths are masked inside (_Masks.q_lengths): nothing left to apply.
+  return common.attention_outputs(out.reshape(batch, q_len, num_heads, value.shape[-1]),
+                                  lse.reshape(batch, q_len, num_heads), None, return_residual)
 
 
 def _grouped_pairwise(x: Optional[Array], num_kv_heads: int, group: int, q_multiple: int,
@@ -294,11 +280,11 @@ def _lcm(a: int, b: int) -> int:
 
 def blockwise_dot_product_attention(query, key, value, bias=None, mask=None, *,
                                     block_sizes: Optional[common.BlockSizes] = None,
-                                    **kwargs) -> Array:
+                                    return_residual: bool = False, **kwargs):
   """`attention_jax.dot_product_attention` computed blockwise, with explicit block sizes.
 
   Takes every argument of `dot_product_attention` except `implementation`.
   """
   inputs, unbatched = prepare_inputs(query, key, value, bias, mask, **kwargs)
-  out = blockwise_attention(inputs, block_sizes)
-  return out[0] if unbatched else out
+  return returned_outputs(blockwise_attention(inputs, block_sizes,
+                                              return_residual=return_residual), unbatched)

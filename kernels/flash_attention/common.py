@@ -1,5 +1,6 @@
 """What every blockwise-softmax implementation shares: block sizes, the range of
-blocks a block can see, and the mask of one block.
+blocks a block can see, the mask of one block, and the custom VJP around the
+forward and backward passes.
 
 Positions are absolute token indices. A structured mask (causal, window) is
 summarised by its *reach*: query q may see keys k with q - left <= k <= q + right,
@@ -9,12 +10,14 @@ where `None` means unbounded. Blocks outside the reach are never visited.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Tuple
+import functools
+from typing import Callable, Optional, Tuple, Union
 
 import jax
 import jax.numpy as jnp
 
 from attention_jax.core import masks
+from attention_jax.core.softmax import MASKED_LOGSUMEXP
 
 Array = jnp.ndarray
 Reach = masks.Reach
@@ -95,17 +98,81 @@ def block_mask(q_pos: Array, k_pos: Array, *, kv_len: int, reach: Reach,
   return allowed
 
 
-def zero_padded_queries(out: Array, query_seq_lengths: Optional[Array]) -> Array:
-  """`out` `[B, Tq, H, Dv]` with the queries past their length set to zero.
+# The log-sum-exp the forward passes save for a row with nothing to attend:
+# finite (jax.debug_infs), and harmless in the backward passes, where such a
+# row's logits are all -inf (or masked out), so that its probabilities
+# exp(logits - lse) are 0 whatever finite lse they meet.
+EMPTY_ROW_LSE = MASKED_LOGSUMEXP
 
-  The kernels apply `query_seq_lengths` here rather than inside: such queries
-  output zeros, so their cotangents, hence all the gradients they would
+
+def attention_outputs(out: Array, lse: Array, query_seq_lengths: Optional[Array],
+                      return_residual: bool) -> Union[Array, Tuple[Array, Array]]:
+  """What a kernel's entry point returns: `out`, or `(out, lse)` with `return_residual`.
+
+  Queries past `query_seq_lengths` attend nothing: output zeros and lse
+  `EMPTY_ROW_LSE`. The kernels apply the lengths here rather than inside: such
+  queries' cotangents (of out and lse), hence all the gradients they would
   contribute, vanish, as in the reference.
+
+  Args:
+    out: `[B, Tq, H, Dv]`; lse: `[B, Tq, H]` float32 (padding sliced off).
+    query_seq_lengths: `[B]` or None.
+    return_residual: whether the caller asked for lse.
   """
-  if query_seq_lengths is None:
-    return out
-  valid = masks.length_predicate(jnp.arange(out.shape[1])[None, :], query_seq_lengths[:, None])
-  return jnp.where(valid[:, :, None, None], out, jnp.zeros((), out.dtype))
+  if query_seq_lengths is not None:
+    valid = masks.length_predicate(jnp.arange(out.shape[1])[None, :],
+                                   query_seq_lengths[:, None])[:, :, None]  # [B, Tq, 1]
+    out = jnp.where(valid[..., None], out, jnp.zeros((), out.dtype))
+    lse = jnp.where(valid, lse, EMPTY_ROW_LSE)
+  return (out, lse) if return_residual else out
+
+
+def flash_attention_vjp(forward: Callable, backward: Callable) -> Callable:
+  """`attention(cfg, operands, masks) -> (out, lse)` with a custom VJP built from
+  a lowering's forward and backward passes.
+
+  Every lowering differentiates the same way: the forward saves `out` and the
+  log-sum-exp, the backward recomputes the probabilities from them. What
+  differs is only how each pass runs, which the lowering supplies:
+
+    forward(cfg, *operands, masks) -> (out, lse): `out` `[..., Dv]`, lse float32
+      with shape `out.shape[:-1]` (one value per output row; `EMPTY_ROW_LSE` for
+      a row with nothing to attend).
+    backward(cfg, *operands, masks, lse, d_out, delta) -> the gradients of
+      `operands` (a tuple as long, None for a None operand), with
+      delta `out.shape[:-1]` float32 as below.
+
+  `cfg` is static (hashable); `operands` (q, k, v and a bias or None, say) are
+  differentiated; `masks` (a pytree of lengths, ids, boolean masks) is not.
+
+  lse is an output, and differentiable: d lse / d logits = p, so its cotangent
+  adds `p * d_lse` to the logits' gradient `ds = p * (dp - delta)`, where
+  `delta = rowsum(d_out * out)`; the backward passes take `delta - d_lse` in
+  place of delta and need nothing else.
+  """
+
+  @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+  def attention(cfg, operands, masks):
+    return forward(cfg, *operands, masks)
+
+  def attention_fwd(cfg, operands, masks):
+    out, lse = forward(cfg, *operands, masks)
+    return (out, lse), (operands, masks, out, lse)
+
+  def attention_bwd(cfg, residuals, cotangents):
+    operands, masks, out, lse = residuals
+    d_out, d_lse = cotangents
+    delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1) - d_lse
+    return tuple(backward(cfg, *operands, masks, lse, d_out, delta)), None
+
+  attention.defvjp(attention_fwd, attention_bwd)
+  return attention
+
+
+def sum_to_shape(x: Array, shape: Tuple[int, ...]) -> Array:
+  """Sums `x` over the axes where an array of `shape` broadcasts (size 1), keeping them."""
+  axes = tuple(a for a, (n, m) in enumerate(zip(x.shape, shape)) if m == 1 and n != 1)
+  return jnp.sum(x, axis=axes, keepdims=True) if axes else x
 
 
 def pad_axis(x: Array, axis: int, multiple: int, value=0) -> Array:

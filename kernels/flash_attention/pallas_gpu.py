@@ -29,14 +29,14 @@ whose query-id and key-id ranges are disjoint is skipped with `lax.cond`; a
 boolean mask and a bias are read block by block. `query_seq_lengths` needs no
 kernel support: padded query rows are zeroed after the kernel, which also zeroes
 every gradient they would contribute. A query that may attend to nothing gets
-output 0, lse -inf, and zero gradients.
+output 0, lse `common.EMPTY_ROW_LSE` (finite), and zero gradients.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Callable, Optional
+from typing import Callable, Optional, Tuple, Union
 
 import jax
 import jax.numpy as jnp
@@ -45,7 +45,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from attention_jax.core import masks as mask_lib
-from attention_jax.variants.dense import AttentionInputs, prepare_inputs
+from attention_jax.variants.dense import AttentionInputs, prepare_inputs, returned_outputs
 
 from . import common
 
@@ -200,18 +200,18 @@ def _forward_kernel(q_ref, k_ref, v_ref, bias_ref, m: _MaskArrays, out_ref, lse_
   lo, hi = _kv_blocks(cfg, i, bq, bk, kv_limit)
   row_max, row_sum, acc = lax.fori_loop(lo, hi, body, init)
 
-  empty = row_sum == 0.0  # nothing to attend: output 0, lse -inf
+  empty = row_sum == 0.0  # nothing to attend: output 0, lse finite (see EMPTY_ROW_LSE)
   safe_sum = jnp.where(empty, 1.0, row_sum)
   out_ref[...] = (acc / safe_sum[:, None]).astype(out_ref.dtype)
-  lse_ref[...] = jnp.where(empty, -jnp.inf, row_max + jnp.log(safe_sum))
+  lse_ref[...] = jnp.where(empty, common.EMPTY_ROW_LSE, row_max + jnp.log(safe_sum))
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, bias_ref, m: _MaskArrays, do_ref, lse_ref, delta_ref,
                dq_ref, dbias_ref, *, cfg: _Config):
   """dq `[bq, D]` of one query block of one head, and its row of bias gradients.
 
-  Refs as in `_forward_kernel`, plus d_out `[bq, Dv]`, lse and delta `[bq]`
-  (lse is +inf on rows that attend nothing); dbias `[bq, Tk']` float32 or None.
+  Refs as in `_forward_kernel`, plus d_out `[bq, Dv]`, lse and delta `[bq]`;
+  dbias `[bq, Tk']` float32 or None.
   """
   bq, bk = cfg.block_q, cfg.block_k
   i = pl.program_id(0)
@@ -352,7 +352,7 @@ def _compiler_params(cfg: _Config, head_dim: int):
 
 
 def _forward(cfg: _Config, q, k, v, bias, m: _MaskArrays):
-  """out `[B, Tq', H, Dv']` (query dtype) and lse `[B, H, Tq']` float32."""
+  """out `[B, Tq', H, Dv']` (query dtype) and lse `[B, Tq', H]` float32."""
   batch, _, num_heads, head_dim = q.shape
   value_dim = v.shape[-1]
   bq = cfg.block_q
@@ -367,23 +367,26 @@ def _forward(cfg: _Config, q, k, v, bias, m: _MaskArrays):
                jax.ShapeDtypeStruct((batch, num_heads, cfg.q_len), jnp.float32)]
   out_specs = [_head_spec(bq, value_dim, False, cfg.group, blocked=True),
                _row_stats_spec(bq, blocked=True)]
-  return pl.pallas_call(
+  out, lse = pl.pallas_call(
       functools.partial(_forward_kernel, cfg=cfg),
       grid=(cfg.q_len // bq, batch, num_heads),
       in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
       compiler_params=_compiler_params(cfg, max(head_dim, value_dim)),
       interpret=cfg.interpret, name="flash_attention_forward",
   )(q, k, v, bias, m)
+  # The kernels keep a query block's statistics contiguous ([B, H, Tq']); the
+  # custom VJP wants them row by row, like out.
+  return out, lse.transpose(0, 2, 1)
 
 
-def _backward(cfg: _Config, q, k, v, bias, m: _MaskArrays, out, lse, d_out):
-  """Gradients of q, k, v and bias (shapes and dtypes of the padded inputs)."""
+def _backward(cfg: _Config, q, k, v, bias, m: _MaskArrays, lse, d_out, delta):
+  """Gradients of q, k, v and bias (shapes and dtypes of the padded inputs).
+
+  lse, delta: `[B, Tq', H]` float32 (delta as `common.flash_attention_vjp` gives it).
+  """
   batch, _, num_heads, head_dim = q.shape
   value_dim = v.shape[-1]
-  # Rows with nothing to attend have lse = -inf; +inf makes their probabilities 0.
-  lse = jnp.where(lse == -jnp.inf, jnp.inf, lse)
-  delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
-  delta = delta.transpose(0, 2, 1)  # [B, H, Tq']
+  lse, delta = lse.transpose(0, 2, 1), delta.transpose(0, 2, 1)  # [B, H, Tq']
   params = _compiler_params(cfg, max(head_dim, value_dim))
 
   # dq (and the bias gradient): grid over query blocks.
@@ -438,7 +441,7 @@ def _backward(cfg: _Config, q, k, v, bias, m: _MaskArrays, out, lse, d_out):
 
   dk, dv = _sum_groups(dk, cfg.group, k.dtype), _sum_groups(dv, cfg.group, v.dtype)
   if bias is not None:
-    d_bias = _sum_broadcast_axes(d_bias, bias.shape).astype(bias.dtype)
+    d_bias = common.sum_to_shape(d_bias, bias.shape).astype(bias.dtype)
   return dq, dk, dv, d_bias
 
 
@@ -451,29 +454,8 @@ def _sum_groups(grad, group: int, dtype):
   return grad.sum(axis=3).astype(dtype)
 
 
-def _sum_broadcast_axes(x, shape):
-  """Sums `x` over the axes where an array of `shape` broadcasts (size 1)."""
-  axes = tuple(a for a, (n, m) in enumerate(zip(x.shape, shape)) if m == 1 and n != 1)
-  return jnp.sum(x, axis=axes, keepdims=True) if axes else x
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _attention(cfg, q, k, v, bias, m):
-  return _forward(cfg, q, k, v, bias, m)[0]
-
-
-def _attention_fwd(cfg, q, k, v, bias, m):
-  out, lse = _forward(cfg, q, k, v, bias, m)
-  return out, (q, k, v, bias, m, out, lse)
-
-
-def _attention_bwd(cfg, residuals, d_out):
-  q, k, v, bias, m, out, lse = residuals
-  dq, dk, dv, d_bias = _backward(cfg, q, k, v, bias, m, out, lse, d_out)
-  return dq, dk, dv, d_bias, None
-
-
-_attention.defvjp(_attention_fwd, _attention_bwd)
+# (q, k, v, bias) are differentiated, _MaskArrays is not.
+_attention = common.flash_attention_vjp(_forward, _backward)
 
 
 # ---------------------------------------------------------------------------
@@ -505,7 +487,8 @@ def default_block_sizes_gpu(head_dim: int, dtype) -> common.BlockSizes:
 
 def flash_attention_gpu(inputs: AttentionInputs, block_sizes: Optional[common.BlockSizes] = None,
                         *, interpret: Optional[bool] = None, num_warps: Optional[int] = None,
-                        num_stages: Optional[int] = None) -> Array:
+                        num_stages: Optional[int] = None,
+                        return_residual: bool = False) -> Union[Array, Tuple[Array, Array]]:
   """Exact attention over `inputs` with Pallas GPU kernels; `[B, Tq, H, Dv]`.
 
   Args:
@@ -516,6 +499,8 @@ def flash_attention_gpu(inputs: AttentionInputs, block_sizes: Optional[common.Bl
       default backend is a GPU".
     num_warps, num_stages: Triton launch parameters (4/8 warps by head dim, 2
       stages when None). Ignored by the interpreter.
+    return_residual: also return the log-sum-exp `[B, Tq, H]` float32
+      (differentiable; `common.EMPTY_ROW_LSE` where a query attends nothing).
 
   Raises:
     ValueError: for a dtype other than float32/bfloat16/float16, a head dim
@@ -548,8 +533,9 @@ def flash_attention_gpu(inputs: AttentionInputs, block_sizes: Optional[common.Bl
                   else jnp.asarray(inputs.key_value_seq_lengths, jnp.int32)))
 
   q_len = query.shape[1]
-  out = _attention(cfg, q, k, v, bias, m)[:, :q_len, :, :value.shape[-1]]
-  return common.zero_padded_queries(out, inputs.query_seq_lengths)
+  out, lse = _attention(cfg, (q, k, v, bias), m)
+  return common.attention_outputs(out[:, :q_len, :, :value.shape[-1]], lse[:, :q_len],
+                                  inputs.query_seq_lengths, return_residual)
 
 
 def _config(inputs: AttentionInputs, block_sizes: common.BlockSizes, interpret: bool,
@@ -575,16 +561,17 @@ def gpu_dot_product_attention(query, key, value, bias=None, mask=None, *,
                               block_sizes: Optional[common.BlockSizes] = None,
                               interpret: Optional[bool] = None,
                               num_warps: Optional[int] = None,
-                              num_stages: Optional[int] = None, **kwargs) -> Array:
+                              num_stages: Optional[int] = None,
+                              return_residual: bool = False, **kwargs):
   """`attention_jax.dot_product_attention` computed by the Pallas GPU kernels.
 
   Takes every argument of `dot_product_attention` except `implementation`, plus
   the kernel options of `flash_attention_gpu`.
   """
   inputs, unbatched = prepare_inputs(query, key, value, bias, mask, **kwargs)
-  out = flash_attention_gpu(inputs, block_sizes, interpret=interpret, num_warps=num_warps,
-                            num_stages=num_stages)
-  return out[0] if unbatched else out
+  return returned_outputs(
+      flash_attention_gpu(inputs, block_sizes, interpret=interpret, num_warps=num_warps,
+                          num_stages=num_stages, return_residual=return_residual), unbatched)
 
 
 # ---------------------------------------------------------------------------

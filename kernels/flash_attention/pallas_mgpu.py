@@ -29,7 +29,7 @@ never loaded), `key_value_seq_lengths` (masked by position; the key loop stops
 at the batch's length), `query_seq_lengths` (zeroed after the kernel), grouped
 K/V heads, any scale, lengths that are not multiples of the blocks (zero
 padding, masked by position). A query that may attend to nothing gets output
-0, lse -inf and zero gradients.
+0, lse `common.EMPTY_ROW_LSE` (finite) and zero gradients.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Optional
+from typing import Optional, Tuple, Union
 
 import jax
 import jax.numpy as jnp
@@ -46,7 +46,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from attention_jax.core import masks as mask_lib
-from attention_jax.variants.dense import AttentionInputs, prepare_inputs
+from attention_jax.variants.dense import AttentionInputs, prepare_inputs, returned_outputs
 
 from . import common, pallas_gpu
 
@@ -260,7 +260,8 @@ def _forward_kernel(q_ref, k_t_ref, v_ref, kv_lengths_ref, out_ref, lse_ref,
   safe_sum = jnp.where(empty, 1.0, row_sum)
   # The query block's shared memory is free again: it stages the output.
   _stage(q_smem, acc / lax.broadcast_in_dim(safe_sum, acc.shape, [0]))
-  _stage(lse_smem, jnp.where(empty, -jnp.inf, (row_max + jnp.log2(safe_sum)) / _LOG2_E))
+  _stage(lse_smem, jnp.where(empty, common.EMPTY_ROW_LSE,
+                             (row_max + jnp.log2(safe_sum)) / _LOG2_E))
   plgpu.copy_smem_to_gmem(q_smem, out_ref.at[batch, pl.ds(q_start, bq), head])
   plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[batch, head, pl.ds(q_start, bq)])
   plgpu.wait_smem_to_gmem(0)
@@ -272,8 +273,7 @@ def _dq_kernel(q_ref, do_ref, k_ref, k_t_ref, v_t_ref, lse_ref, delta_ref, kv_le
   """dq `[64, D]` of one block of 64 queries of one head.
 
   GMEM refs: q, d_out `[B, Tq', H, D]`; k `[B, Tk', Hkv, D]`; k_t, v_t
-  `[B, Hkv, D, Tk']`; lse (+inf on rows that attend nothing) and delta
-  `[B, H, Tq']` float32; dq like q.
+  `[B, Hkv, D, Tk']`; lse and delta `[B, H, Tq']` float32; dq like q.
   """
   bq, bk = cfg.block_q, DQ_BLOCK_K
   q_block, head, batch = (lax.axis_index(n) for n in ("q_blocks", "heads", "batch"))
@@ -291,6 +291,8 @@ def _dq_kernel(q_ref, do_ref, k_ref, k_t_ref, v_t_ref, lse_ref, delta_ref, kv_le
   logit_scale = cfg.scale * _LOG2_E
   for i in range(4):
     plgpu.barrier_wait(barriers.at[i])
+  # A row that attends nothing has lse EMPTY_ROW_LSE, which overflows to -inf here;
+  # none of its pairs is `allowed`, so its probabilities are 0 all the same.
   lse = lax.broadcast_in_dim(lse_smem[...] * _LOG2_E, (bq, bk), [0])
   delta = lax.broadcast_in_dim(delta_smem[...], (bq, bk), [0])
 
@@ -327,8 +329,7 @@ def _dkv_kernel(k_ref, v_ref, q_ref, q_t_ref, do_ref, do_t_ref, lse_ref, delta_r
   Works on transposed blocks (keys along rows) so that every product reads
   its operands as they lie: S^T = K Q^T, dV = P^T dO, dP^T = V dO^T,
   dK = dS^T Q. GMEM refs: k, v `[B, Tk', Hkv, D]`; q, d_out `[B, Tq', H, D]`;
-  q_t, d_out_t `[B, H, D, Tq']`; lse (+inf on rows that attend nothing),
-  delta `[B, H, Tq']`; dk, dv `[B, Tk', H, D]` float32 (summed over grouped
+  q_t, d_out_t `[B, H, D, Tq']`; lse and delta `[B, H, Tq']`; dk, dv `[B, Tk', H, D]` float32 (summed over grouped
   heads by the caller).
   """
   bq, bk = cfg.block_q_dkv, cfg.block_k_dkv
@@ -349,6 +350,7 @@ def _dkv_kernel(k_ref, v_ref, q_ref, q_t_ref, do_ref, do_t_ref, lse_ref, delta_r
     logits_t = _matmul(k_smem, q_t_smem, (bk, bq)) * logit_scale
     allowed = _allowed(_positions(q_start, (bk, bq), 1), _positions(k_start, (bk, bq), 0),
                        kv_limit, cfg.reach)
+    # (EMPTY_ROW_LSE overflows to -inf here; such rows have no `allowed` pair.)
     lse = lax.broadcast_in_dim(lse_smem[...] * _LOG2_E, (bk, bq), [1])
     probs_t = jnp.where(allowed, jnp.exp2(logits_t - lse), 0.0)
     _stage(probs_t_smem, probs_t)
@@ -391,7 +393,7 @@ def _dkv_kernel(k_ref, v_ref, q_ref, q_t_ref, do_ref, do_t_ref, lse_ref, delta_r
 
 
 # ---------------------------------------------------------------------------
-# The passes, under one custom_vjp.
+# The passes, under `common.flash_attention_vjp`.
 # ---------------------------------------------------------------------------
 
 
@@ -405,7 +407,7 @@ def _lengths_or_zeros(kv_lengths, batch: int):
 
 
 def _forward(cfg: _Config, q, k, v, kv_lengths):
-  """out `[B, Tq', H, D]` and lse `[B, H, Tq']` float32 of padded inputs."""
+  """out `[B, Tq', H, D]` and lse `[B, Tq', H]` float32 of padded inputs."""
   batch, _, num_heads, head_dim = q.shape
   transforms = _smem_transforms(q.dtype)
   bq, bk, size = cfg.block_q, cfg.block_k, q.dtype.itemsize
@@ -423,18 +425,21 @@ def _forward(cfg: _Config, q, k, v, kv_lengths):
           plgpu.SMEM((cfg.block_q,), jnp.float32),
           plgpu.Barrier(num_barriers=1),
       ])
-  return kernel(q, _heads_major_transposed(k), v, _lengths_or_zeros(kv_lengths, batch))
+  out, lse = kernel(q, _heads_major_transposed(k), v, _lengths_or_zeros(kv_lengths, batch))
+  # The kernels keep a query block's statistics contiguous ([B, H, Tq']); the
+  # custom VJP wants them row by row, like out.
+  return out, lse.transpose(0, 2, 1)
 
 
-def _backward(cfg: _Config, q, k, v, kv_lengths, out, lse, d_out):
-  """Gradients of q, k and v (padded shapes, input dtypes)."""
+def _backward(cfg: _Config, q, k, v, kv_lengths, lse, d_out, delta):
+  """Gradients of q, k and v (padded shapes, input dtypes).
+
+  lse, delta: `[B, Tq', H]` float32 (delta as `common.flash_attention_vjp` gives it).
+  """
   batch, _, num_heads, head_dim = q.shape
   dtype = q.dtype
   transforms = _smem_transforms(dtype)
-  # Rows with nothing to attend have lse = -inf; +inf makes their probabilities 0.
-  lse = jnp.where(lse == -jnp.inf, jnp.inf, lse)
-  delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
-  delta = delta.transpose(0, 2, 1)  # [B, H, Tq']
+  lse, delta = lse.transpose(0, 2, 1), delta.transpose(0, 2, 1)  # [B, H, Tq']
   d_out = d_out.astype(dtype)
   kv_lengths = _lengths_or_zeros(kv_lengths, batch)
 
@@ -476,22 +481,8 @@ def _backward(cfg: _Config, q, k, v, kv_lengths, out, lse, d_out):
   return dq, sum_groups(dk).astype(dtype), sum_groups(dv).astype(dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _attention(cfg: _Config, q, k, v, kv_lengths):
-  return _forward(cfg, q, k, v, kv_lengths)[0]
-
-
-def _attention_fwd(cfg, q, k, v, kv_lengths):
-  out, lse = _forward(cfg, q, k, v, kv_lengths)
-  return out, (q, k, v, kv_lengths, out, lse)
-
-
-def _attention_bwd(cfg, residuals, d_out):
-  q, k, v, kv_lengths, out, lse = residuals
-  return _backward(cfg, q, k, v, kv_lengths, out, lse, d_out) + (None,)
-
-
-_attention.defvjp(_attention_fwd, _attention_bwd)
+# (q, k, v) are differentiated, kv_lengths is not.
+_attention = common.flash_attention_vjp(_forward, _backward)
 
 
 # ---------------------------------------------------------------------------
@@ -534,7 +525,8 @@ def mgpu_rejects(inputs: AttentionInputs) -> Optional[str]:
 
 def flash_attention_mgpu(inputs: AttentionInputs, block_sizes: Optional[common.BlockSizes] = None,
                          *, interpret: Optional[bool] = None,
-                         max_concurrent_steps: int = 2) -> Array:
+                         max_concurrent_steps: int = 2,
+                         return_residual: bool = False) -> Union[Array, Tuple[Array, Array]]:
   """Exact attention over `inputs` with Mosaic GPU kernels; `[B, Tq, H, D]`.
 
   Args:
@@ -549,6 +541,8 @@ def flash_attention_mgpu(inputs: AttentionInputs, block_sizes: Optional[common.B
     max_concurrent_steps: blocks in flight per streamed operand (shared-memory
       slots), at most; a kernel takes fewer where they would not fit in
       shared memory (the backward at head dim 256).
+    return_residual: also return the log-sum-exp `[B, Tq, H]` float32
+      (differentiable; `common.EMPTY_ROW_LSE` where a query attends nothing).
 
   Raises:
     ValueError: for inputs `mgpu_rejects` names, or block sizes it cannot tile.
@@ -592,23 +586,26 @@ def flash_attention_mgpu(inputs: AttentionInputs, block_sizes: Optional[common.B
   v = pad(inputs.value.astype(dtype), 1, padded_kv)
   kv_lengths = (None if inputs.key_value_seq_lengths is None
                 else jnp.asarray(inputs.key_value_seq_lengths, jnp.int32))
-  out = _attention(cfg, q, k, v, kv_lengths)[:, :q_len]
-  return common.zero_padded_queries(out, inputs.query_seq_lengths)
+  out, lse = _attention(cfg, (q, k, v), kv_lengths)
+  return common.attention_outputs(out[:, :q_len], lse[:, :q_len], inputs.query_seq_lengths,
+                                  return_residual)
 
 
 def mgpu_dot_product_attention(query, key, value, bias=None, mask=None, *,
                                block_sizes: Optional[common.BlockSizes] = None,
                                interpret: Optional[bool] = None,
-                               max_concurrent_steps: int = 2, **kwargs) -> Array:
-  """`attention_jax.dot_product_attention` computed by the Mosaic GPU forward kernel.
+                               max_concurrent_steps: int = 2, return_residual: bool = False,
+                               **kwargs):
+  """`attention_jax.dot_product_attention` computed by the Mosaic GPU kernels.
 
   Takes every argument of `dot_product_attention` except `implementation`,
   plus the kernel options of `flash_attention_mgpu`.
   """
   inputs, unbatched = prepare_inputs(query, key, value, bias, mask, **kwargs)
-  out = flash_attention_mgpu(inputs, block_sizes, interpret=interpret,
-                             max_concurrent_steps=max_concurrent_steps)
-  return out[0] if unbatched else out
+  return returned_outputs(
+      flash_attention_mgpu(inputs, block_sizes, interpret=interpret,
+                           max_concurrent_steps=max_concurrent_steps,
+                           return_residual=return_residual), unbatched)
 
 
 def is_hopper_or_newer() -> bool:

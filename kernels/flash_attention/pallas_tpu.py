@@ -29,11 +29,11 @@ Masks, as in `blockwise.py`:
     and key axes are broadcast to full length (a bias is quadratic anyway: its
     gradient is a `[B, H, Tq, Tk]` float32 array, summed over the broadcast
     axes in float32).
-A row with nothing to attend outputs zeros, has lse = -inf, and passes zero
-gradients.
+A row with nothing to attend outputs zeros, has lse `common.EMPTY_ROW_LSE`
+(finite), and passes zero gradients.
 
-The backward pass (a `jax.custom_vjp`) recomputes the probabilities from the
-saved lse: a dq kernel over (query block, key blocks) that also writes the
+The backward pass (`common.flash_attention_vjp`) recomputes the probabilities
+from the saved lse: a dq kernel over (query block, key blocks) that also writes the
 logits gradient ds when there is a bias, and a dk/dv kernel over (key block,
 query heads of its group, query blocks).
 
@@ -49,7 +49,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple, Union
 
 import jax
 import jax.numpy as jnp
@@ -57,7 +57,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from attention_jax.core import masks as mask_lib
-from attention_jax.variants.dense import AttentionInputs, prepare_inputs
+from attention_jax.variants.dense import AttentionInputs, prepare_inputs, returned_outputs
 
 from . import common
 
@@ -267,7 +267,7 @@ def _probs_and_dlogits(cfg: _Static, refs: Dict[str, Any], c: _Coords, block_q: 
   """Recomputed p = exp(logits - lse) and ds = p * (dO v^T - delta): `(bq, bk)` float32."""
   logits = _masked_logits(cfg, refs, refs["q"][...], refs["k"][...], c.q_block * block_q,
                           c.kv_block * block_k, kv_length)
-  # Rows with nothing to attend arrive with lse = +inf (see _backward): p = 0 there.
+  # Rows with nothing to attend have all logits at -inf: p = 0 there.
   probs = jnp.exp(logits - _lanes(refs["lse"][...], block_k))
   d_probs = _dot(refs["do"][...], refs["v"][...], _NT)
   d_logits = probs * (d_probs - _lanes(refs["delta"][...], block_k))
@@ -313,10 +313,10 @@ def _forward_kernel(q_lengths_ref, kv_lengths_ref, *refs, cfg: _Static, names: T
   @pl.when(step == num_steps - 1)
   def _finish():
     row_sum = sum_ref[...]
-    empty = row_sum == 0.0  # nothing attended: output 0, lse -inf
+    empty = row_sum == 0.0  # nothing attended: output 0, lse finite (see EMPTY_ROW_LSE)
     safe_sum = jnp.where(empty, 1.0, row_sum)
     out_ref[...] = (acc_ref[...] * _lanes(1.0 / safe_sum, acc_ref.shape[1])).astype(out_ref.dtype)
-    lse_ref[...] = jnp.where(empty, -jnp.inf, max_ref[...] + jnp.log(safe_sum))
+    lse_ref[...] = jnp.where(empty, common.EMPTY_ROW_LSE, max_ref[...] + jnp.log(safe_sum))
 
 
 def _dq_kernel(q_lengths_ref, kv_lengths_ref, *refs, cfg: _Static, names: Tuple[str, ...],
@@ -444,7 +444,7 @@ def _query_major_grid(cfg: _Static, batch: int, num_heads: int, block_q: int, bl
 
 
 def _forward(cfg: _Static, q, k, v, bias, masks: _MaskArrays):
-  """out `[B, H, Tq', Dv]` (query dtype) and lse `[B, H, Tq', 128]` float32 (lane-replicated)."""
+  """out `[B, H, Tq', Dv]` (query dtype) and lse `[B, H, Tq']` float32."""
   batch, num_heads, _, _ = q.shape
   value_dim = v.shape[-1]
   bq, bk = cfg.block_q, cfg.block_k
@@ -457,16 +457,19 @@ def _forward(cfg: _Static, q, k, v, bias, masks: _MaskArrays):
              ("acc", pltpu.VMEM((bq, value_dim), jnp.float32))]
   out, lse = _pallas(_forward_kernel, cfg, grid, semantics, coords_of, bq, bk, inputs, outputs,
                      scratch, masks)
-  return out, lse
+  # The kernel writes the lse lane-replicated; one lane is kept (and saved for the
+  # backward pass, which replicates it again for its kernels).
+  return out, lse[..., 0]
 
 
-def _backward(cfg: _Static, q, k, v, bias, masks: _MaskArrays, out, lse, d_out):
-  """Gradients of q, k, v and bias (None without one); lse: `[B, H, Tq']`."""
+def _backward(cfg: _Static, q, k, v, bias, masks: _MaskArrays, lse, d_out, delta):
+  """Gradients of q, k, v and bias (None without one).
+
+  lse, delta: `[B, H, Tq']` float32 (delta as `common.flash_attention_vjp` gives it).
+  """
   batch, num_heads, _, head_dim = q.shape
   num_kv_heads, value_dim = k.shape[1], v.shape[-1]
-  # Rows with nothing to attend have lse = -inf; +inf makes their probabilities 0.
-  lse = _lane_replicated(jnp.where(lse == -jnp.inf, jnp.inf, lse))
-  delta = _lane_replicated(jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1))
+  lse, delta = _lane_replicated(lse), _lane_replicated(delta)
   common_inputs = [("q", "q", q), ("k", "kv", k), ("v", "kv", v), ("do", "q", d_out),
                    ("lse", "row_stat", lse), ("delta", "row_stat", delta)]
   common_inputs += _mask_operands(cfg, bias, masks)
@@ -503,7 +506,7 @@ def _backward(cfg: _Static, q, k, v, bias, masks: _MaskArrays, out, lse, d_out):
 
   d_bias = None
   if bias is not None:
-    d_bias = _sum_to_shape(ds[0], bias.shape).astype(bias.dtype)
+    d_bias = common.sum_to_shape(ds[0], bias.shape).astype(bias.dtype)
   return dq, dk, dv, d_bias
 
 
@@ -512,30 +515,8 @@ def _lane_replicated(x: Array) -> Array:
   return jnp.broadcast_to(x[..., None], x.shape + (LANES,))
 
 
-def _sum_to_shape(x: Array, shape: Tuple[int, ...]) -> Array:
-  """Sums `x` over the axes where `shape` broadcasts (size 1)."""
-  axes = tuple(a for a, (n, m) in enumerate(zip(x.shape, shape)) if m == 1 and n != 1)
-  return jnp.sum(x, axis=axes, keepdims=True) if axes else x
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _attention(cfg, q, k, v, bias, masks):
-  return _forward(cfg, q, k, v, bias, masks)[0]
-
-
-def _attention_fwd(cfg, q, k, v, bias, masks):
-  out, lse = _forward(cfg, q, k, v, bias, masks)
-  # Save one lane of the lse: the backward pass replicates it again for its kernels.
-  return out, (q, k, v, bias, masks, out, lse[..., 0])
-
-
-def _attention_bwd(cfg, residuals, d_out):
-  q, k, v, bias, masks, out, lse = residuals
-  dq, dk, dv, d_bias = _backward(cfg, q, k, v, bias, masks, out, lse, d_out)
-  return dq, dk, dv, d_bias, None
-
-
-_attention.defvjp(_attention_fwd, _attention_bwd)
+# (q, k, v, bias) are differentiated, _MaskArrays is not.
+_attention = common.flash_attention_vjp(_forward, _backward)
 
 
 # ----------------------------------------------------------------------------
@@ -601,7 +582,8 @@ def _interpret_mode(interpret):
 
 def flash_attention_tpu(inputs: AttentionInputs,
                         block_sizes: Optional[common.BlockSizes] = None, *,
-                        interpret: Optional[bool] = None) -> Array:
+                        interpret: Optional[bool] = None,
+                        return_residual: bool = False) -> Union[Array, Tuple[Array, Array]]:
   """Exact attention over `inputs` with the Pallas TPU kernels: `[B, Tq, H, Dv]`.
 
   Args:
@@ -611,6 +593,8 @@ def flash_attention_tpu(inputs: AttentionInputs,
     interpret: run in TPU interpret mode (on CPU); None: when the default
       backend is not a TPU. A `pltpu.InterpretParams` is passed on as is (to
       shuffle the parallel grid axes, say).
+    return_residual: also return the log-sum-exp `[B, Tq, H]` float32
+      (differentiable; `common.EMPTY_ROW_LSE` where a query attends nothing).
   """
   query, key, value = inputs.query, inputs.key, inputs.value
   batch, q_len, num_heads, head_dim = query.shape
@@ -643,9 +627,10 @@ def flash_attention_tpu(inputs: AttentionInputs,
     bias = _pad_pairwise(bias, q_multiple, kv_multiple)
   masks = _mask_arrays(inputs, q_multiple, kv_multiple)
 
-  out = _attention(cfg, q, k, v, bias, masks)  # [B, H, Tq', Dv]
-  out = out[:, :, :q_len].transpose(0, 2, 1, 3)
-  return common.zero_padded_queries(out, inputs.query_seq_lengths)
+  out, lse = _attention(cfg, (q, k, v, bias), masks)  # [B, H, Tq', Dv], [B, H, Tq']
+  return common.attention_outputs(out[:, :, :q_len].transpose(0, 2, 1, 3),
+                                  lse[:, :, :q_len].transpose(0, 2, 1),
+                                  inputs.query_seq_lengths, return_residual)
 
 
 def _pad_pairwise(x: Array, q_multiple: int, kv_multiple: int) -> Array:
@@ -682,12 +667,13 @@ def _round_up(n: int, multiple: int) -> int:
 
 def tpu_dot_product_attention(query, key, value, bias=None, mask=None, *,
                               block_sizes: Optional[common.BlockSizes] = None,
-                              interpret: Optional[bool] = None, **kwargs) -> Array:
+                              interpret: Optional[bool] = None,
+                              return_residual: bool = False, **kwargs):
   """`attention_jax.dot_product_attention` with the Pallas TPU kernels.
 
   Takes every argument of `dot_product_attention` except `implementation`, plus
   `block_sizes` and `interpret` (see `flash_attention_tpu`).
   """
   inputs, unbatched = prepare_inputs(query, key, value, bias, mask, **kwargs)
-  out = flash_attention_tpu(inputs, block_sizes, interpret=interpret)
-  return out[0] if unbatched else out
+  return returned_outputs(flash_attention_tpu(inputs, block_sizes, interpret=interpret,
+                                              return_residual=return_residual), unbatched)

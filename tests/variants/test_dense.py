@@ -131,9 +131,11 @@ def test_bad_shapes_raise_value_errors_naming_the_argument(case):
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(bias=jnp.zeros((2, 4, 7, 5))), r"bias must have rank 4 and broadcast to \[B, H, Tq, Tk\] = \[2, 4, 7, 7\].*\[2, 4, 7, 5\]"),
-    (dict(bias=jnp.zeros((7, 7))), r"bias must have rank 4.*got shape \[7, 7\]"),
-    (dict(mask=jnp.ones((2, 3, 7, 7), bool)), r"mask must have rank 4.*\[2, 3, 7, 7\]"),
+    (dict(bias=jnp.zeros((2, 4, 7, 5))), r"bias must broadcast to \[B, H, Tq, Tk\] = \[2, 4, 7, 7\].*got shape \[2, 4, 7, 5\]"),
+    (dict(bias=jnp.zeros((7, 5))), r"bias must broadcast to \[B, H, Tq, Tk\].*leading 1s.*got shape \[7, 5\]"),
+    (dict(bias=jnp.zeros((1, 2, 4, 7, 7))), r"bias must have rank at most 4.*got shape \[1, 2, 4, 7, 7\]"),
+    (dict(mask=jnp.ones((2, 3, 7, 7), bool)), r"mask must broadcast to \[B, H, Tq, Tk\].*got shape \[2, 3, 7, 7\]"),
+    (dict(mask=jnp.ones((6,), bool)), r"mask must broadcast to \[B, H, Tq, Tk\] = \[2, 4, 7, 7\].*got shape \[6\]"),
     (dict(mask=jnp.ones((1, 1, 7, 7))), "mask must be boolean"),
     (dict(query_seq_lengths=jnp.array([3, 8])), r"query_seq_lengths must lie in \[0, 7\], got values in \[3, 8\]"),
     (dict(key_value_seq_lengths=jnp.array([-1, 2])), r"key_value_seq_lengths must lie in \[0, 7\]"),
