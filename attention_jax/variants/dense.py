@@ -431,4 +431,10 @@ register_implementation("cudnn", _cudnn_attention, priority=-1, rejects=_cudnn_r
 
 registry.register(registry.VariantSpec(
     name="dot_product", fn=dot_product_attention, family="dense", complexity="O(T^2)",
-    subquadratic=False, exact=True, causal=True, cross=True, paper="Vaswani et al. 2017"))
+    subquadratic=False, exact=True, causal=True, cross=True, paper="Vaswani et al. 2017",
+    options=dict(
+        implementation="'xla', 'blockwise', 'pallas', 'cudnn', ...; None picks the best here",
+        local_window_size=registry.VariantOption(
+            "local_window_size", tuple, None,
+            "(left, right): each query sees keys q - left .. q + right; None for all"),
+        scale="multiplies the logits; 1/sqrt(D) when None")))
