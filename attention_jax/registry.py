@@ -18,6 +18,7 @@ import functools
 import importlib
 import inspect
 import re
+import typing
 from typing import Any, Callable, Dict, Iterable, Mapping, Optional, Tuple, Union
 
 FAMILIES = ("dense", "scoring", "heads", "sparse", "hashing", "linear", "low_rank",
@@ -179,8 +180,11 @@ def _option_type(name: str, annotation: Any, default: Any, variant: str) -> type
     annotation = inner.group(1) if inner else annotation.strip()
     if annotation in _TYPE_NAMES:
       return _TYPE_NAMES[annotation]
-  elif annotation in (int, float, bool, str, tuple):
-    return annotation
+  else:  # A typing object: Optional[X] is Union[X, None].
+    inner = [t for t in typing.get_args(annotation) if t is not type(None)]
+    annotation = inner[0] if len(inner) == 1 else annotation
+    if annotation in (int, float, bool, str, tuple):
+      return annotation
   raise TypeError(f"variant {variant!r}: cannot read the type of option {name!r} (annotation "
                   f"{annotation!r}); declare it as VariantOption(name, type, default, doc).")
 

@@ -96,8 +96,18 @@ register_implementation("pallas_mgpu", mosaic_gpu_attention, priority=1,
 
 _EXACT_KERNEL = dict(family="kernels", complexity="O(T^2)", subquadratic=False, exact=True,
                      causal=True, cross=True)
+# What a config can set; `block_sizes` (a BlockSizes) is for Python callers.
+_KERNEL_OPTIONS = dict(
+    local_window_size=registry.VariantOption(
+        "local_window_size", tuple, None,
+        "(left, right): each query sees keys q - left .. q + right; None for all"),
+    scale=registry.VariantOption("scale", float, None,
+                                 "multiplies the logits; 1/sqrt(D) when None"))
 registry.register(registry.VariantSpec(
     name="blockwise", fn=blockwise_dot_product_attention,
-    paper="Rabe & Staats 2021; Dao et al. 2022", **_EXACT_KERNEL))
+    paper="Rabe & Staats 2021; Dao et al. 2022", options=_KERNEL_OPTIONS, **_EXACT_KERNEL))
 registry.register(registry.VariantSpec(
-    name="flash", fn=flash_dot_product_attention, paper="Dao et al. 2022", **_EXACT_KERNEL))
+    name="flash", fn=flash_dot_product_attention, paper="Dao et al. 2022",
+    options=dict(_KERNEL_OPTIONS,
+                 interpret="run the Pallas interpreter; None: only off an accelerator"),
+    **_EXACT_KERNEL))
