@@ -113,34 +113,6 @@ def test_schedule_options_must_belong_to_a_scheduled_variant():
 
 
 # ---------------------------------------------------------------------------
-# Every registered mixer through the same block, forward and backward, under jit.
-
-
-@pytest.mark.parametrize("variant", registry.list_variants())
-def test_every_mixer_runs_in_the_block(variant):
-  length = 256  # fits every default block size and pattern (as test_every_variant)
-  options = {"max_length": length} if variant.startswith("synthesizer") else {}
-  config = _config(attention=variant, attention_options=options, num_layers=1,
-                   max_length=length)
-  x = jax.random.normal(jax.random.PRNGKey(2), (1, length, E))
-  block = Block(config)
-  variables = block.init(jax.random.PRNGKey(0), x, {})
-  # State a variant keeps besides its parameters (routing's k-means centroids).
-  state = {k: v for k, v in variables.items() if k != "params"}
-
-  def loss(params, x):
-    (y, _), _ = block.apply({"params": params, **state}, x, {}, mutable=list(state))
-    return jnp.sum(y ** 2)
-
-  value, (grad_params, grad_x) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(
-      variables["params"], x)
-  assert np.isfinite(value)
-  assert np.isfinite(np.asarray(grad_x)).all() and np.abs(np.asarray(grad_x)).max() > 0
-  leaves = jax.tree.leaves(grad_params)
-  assert all(np.isfinite(np.asarray(leaf)).all() for leaf in leaves)
-
-
-# ---------------------------------------------------------------------------
 # The carry: RealFormer.
 
 

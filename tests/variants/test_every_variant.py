@@ -1,8 +1,9 @@
 """Properties every registered variant must have, walked from the registry.
 
-* it is reachable by name and runs under `jax.jit` as a Flax module, giving a
-  finite output of the right shape (a variant with no test of its own here would
-  still fail `tests/test_registry.py`);
+* it is reachable by name and runs as a model block's mixer (the mixer
+  contract), forward and backward under `jax.jit`, with finite outputs and
+  gradients (a variant with no test of its own here would still fail
+  `tests/test_registry.py`);
 * a variant registered as sub-quadratic never builds a T x T array, in the
   forward or the backward pass (checked on the traced program at T = 4096).
 """
@@ -14,6 +15,7 @@ import numpy as np
 import pytest
 
 from attention_jax import registry
+from attention_jax.models import Block, ModelConfig
 from attention_testing import largest_intermediate
 
 EMBED, HEADS = 32, 2
@@ -38,13 +40,30 @@ def _loss_of_params(module, x):
 
 
 @pytest.mark.parametrize("name", registry.list_variants())
-def test_runs_by_name_under_jit(name):
-  x = jax.random.normal(jax.random.PRNGKey(1), (2, 256, EMBED))
-  module = _module(name)
-  variables = module.init(jax.random.PRNGKey(0), x)
-  out = jax.jit(module.apply)(variables, x)
-  assert out.shape == x.shape
-  assert np.isfinite(np.asarray(out)).all()
+def test_runs_by_name_in_a_block_under_jit_forward_and_backward(name):
+  """Every registered mixer through the same model block (the mixer contract),
+  built from the model config by name, with finite outputs and gradients."""
+  length = 256  # fits every default block size and pattern
+  options = {"max_length": length} if name.startswith("synthesizer") else {}
+  config = ModelConfig(attention=name, attention_options=options, num_layers=1,
+                       embed_dim=EMBED, num_heads=HEADS, mlp_dim=64, max_length=length,
+                       dropout_rate=0.0)
+  x = jax.random.normal(jax.random.PRNGKey(2), (1, length, EMBED))
+  block = Block(config)
+  variables = block.init(jax.random.PRNGKey(0), x, {})
+  # State a variant keeps besides its parameters (routing's k-means centroids).
+  state = {k: v for k, v in variables.items() if k != "params"}
+
+  def loss(params, x):
+    (y, _), _ = block.apply({"params": params, **state}, x, {}, mutable=list(state))
+    assert y.shape == x.shape
+    return jnp.sum(y ** 2)
+
+  value, (grad_params, grad_x) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(
+      variables["params"], x)
+  assert np.isfinite(value)
+  assert np.isfinite(np.asarray(grad_x)).all() and np.abs(np.asarray(grad_x)).max() > 0
+  assert all(np.isfinite(np.asarray(leaf)).all() for leaf in jax.tree.leaves(grad_params))
 
 
 @pytest.mark.parametrize("name", SUBQUADRATIC)
