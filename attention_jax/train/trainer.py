@@ -579,15 +579,23 @@ class _StepTimer:
     return self.steps / seconds if self.steps and seconds > 0 else None
 
 
+# Folders of measured outputs: a reproduction writes its cells into results/,
+# which git tracks, so counting them would mark every cell after the first
+# "+dirty" although the code measured is the commit's.
+OUTPUT_FOLDERS = ("results", "benchmarks")
+
+
 def git_revision() -> Optional[str]:
   """The commit of the checkout this package runs from ("+dirty" with local
-  changes), or None outside a git checkout."""
+  changes to anything but `OUTPUT_FOLDERS`), or None outside a git checkout."""
   root = pathlib.Path(__file__).resolve().parents[2]
   try:
     revision = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True,
                               text=True, timeout=10, check=True).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
-                           capture_output=True, text=True, timeout=10).stdout.strip()
+    dirty = subprocess.run(
+        ["git", "status", "--porcelain", "--untracked-files=no", "--", "."]
+        + [f":(exclude){folder}" for folder in OUTPUT_FOLDERS],
+        cwd=root, capture_output=True, text=True, timeout=10).stdout.strip()
   except (OSError, subprocess.SubprocessError):
     return None
   return revision + ("+dirty" if dirty else "")
