@@ -174,3 +174,24 @@ def assert_same_outputs_and_grads(ours, theirs, *arrays, rows=None, rtol=1e-5, a
   assert_close(out, want, rtol=rtol, atol=atol)
   for index, (got, expected) in enumerate(zip(grads, want_grads)):
     assert_close(got, expected, rtol=rtol, atol=atol, err_msg=f"gradient of argument {index}")
+
+
+def layer_norm_by_formula(x, p, eps=1e-6):
+  """LayerNorm written out: (x - mean) / sqrt(var + eps) * scale + bias."""
+  mean = x.mean(-1, keepdims=True)
+  var = ((x - mean) ** 2).mean(-1, keepdims=True)
+  return (x - mean) / jnp.sqrt(var + eps) * p["scale"] + p["bias"]
+
+
+def rms_norm_by_formula(x, p, eps=1e-6):
+  """RMSNorm written out: x / sqrt(mean(x^2) + eps) * scale."""
+  return x / jnp.sqrt((x ** 2).mean(-1, keepdims=True) + eps) * p["scale"]
+
+
+def perturbed(params, seed=7):
+  """Random parameters: default initialisers (zero biases, unit scales) would
+  hide a missing bias or scale."""
+  leaves, tree = jax.tree.flatten(params)
+  rng = np.random.default_rng(seed)  # NumPy: no compilation per parameter shape.
+  return jax.tree.unflatten(
+      tree, [leaf + 0.3 * rng.standard_normal(leaf.shape, np.float32) for leaf in leaves])

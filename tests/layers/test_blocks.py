@@ -10,6 +10,8 @@ import numpy as np
 import pytest
 from jax.scipy.special import erf
 
+import attention_testing
+
 from attention_jax.layers import FeedForward, make_norm
 from attention_testing import assert_close
 
@@ -28,23 +30,9 @@ def _dense(x, p):
   return x @ p["kernel"] + p["bias"]
 
 
-def _layer_norm(x, p, eps=1e-6):
-  mean = x.mean(-1, keepdims=True)
-  var = ((x - mean) ** 2).mean(-1, keepdims=True)
-  return (x - mean) / jnp.sqrt(var + eps) * p["scale"] + p["bias"]
-
-
-def _rms_norm(x, p, eps=1e-6):
-  return x / jnp.sqrt((x ** 2).mean(-1, keepdims=True) + eps) * p["scale"]
-
-
-def _perturbed(params, seed=7):
-  """Random parameters: default initialisers (zero biases, unit scales) would
-  hide a missing bias or scale."""
-  leaves, tree = jax.tree.flatten(params)
-  rng = np.random.default_rng(seed)  # NumPy: no compilation per parameter shape.
-  return jax.tree.unflatten(
-      tree, [leaf + 0.3 * rng.standard_normal(leaf.shape, np.float32) for leaf in leaves])
+_layer_norm = attention_testing.layer_norm_by_formula
+_rms_norm = attention_testing.rms_norm_by_formula
+_perturbed = attention_testing.perturbed
 
 
 # ---------------------------------------------------------------------------
