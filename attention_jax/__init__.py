@@ -4,6 +4,8 @@
   attention_jax.MultiHeadAttention      the Flax token mixer around any Q/K/V variant
   attention_jax.registry                every variant by name
   attention_jax.variant_options(name)   what a variant's config may set
+  attention_jax.preset_options(name, "lra_release", task="listops")
+                                        a named option set (the LRA release's settings)
 
 Importing the package imports the pure level only (core, variants, kernels,
 positional); the Flax layers and models load when first used, so a pure
@@ -14,7 +16,7 @@ import importlib
 
 from attention_jax import registry
 from attention_jax.core import make_attention_mask, masked_softmax, reference_attention
-from attention_jax.registry import get_variant, list_variants, variant_options
+from attention_jax.registry import get_variant, list_variants, preset_options, variant_options
 from attention_jax import kernels  # registers the blockwise and Pallas implementations
 from attention_jax.variants import (available_implementations, dot_product_attention,
                                     multi_head_attention, select_implementation)

@@ -57,6 +57,8 @@ class VariantSpec:
       layer stack passes from block to block (e.g. RealFormer's scores).
     initial_carry: `initial_carry(batch, length, num_heads) -> {key: array}`,
       the carry before the first layer, for variants with `carries`.
+    presets: named option sets, `{preset name: Preset}` (see `PRESETS`);
+      "method" (the paper's method with our defaults) needs no entry.
   """
 
   name: str
@@ -75,6 +77,7 @@ class VariantSpec:
   options: Mapping[str, Union[str, "VariantOption"]] = dataclasses.field(default_factory=dict)
   carries: Tuple[str, ...] = ()
   initial_carry: Optional[Callable[..., Dict[str, Any]]] = None
+  presets: Mapping[str, "Preset"] = dataclasses.field(default_factory=dict)
 
   @property
   def mixer_class(self) -> Callable[..., Any]:
@@ -118,6 +121,34 @@ class VariantOption:
   doc: str
 
 
+# The named option sets a variant may carry (../shared/DESIGN.md, "Presets for
+# reproduction"). Tables name the preset each of their rows ran.
+PRESETS = {
+    "method": "the paper's method, with the defaults its paper documents (the option "
+              "defaults of the registry)",
+    "lra_release": "the settings the Long-Range-Arena release's code and per-task configs "
+                   "ran (google-research/long-range-arena), including where that code does "
+                   "something other than its paper describes (docs/lra_release.md)",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Preset:
+  """One named option set of a variant.
+
+  Attributes:
+    options: `{option: value}`, every key a declared option of the variant.
+    doc: what the preset changes against the defaults, and why (one or two
+      sentences; docs/lra_release.md cites the release's files).
+    tasks: per-task changes on top of `options`, `{task: {option: value}}`
+      (the LRA release ran some variants differently on some tasks).
+  """
+
+  options: Mapping[str, Any]
+  doc: str
+  tasks: Mapping[str, Mapping[str, Any]] = dataclasses.field(default_factory=dict)
+
+
 _REGISTRY: Dict[str, VariantSpec] = {}
 
 
@@ -129,6 +160,9 @@ def register(spec: VariantSpec) -> VariantSpec:
     raise ValueError(f"family must be one of {FAMILIES}, got {spec.family!r} for {spec.name!r}.")
   if not spec.qkv and spec.mixer is None:
     raise ValueError(f"variant {spec.name!r} is not Q/K/V attention, so it needs a mixer module.")
+  for preset in spec.presets:
+    if preset not in PRESETS:
+      raise unknown_name_error(f"preset of variant {spec.name!r}:", preset, PRESETS)
   _REGISTRY[spec.name] = spec
   return spec
 
@@ -239,6 +273,34 @@ def check_options(name: str, options: Mapping[str, Any]) -> None:
       raise ValueError(f"attention variant {name!r} has no option {key!r}."
                        f"{did_you_mean(key, declared)} Its options are: {listed} "
                        f"(attention_jax.variant_options({name!r}) describes them).")
+
+
+def variant_presets(name: str) -> Tuple[str, ...]:
+  """The presets variant `name` has: always "method", then those it declares."""
+  return ("method", *[p for p in get_variant(name).presets if p != "method"])
+
+
+def preset_options(name: str, preset: str = "method",
+                   task: Optional[str] = None) -> Dict[str, Any]:
+  """The options preset `preset` of variant `name` sets (on task `task`, where
+  the preset differs per task): `{}` for "method" unless the variant declares it.
+
+  Raises:
+    ValueError: on an unknown variant or preset, or a preset the variant lacks.
+  """
+  spec = get_variant(name)
+  if preset not in PRESETS:
+    raise unknown_name_error("preset", preset, PRESETS)
+  if preset not in variant_presets(name):
+    raise ValueError(f"attention variant {name!r} has no preset {preset!r}; its presets are: "
+                     f"{', '.join(variant_presets(name))}.")
+  declared = spec.presets.get(preset)
+  if declared is None:
+    return {}
+  options = dict(declared.options)
+  options.update(declared.tasks.get(task, {}) if task is not None else {})
+  check_options(name, options)
+  return options
 
 
 def options_table_markdown() -> str:

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from attention_jax import axes, registry
 from attention_jax.models.blocks import Block
 from attention_jax.models.config import REMAT_POLICIES, ModelConfig
+from attention_jax.variants.common import RANDOM_COLLECTION
 
 Array = jnp.ndarray
 Carry = Dict[str, Any]
@@ -97,7 +98,7 @@ def run_layers(config: ModelConfig, x: Array, carry: Optional[Carry] = None, *,
     return x, carry
   period = len(config.schedule_period)
   scanned = nn.scan(
-      _Period, variable_axes={"params": 0, "intermediates": 0, "losses": 0},
+      _Period, variable_axes={"params": 0, "intermediates": 0, "losses": 0, RANDOM_COLLECTION: 0},
       split_rngs={"params": True, "dropout": True, "attention": True},
       in_axes=(nn.broadcast,), length=config.num_layers // period,
       metadata_params={nn.PARTITION_NAME: axes.LAYERS})

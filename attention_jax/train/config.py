@@ -29,10 +29,13 @@ FREE_FORM = ("task_options", "model.attention_options", "model.position_options"
 RESTARTABLE = ("progress", "data_dir", "prepare_data", "async_checkpoints")
 
 
-def default_config(variant: str = "dot_product") -> ml_collections.ConfigDict:
+def default_config(variant: str = "dot_product",
+                   attention_preset: str = "method") -> ml_collections.ConfigDict:
   """Every key the trainer accepts, with its default, for attention `variant`
   (whose declared options `model.attention_options` lists, so that each can
-  be overridden with `--config.model.attention_options.<name>=`)."""
+  be overridden with `--config.model.attention_options.<name>=`) run with the
+  option set `attention_preset` ("method" or "lra_release", see
+  `registry.PRESETS`)."""
   placeholder = ml_collections.config_dict.placeholder
   config = ml_collections.ConfigDict()
   config.task = "listops"  # a name of attention_jax.data.list_tasks()
@@ -46,6 +49,9 @@ def default_config(variant: str = "dot_product") -> ml_collections.ConfigDict:
   config.model.vocab_size = placeholder(int)
   config.model.num_classes = placeholder(int)
   config.model.max_length = placeholder(int)
+  # The variant's named option set; the trainer applies it to the options the
+  # config leaves at their defaults (`apply_attention_preset`).
+  config.attention_preset = attention_preset
 
   config.num_train_steps = 1000  # batches (micro-batches when accumulating gradients)
   config.optimizer = default_optimizer_config()
@@ -69,8 +75,49 @@ def default_config(variant: str = "dot_product") -> ml_collections.ConfigDict:
   # (logical axis, mesh axes) pairs: where parameters and activations live.
   config.logical_axis_rules = axes.DEFAULT_RULES
   config.seed = 0  # parameters, data order and dropout all derive from it
-  config.rng_streams = ("dropout",)  # add "attention" for variants that redraw features
+  # "attention": the key of the random draws that variants redraw as they train
+  # (Performer features, LSH rotations); see variants.common.layer_random.
+  config.rng_streams = ("dropout", "attention")
   return config
+
+
+def apply_attention_preset(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  """`config` with `model.attention_options` completed from `attention_preset`.
+
+  The preset's options (for `config.task`, where the preset differs per task)
+  fill every option of `model.attention` that the config leaves unset or at its
+  declared default; options set to anything else are the user's and win, so a
+  preset can be run with one option changed. (An option explicitly set back to
+  its default under a preset that changes it is indistinguishable from an unset
+  one: the preset's value is used.)
+
+  Raises:
+    ValueError: on an unknown preset, or one the variant does not have.
+  """
+  from attention_jax import registry  # pylint: disable=g-import-not-at-top
+  variant = config.model.attention
+  preset = config.get("attention_preset", "method")
+  options = registry.preset_options(variant, preset, config.get("task"))
+  defaults = {option.name: option.default for option in registry.variant_options(variant)}
+  for name, value in options.items():
+    current = config.model.attention_options.get(name)
+    if current is None or _normalise(current) == _normalise(defaults[name]):
+      config.model.attention_options[name] = value
+  return config
+
+
+def attention_preset_of(presets: Iterable[str]) -> str:
+  """The attention preset among a config argument's presets ("method" if none).
+
+  Raises:
+    ValueError: when more than one is given.
+  """
+  from attention_jax.registry import PRESETS  # pylint: disable=g-import-not-at-top
+  chosen = [p for p in presets if p in PRESETS]
+  if len(chosen) > 1:
+    raise ValueError(f"config argument names the attention presets {', '.join(chosen)}; "
+                     f"choose one of {', '.join(PRESETS)}.")
+  return chosen[0] if chosen else "method"
 
 
 def _flatten(config: ml_collections.ConfigDict, prefix: str = "") -> Dict[str, Any]:
@@ -158,16 +205,25 @@ def load_config_module(path: str | pathlib.Path) -> ModuleType:
 def parse_config_arg(arg: str, presets: Iterable[str]) -> Tuple[str, Tuple[str, ...]]:
   """Splits a config file's argument `"variant[,preset...]"`.
 
+  A preset is one of the config file's `presets` or an attention preset of
+  the registry ("method", "lra_release"; `attention_preset_of` picks it).
+
   Returns:
     `(variant, presets)`; the variant is checked against the registry.
 
   Raises:
     ValueError: on an unknown variant or preset.
   """
-  from attention_jax.registry import get_variant  # pylint: disable=g-import-not-at-top
+  # pylint: disable-next=g-import-not-at-top
+  from attention_jax.registry import PRESETS, get_variant, variant_presets
   variant, *chosen = [part.strip() for part in (arg or "dot_product").split(",")]
   get_variant(variant)
-  presets = tuple(presets)
+  for preset in chosen:
+    if preset in PRESETS and preset not in variant_presets(variant):
+      raise ValueError(f"attention variant {variant!r} has no preset {preset!r} (config "
+                       f"argument {arg!r}); its presets are: "
+                       f"{', '.join(variant_presets(variant))}.")
+  presets = tuple(presets) + tuple(PRESETS)
   for preset in chosen:
     if preset not in presets:
       raise ValueError(f"unknown preset {preset!r} in config argument {arg!r}; valid presets "

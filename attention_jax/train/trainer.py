@@ -46,7 +46,8 @@ from attention_jax import data as lra_data
 from attention_jax.models import build_model
 from attention_jax.train import partitioning
 from attention_jax.train.checkpoints import Checkpointer
-from attention_jax.train.config import check_config, config_differences
+from attention_jax.train.config import (apply_attention_preset, check_config,
+                                         config_differences)
 from attention_jax.train.metrics import MetricsLogger, peak_memory
 from attention_jax.train.objectives import get_objective
 from attention_jax.train.optim import make_optimizer
@@ -383,6 +384,7 @@ def _completed(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   """A checked copy of `config` with the task's sizes filled into the model."""
   check_config(config)
   config = ml_collections.ConfigDict(config.to_dict())  # unlocked copy, references resolved
+  apply_attention_preset(config)
   info = lra_data.get_task(config.task, **task_options(config)).info
   if info.dual != (config.model.kind == "dual_classifier"):
     expected = "dual_classifier" if info.dual else "classifier' or 'language_model"

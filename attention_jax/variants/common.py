@@ -16,8 +16,10 @@ keys (`[B|1, 1, 1, Tk]`, what `Encoder` passes for padding anywhere).
 
 from __future__ import annotations
 
-from typing import Optional
+import zlib
+from typing import Callable, Optional
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
@@ -30,6 +32,61 @@ def mixer_output(y, carry):
   """What a token mixer returns: `y`, or `(y, carry)` when it was called with a
   carry (the layer stack always passes one; a direct call need not)."""
   return y if carry is None else (y, carry)
+
+
+# The variable collection holding each layer's random arrays (Performer's
+# features, LSH's rotations, BigBird's random blocks). The trainer carries it in
+# its state and checkpoints it like the parameters; `nn.scan` stacks it per layer.
+RANDOM_COLLECTION = "random"
+
+
+def layer_random(module: nn.Module, name: str, draw: Callable[[jax.Array], Array], *,
+                 deterministic: bool, redraw_every: int) -> Array:
+  """A random array of one layer (features, rotations, a pattern) and its redraws.
+
+  Drawn when the model is initialised, from the "params" stream: a different
+  draw in every layer (and, under `nn.scan`, every scanned layer), which the
+  model keeps in the "random" collection. In training (`deterministic=False`,
+  the collection mutable, an "attention" RNG stream given) it is redrawn from
+  the "attention" stream at every `redraw_every`-th call (calls 0, N, 2N, ...;
+  1: every step, as Reformer's LSH; 0: never, as BigBird's patterns) and the
+  new draw is kept. Evaluation uses the kept draw. The trainer's "attention"
+  key is a function of (seed, step) and the module path folds in the layer,
+  so every draw is a function of (seed, layer, step) and a resumed run draws
+  what an uninterrupted one drew.
+
+  Called with variables that lack the collection (e.g. `{"params": p}` only),
+  the draw comes from a fixed key folded with the module's path: still one
+  per (unscanned) layer, never redrawn.
+
+  Args:
+    module: the calling module (its scope names the variables).
+    name: the variable's name in the collection.
+    draw: `draw(key) -> array`, the random array from a PRNG key.
+    deterministic: evaluation: never redraw.
+    redraw_every: calls between redraws in training; 0 never redraws.
+
+  Returns:
+    The array to use for this call.
+  """
+  check_size("redraw_every", redraw_every, minimum=0)
+  collection = RANDOM_COLLECTION
+  if not module.has_variable(collection, name) and not module.is_mutable_collection(collection):
+    path = "/".join(map(str, module.scope.path))
+    return draw(jax.random.fold_in(jax.random.key(0), zlib.crc32(path.encode()) & 0x7FFFFFFF))
+  kept = module.variable(collection, name, lambda: draw(module.make_rng("params")))
+  if redraw_every == 0:
+    return kept.value
+  # Created at initialisation too, so the collection's structure (and the
+  # trainer's state) never changes between steps.
+  calls = module.variable(collection, f"{name}_calls", lambda: jnp.zeros((), jnp.int32))
+  if (deterministic or module.is_initializing() or not module.has_rng("attention")
+      or not module.is_mutable_collection(collection)):
+    return kept.value
+  fresh = draw(module.make_rng("attention"))
+  kept.value = jnp.where(calls.value % redraw_every == 0, fresh, kept.value)
+  calls.value = calls.value + 1
+  return kept.value
 
 
 def reject_unsupported(variant: str, **arguments) -> None:

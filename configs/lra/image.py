@@ -13,7 +13,7 @@ decay from 5e-4 after a one-epoch warm-up. Presets:
 
 import ml_collections
 
-from attention_jax.train.config import default_config, parse_config_arg
+from attention_jax.train.config import attention_preset_of, default_config, parse_config_arg
 
 PRESETS = ("smoke",)
 TRAIN_EXAMPLES = 45_000
@@ -21,7 +21,7 @@ TRAIN_EXAMPLES = 45_000
 
 def get_config(arg: str = "dot_product"):
   variant, presets = parse_config_arg(arg, PRESETS)
-  config = default_config(variant)
+  config = default_config(variant, attention_preset_of(presets))
   config.task = "image"
   config.task_options = ml_collections.ConfigDict(
       dict(data_dir_tfds=ml_collections.config_dict.placeholder(str)))

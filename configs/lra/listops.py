@@ -14,14 +14,14 @@ warm-up steps, i.e. a peak of 0.05 / sqrt(1000). Presets:
   clearly above the majority class.
 """
 
-from attention_jax.train.config import default_config, parse_config_arg
+from attention_jax.train.config import attention_preset_of, default_config, parse_config_arg
 
 PRESETS = ("smoke",)
 
 
 def get_config(arg: str = "dot_product"):
   variant, presets = parse_config_arg(arg, PRESETS)
-  config = default_config(variant)
+  config = default_config(variant, attention_preset_of(presets))
   config.task = "listops"
   config.model.update(num_layers=6, embed_dim=512, num_heads=8, mlp_dim=2048,
                       head_mlp_dim=2048, pooling="cls", position="sinusoidal",

@@ -14,7 +14,7 @@ after a one-epoch warm-up. Presets:
 - smoke: 4,000 / 512 / 512 "easy" images, 400 steps of batch 32.
 """
 
-from attention_jax.train.config import default_config, parse_config_arg
+from attention_jax.train.config import attention_preset_of, default_config, parse_config_arg
 
 PRESETS = ("smoke",)
 TASK = "pathfinder32"
@@ -23,7 +23,7 @@ TRAIN_EXAMPLES = 159_840
 
 def get_config(arg: str = "dot_product"):
   variant, presets = parse_config_arg(arg, PRESETS)
-  config = default_config(variant)
+  config = default_config(variant, attention_preset_of(presets))
   config.task = TASK
   config.model.update(num_layers=1, embed_dim=128, num_heads=4, mlp_dim=128, head_mlp_dim=128,
                       pooling="mean", position="sinusoidal", dropout_rate=0.2)

@@ -11,7 +11,7 @@ Path-X like Pathfinder; every model it reports stays at chance, 50%). Presets:
 
 import pathlib
 
-from attention_jax.train.config import load_config_module, parse_config_arg
+from attention_jax.train.config import attention_preset_of, load_config_module, parse_config_arg
 
 PRESETS = ("smoke",)
 
@@ -20,7 +20,7 @@ def get_config(arg: str = "dot_product"):
   variant, presets = parse_config_arg(arg, PRESETS)
   # Pathfinder's settings, on the 128-pixel task.
   config = load_config_module(pathlib.Path(__file__).with_name("pathfinder32.py")).get_config(
-      variant)
+      f"{variant},{attention_preset_of(presets)}")
   config.task = "pathfinder128"
 
   if "smoke" in presets:

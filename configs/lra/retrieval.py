@@ -18,14 +18,14 @@ warm-up steps. Presets:
 
 import ml_collections
 
-from attention_jax.train.config import default_config, parse_config_arg
+from attention_jax.train.config import attention_preset_of, default_config, parse_config_arg
 
 PRESETS = ("smoke",)
 
 
 def get_config(arg: str = "dot_product"):
   variant, presets = parse_config_arg(arg, PRESETS)
-  config = default_config(variant)
+  config = default_config(variant, attention_preset_of(presets))
   config.task = "retrieval"
   config.task_options = ml_collections.ConfigDict(
       dict(release_dir=ml_collections.config_dict.placeholder(str)))

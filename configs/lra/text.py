@@ -15,14 +15,14 @@ batch 32, 20,000 steps, weight decay 0.1, rsqrt schedule of base rate 0.05 with
 
 import ml_collections
 
-from attention_jax.train.config import default_config, parse_config_arg
+from attention_jax.train.config import attention_preset_of, default_config, parse_config_arg
 
 PRESETS = ("smoke",)
 
 
 def get_config(arg: str = "dot_product"):
   variant, presets = parse_config_arg(arg, PRESETS)
-  config = default_config(variant)
+  config = default_config(variant, attention_preset_of(presets))
   config.task = "text"
   config.task_options = ml_collections.ConfigDict(
       dict(data_dir_tfds=ml_collections.config_dict.placeholder(str)))
