@@ -142,11 +142,16 @@ class Preset:
       sentences; docs/lra_release.md cites the release's files).
     tasks: per-task changes on top of `options`, `{task: {option: value}}`
       (the LRA release ran some variants differently on some tasks).
+    variant: the registered variant the preset runs, when it is not the one
+      that declares it (the release's "Synthesizer" is the Random Synthesizer
+      mixed with dot-product logits, not the Dense one); `options` are then
+      that variant's.
   """
 
   options: Mapping[str, Any]
   doc: str
   tasks: Mapping[str, Mapping[str, Any]] = dataclasses.field(default_factory=dict)
+  variant: Optional[str] = None
 
 
 _REGISTRY: Dict[str, VariantSpec] = {}
@@ -284,10 +289,21 @@ def preset_options(name: str, preset: str = "method",
                    task: Optional[str] = None) -> Dict[str, Any]:
   """The options preset `preset` of variant `name` sets (on task `task`, where
   the preset differs per task): `{}` for "method" unless the variant declares it.
+  They are options of `preset_variant(name, preset)`.
 
   Raises:
     ValueError: on an unknown variant or preset, or a preset the variant lacks.
   """
+  return _preset(name, preset, task)[1]
+
+
+def preset_variant(name: str, preset: str = "method") -> str:
+  """The registered variant that preset `preset` of `name` runs: `name` itself
+  unless the preset names another (see `Preset.variant`)."""
+  return _preset(name, preset, None)[0]
+
+
+def _preset(name: str, preset: str, task: Optional[str]) -> Tuple[str, Dict[str, Any]]:
   spec = get_variant(name)
   if preset not in PRESETS:
     raise unknown_name_error("preset", preset, PRESETS)
@@ -296,11 +312,12 @@ def preset_options(name: str, preset: str = "method",
                      f"{', '.join(variant_presets(name))}.")
   declared = spec.presets.get(preset)
   if declared is None:
-    return {}
+    return name, {}
+  variant = declared.variant or name
   options = dict(declared.options)
   options.update(declared.tasks.get(task, {}) if task is not None else {})
-  check_options(name, options)
-  return options
+  check_options(variant, options)
+  return variant, options
 
 
 def options_table_markdown() -> str:

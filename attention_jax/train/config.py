@@ -82,7 +82,9 @@ def default_config(variant: str = "dot_product",
 
 
 def apply_attention_preset(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
-  """`config` with `model.attention_options` completed from `attention_preset`.
+  """`config` with `model.attention_options` completed from `attention_preset`
+  (and `model.attention` set to the variant the preset runs, see `Preset.variant`;
+  options the two variants share keep the config's values).
 
   The preset's options (for `config.task`, where the preset differs per task)
   fill every option of `model.attention` that the config leaves unset or at its
@@ -95,9 +97,16 @@ def apply_attention_preset(config: ml_collections.ConfigDict) -> ml_collections.
     ValueError: on an unknown preset, or one the variant does not have.
   """
   from attention_jax import registry  # pylint: disable=g-import-not-at-top
-  variant = config.model.attention
   preset = config.get("attention_preset", "method")
-  options = registry.preset_options(variant, preset, config.get("task"))
+  options = registry.preset_options(config.model.attention, preset, config.get("task"))
+  variant = registry.preset_variant(config.model.attention, preset)
+  if variant != config.model.attention:  # the release ran another variant of the row
+    given = config.model.attention_options.to_dict()
+    config.model.attention = variant
+    config.model.attention_options = attention_options_config(variant)
+    for name in config.model.attention_options:
+      if given.get(name) is not None:
+        config.model.attention_options[name] = given[name]
   defaults = {option.name: option.default for option in registry.variant_options(variant)}
   for name, value in options.items():
     current = config.model.attention_options.get(name)
