@@ -74,32 +74,39 @@ def get_config():
 """
 
 
-def test_smoke_grid_is_every_paper_variant_on_listops_with_two_seeds(tmp_path):
+def test_smoke_grid_is_every_paper_variant_and_both_presets_on_listops_with_two_seeds(
+    tmp_path):
   cells = tables.expand(tables.load_table(SMOKE), tmp_path / "out")
-  assert len(cells) == 22
+  assert len(cells) == 44
   assert {c.key["variant"] for c in cells} == PAPER_VARIANTS
   assert {c.key["task"] for c in cells} == {"listops"}
+  assert {c.key["preset"] for c in cells} == {"method", "lra_release"}
   # Seed-major: all of seed 0 before any of seed 1.
-  assert [c.key["seed"] for c in cells] == [0] * 11 + [1] * 11
-  cell = next(c for c in cells if c.key["variant"] == "performer" and c.key["seed"] == 1)
-  assert cell.workdir == (tmp_path / "out" / "runs" / "listops" / "performer" / "seed1").resolve()
-  assert "--config=configs/lra/listops.py:performer,smoke" in cell.command
+  assert [c.key["seed"] for c in cells] == [0] * 22 + [1] * 22
+  cell = next(c for c in cells if c.key["variant"] == "performer" and c.key["seed"] == 1
+              and c.key["preset"] == "lra_release")
+  assert cell.workdir == (tmp_path / "out" / "runs" / "listops" / "performer" / "lra_release"
+                          / "seed1").resolve()
+  assert "--config=configs/lra/listops.py:performer,smoke,lra_release" in cell.command
   assert "--config.seed=1" in cell.command
-  lsh = next(c for c in cells if c.key["variant"] == "lsh")
-  config_arg = next(a for a in lsh.command if a.startswith("--config="))
-  assert config_arg.startswith("--config=configs/tables/cell.py:configs/lra/listops.py|lsh,smoke|")
-  assert json.loads(config_arg.split("|", 2)[2])["model"]["pooling"] == "mean"
+  # One pooling for every row: no cell changes the task's pooling.
+  for cell in cells:
+    assert "pooling" not in " ".join(cell.command)
+  bigbird = next(c for c in cells if c.key["variant"] == "bigbird")
+  config_arg = next(a for a in bigbird.command if a.startswith("--config="))
+  assert config_arg.startswith(
+      "--config=configs/tables/cell.py:configs/lra/listops.py|bigbird,smoke,method|")
 
 
 def test_full_grid_and_only_filters(tmp_path):
   cells = tables.expand(tables.load_table(FULL), tmp_path)
-  assert len(cells) == 6 * 11 * 3
-  only = table_cells.parse_only(["task=listops", "variant=performer,linear"])
+  assert len(cells) == 6 * 11 * 2 * 3
+  only = table_cells.parse_only(["task=listops", "variant=performer,linear", "preset=method"])
   selected = table_cells.select(cells, only)
   assert len(selected) == 2 * 3
   assert {(c.key["task"], c.key["variant"]) for c in selected} == {
       ("listops", "performer"), ("listops", "linear")}
-  assert len(table_cells.select(cells, table_cells.parse_only(["seed=2"]))) == 66
+  assert len(table_cells.select(cells, table_cells.parse_only(["seed=2"]))) == 132
 
 
 @pytest.mark.parametrize("filters, message", [
@@ -145,8 +152,8 @@ def test_dry_run_runs_and_writes_nothing(tmp_path, capsys):
                          "--only", "variant=linear"], runner=runner) == 0
   assert not runner.ran
   printed = capsys.readouterr().out
-  assert printed.count("would run") == 2
-  assert "experiments.train" in printed and "linear,smoke" in printed
+  assert printed.count("would run") == 4
+  assert "experiments.train" in printed and "linear,smoke,lra_release" in printed
   assert not (out / "table.md").exists()
   assert not (out / "runs").exists()
 
@@ -154,7 +161,7 @@ def test_dry_run_runs_and_writes_nothing(tmp_path, capsys):
 def test_finished_cells_are_skipped(tmp_path):
   table = write_table(tmp_path, TINY_ACCURACY)
   out = tmp_path / "out"
-  finished = out / "runs" / "listops" / "linear" / "seed1" / "results.json"
+  finished = out / "runs" / "listops" / "linear" / "method" / "seed1" / "results.json"
   finished.parent.mkdir(parents=True)
   finished.write_text(json.dumps(fake_training_results(1, 0.3)))
   runner = StubRunner()
@@ -186,10 +193,10 @@ def test_accuracy_table_csv_and_plot_from_fake_results(tmp_path):
   out = tmp_path / "out"
   # dot_product: 30, 34, 32 % -> mean 32.0, sample std 2.0; linear: seed 0 only.
   for seed, accuracy in enumerate((0.30, 0.34, 0.32)):
-    path = out / "runs" / "listops" / "dot_product" / f"seed{seed}" / "results.json"
+    path = out / "runs" / "listops" / "dot_product" / "method" / f"seed{seed}" / "results.json"
     path.parent.mkdir(parents=True)
     path.write_text(json.dumps(fake_training_results(seed, accuracy, steps_per_s=10 + seed)))
-  path = out / "runs" / "listops" / "linear" / "seed0" / "results.json"
+  path = out / "runs" / "listops" / "linear" / "method" / "seed0" / "results.json"
   path.parent.mkdir(parents=True)
   path.write_text(json.dumps(fake_training_results(0, 0.25)))
   assert reproduce.main([f"--table={table}", f"--results={out}", "--norun",
@@ -199,10 +206,10 @@ def test_accuracy_table_csv_and_plot_from_fake_results(tmp_path):
   assert "1 x cpu (cpu)" in text and "abc123def" in text
   assert "cells finished: 4 of 6" in text
   row = next(line for line in text.splitlines() if line.startswith("| dot_product |"))
-  assert "32.0 ± 2.0 (n=3) / 36.37" in row  # the LRA paper's Transformer on ListOps
+  assert row == "| dot_product | 32.0 ± 2.0 (n=3) | 36.37 |"  # the paper's Transformer
   row = next(line for line in text.splitlines() if line.startswith("| linear |"))
-  assert "25.0 (n=1) / 16.13" in row  # the paper's Linear Trans.
-  assert "| listops | dot_product | 33.0 ± 2.0 (n=3) | 11.0 ± 1.0 (n=3) |" in text
+  assert row == "| linear | 25.0 (n=1) | 16.13 |"  # the paper's Linear Trans.
+  assert "| listops | dot_product | method | 33.0 ± 2.0 (n=3) | 11.0 ± 1.0 (n=3) |" in text
 
   with (out / "table.csv").open() as f:
     rows = {r["variant"]: r for r in csv.DictReader(f)}
@@ -212,6 +219,26 @@ def test_accuracy_table_csv_and_plot_from_fake_results(tmp_path):
   assert float(rows["dot_product"]["paper"]) == pytest.approx(36.37)
   assert rows["dot_product"]["seeds"] == "0 1 2"
   assert (out / "accuracy.png").stat().st_size > 1000
+
+
+def test_accuracy_table_puts_each_preset_beside_the_paper(tmp_path):
+  table = write_table(tmp_path, TINY_ACCURACY.replace(
+      'c.presets = ("smoke",)', 'c.presets = ("smoke",)\n  c.attention_presets = ("method", '
+      '"lra_release")'))
+  out = tmp_path / "out"
+  for preset, accuracies in (("method", (0.30, 0.34)), ("lra_release", (0.20, 0.22))):
+    for seed, accuracy in enumerate(accuracies):
+      path = out / "runs" / "listops" / "linear" / preset / f"seed{seed}" / "results.json"
+      path.parent.mkdir(parents=True)
+      path.write_text(json.dumps(fake_training_results(seed, accuracy)))
+  assert reproduce.main([f"--table={table}", f"--results={out}", "--norun",
+                         f"--data_dir={tmp_path / 'data'}"]) == 0
+  lines = (out / "table.md").read_text().splitlines()
+  assert "| variant | listops method | listops lra_release | listops paper |" in lines
+  assert "| linear | 32.0 ± 2.8 (n=2) | 21.0 ± 1.4 (n=2) | 16.13 |" in lines
+  assert "| dot_product | - | - | 36.37 |" in lines
+  assert any(line.startswith("| listops | linear | lra_release | 22.0 ± 1.4 (n=2) |")
+             for line in lines)  # best validation = test + 1 in the fake results
 
 
 def test_speed_table_ratios_statuses_and_plots(tmp_path):
@@ -305,7 +332,7 @@ def test_command_line_dry_run_and_a_misspelt_flag(tmp_path):
   ran = subprocess.run([*command, "--dry_run"], cwd=REPO, capture_output=True, text=True,
                        check=False)
   assert ran.returncode == 0, ran.stderr
-  assert ran.stdout.count("would run") == 2
+  assert ran.stdout.count("would run") == 4  # 2 presets x 2 seeds
   ran = subprocess.run([*command, "--batch-size=2"], cwd=REPO, capture_output=True, text=True,
                        check=False)
   assert ran.returncode == 1

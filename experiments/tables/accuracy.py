@@ -1,9 +1,14 @@
-"""The "accuracy" table: tasks x variants x seeds of `experiments.train`.
+"""The "accuracy" table: tasks x variants x attention presets x seeds of
+`experiments.train`.
 
-Each cell trains one `(task, variant, seed)` in
-`<results>/runs/<task>/<variant>/seed<k>/` (data in the shared `--data_dir`);
-the table gives test accuracy as mean ± std over seeds beside the LRA paper's
-number, then best validation accuracy, steps/s and peak memory.
+Each cell trains one `(task, variant, preset, seed)` in
+`<results>/runs/<task>/<variant>/<preset>/seed<k>/` (data in the shared
+`--data_dir`); the preset is the variant's named option set (`method`, the
+paper's method; `lra_release`, what the LRA release ran: see
+`attention_jax.registry.PRESETS`), from the table's `attention_presets`
+(default: method only). The table gives test accuracy as mean ± std over seeds,
+one column per preset, beside the LRA paper's number, then best validation
+accuracy, steps/s and peak memory.
 """
 
 from __future__ import annotations
@@ -49,6 +54,16 @@ def training_command(config_file: str, variant: str, presets: Sequence[str],
           f"--workdir={workdir}", *flags)
 
 
+def attention_presets(table: Any) -> Tuple[str, ...]:
+  """The table's attention presets, checked against the registry."""
+  from attention_jax.registry import PRESETS, unknown_name_error  # pylint: disable=g-import-not-at-top
+  presets = tuple(table.get("attention_presets", ("method",)))
+  for preset in presets:
+    if preset not in PRESETS:
+      raise unknown_name_error("attention preset", preset, PRESETS)
+  return presets
+
+
 def expand(table: Any, runs: pathlib.Path, *, data_dir: str = "data",
            batch_size: Optional[int] = None) -> List[Cell]:
   """The cells, seed-major (a stopped run has whole seeds first); `batch_size`
@@ -60,31 +75,33 @@ def expand(table: Any, runs: pathlib.Path, *, data_dir: str = "data",
   for seed in table.seeds:
     for task, config_file in table.tasks.items():
       for variant in table.variants:
-        workdir = runs / task / variant / f"seed{seed}"
-        flags = (f"--config.seed={seed}", f"--config.data_dir={data_dir}",
-                 "--config.progress=False", *table.get("flags", ()))
-        cells.append(Cell(
-            key=dict(task=task, variant=variant, seed=seed), workdir=workdir,
-            command=training_command(config_file, variant, presets, workdir, flags,
-                                     overrides.get(task, {}).get(variant))))
+        for preset in attention_presets(table):
+          workdir = runs / task / variant / preset / f"seed{seed}"
+          flags = (f"--config.seed={seed}", f"--config.data_dir={data_dir}",
+                   "--config.progress=False", *table.get("flags", ()))
+          cells.append(Cell(
+              key=dict(task=task, variant=variant, preset=preset, seed=seed), workdir=workdir,
+              command=training_command(config_file, variant, (*presets, preset), workdir, flags,
+                                       overrides.get(task, {}).get(variant))))
   return cells
 
 
 def summarize(table: Any, cells: Sequence[Cell]) -> List[Dict[str, Any]]:
-  """One row per (task, variant): spreads of test accuracy (%), best
+  """One row per (task, variant, preset): spreads of test accuracy (%), best
   validation accuracy (%), steps/s and peak memory (MiB), and the paper's number."""
   del table
-  groups: Dict[Tuple[str, str], List[Dict[str, Any]]] = {}
+  groups: Dict[Tuple[str, str, str], List[Dict[str, Any]]] = {}
   for cell in cells:
-    groups.setdefault((cell.key["task"], cell.key["variant"]), [])
+    group = (cell.key["task"], cell.key["variant"], cell.key["preset"])
+    groups.setdefault(group, [])
     results = read_results(cell.results_path)
     if results is not None and "metrics" in results:
-      groups[(cell.key["task"], cell.key["variant"])].append(results)
+      groups[group].append(results)
   rows = []
-  for (task, variant), runs in groups.items():
+  for (task, variant, preset), runs in groups.items():
     metrics = [r["metrics"] for r in runs]
     rows.append(dict(
-        task=task, variant=variant,
+        task=task, variant=variant, preset=preset,
         test=report.spread([100 * m["test"]["accuracy"] for m in metrics if "test" in m]),
         validation=report.spread([100 * m["best_validation"]["accuracy"] for m in metrics
                                   if "best_validation" in m]),
@@ -127,7 +144,8 @@ def markdown(table: Any, rows: Sequence[Dict[str, Any]], data_dir: str = "data")
   """The majority class of each task, test accuracy (variants x tasks) beside
   the paper's, then validation accuracy, steps/s and memory per cell."""
   tasks = list(table.tasks)
-  by = {(r["task"], r["variant"]): r for r in rows}
+  presets = attention_presets(table)
+  by = {(r["task"], r["variant"], r["preset"]): r for r in rows}
   majority = {task: majority_class(table.tasks[task], tuple(table.get("presets", ())), data_dir)
               for task in tasks}
   lines = []
@@ -135,25 +153,31 @@ def markdown(table: Any, rows: Sequence[Dict[str, Any]], data_dir: str = "data")
   if known:
     lines += [f"Majority class of the test split (always guessing it): {', '.join(known)}.", ""]
 
-  def test_cell(variant: str, task: str) -> str:
-    row = by.get((task, variant), {})
-    paper = row.get("paper")
-    return f"{report.spread_text(row.get('test'))} / {'-' if paper is None else f'{paper:.2f}'}"
+  def test_cell(variant: str, column: Tuple[str, Optional[str]]) -> str:
+    task, preset = column
+    if preset is not None:
+      return report.spread_text(by.get((task, variant, preset), {}).get("test"))
+    paper = lra_paper.accuracy(variant, task)
+    return "-" if paper is None else f"{paper:.2f}"
 
-  lines += ["## Test accuracy (%): measured mean ± std (n seeds) / LRA paper", "",
-            *report.markdown_head(["variant", *tasks]),
-            *report.variant_rows(table.variants, tasks, test_cell)]
+  # Per task: one column per preset, then the paper's number.
+  columns = [(task, preset) for task in tasks for preset in (*presets, None)]
+  names = [f"{task} {preset or 'paper'}" for task, preset in columns]
+  lines += ["## Test accuracy (%): measured mean ± std (n seeds) per preset, and the LRA paper",
+            "", *report.markdown_head(["variant", *names]),
+            *report.variant_rows(table.variants, columns, test_cell)]
   lines += ["", "## Best validation accuracy (%), train steps/s and peak memory (MiB)", "",
-            *report.markdown_head(["task", "variant", "best validation (%)", "steps/s",
-                                   "peak memory (MiB)"])]
+            *report.markdown_head(["task", "variant", "preset", "best validation (%)",
+                                   "steps/s", "peak memory (MiB)"])]
   for task in tasks:
     for variant in table.variants:
-      row = by.get((task, variant), {})
-      source = " host RSS" if row.get("memory_source") == "host_rss" else ""
-      lines.append(report.markdown_row([
-          task, variant, report.spread_text(row.get("validation")),
-          report.spread_text(row.get("steps_per_s")),
-          report.spread_text(row.get("memory_mib"), digits=0) + source]))
+      for preset in presets:
+        row = by.get((task, variant, preset), {})
+        source = " host RSS" if row.get("memory_source") == "host_rss" else ""
+        lines.append(report.markdown_row([
+            task, variant, preset, report.spread_text(row.get("validation")),
+            report.spread_text(row.get("steps_per_s")),
+            report.spread_text(row.get("memory_mib"), digits=0) + source]))
   return lines
 
 
@@ -161,19 +185,22 @@ def plot(table: Any, rows: Sequence[Dict[str, Any]], out: pathlib.Path) -> List[
   """`accuracy.png`: test accuracy by variant, one bar group per task, error bars
   of one std over seeds, the paper's number as a black tick."""
   plt = report.pyplot()
-  tasks = [t for t in table.tasks if any(r["task"] == t and r["test"]["n"] for r in rows)]
-  if not tasks:
+  groups = [(t, p) for t in table.tasks for p in attention_presets(table)
+            if any(r["task"] == t and r["preset"] == p and r["test"]["n"] for r in rows)]
+  if not groups:
     return []
-  by = {(r["task"], r["variant"]): r for r in rows}
+  by = {(r["task"], r["variant"], r["preset"]): r for r in rows}
   variants = list(table.variants)
-  width = 0.8 / len(tasks)
-  fig, ax = plt.subplots(figsize=(max(6, 0.7 * len(variants) * max(1, len(tasks) / 2)), 4))
-  for i, task in enumerate(tasks):
-    xs = [j + (i - (len(tasks) - 1) / 2) * width for j in range(len(variants))]
-    means = [(by.get((task, v), {}).get("test") or {}).get("mean") or 0 for v in variants]
-    stds = [(by.get((task, v), {}).get("test") or {}).get("std") or 0 for v in variants]
-    ax.bar(xs, means, width, yerr=stds, capsize=2, label=task)
-    papers = [(x, by.get((task, v), {}).get("paper")) for x, v in zip(xs, variants)]
+  width = 0.8 / len(groups)
+  fig, ax = plt.subplots(figsize=(max(6, 0.7 * len(variants) * max(1, len(groups) / 2)), 4))
+  for i, (task, preset) in enumerate(groups):
+    xs = [j + (i - (len(groups) - 1) / 2) * width for j in range(len(variants))]
+    cells = [by.get((task, v, preset), {}) for v in variants]
+    means = [(cell.get("test") or {}).get("mean") or 0 for cell in cells]
+    stds = [(cell.get("test") or {}).get("std") or 0 for cell in cells]
+    ax.bar(xs, means, width, yerr=stds, capsize=2,
+           label=f"{task} ({preset})" if len(attention_presets(table)) > 1 else task)
+    papers = [(x, cell.get("paper")) for x, cell in zip(xs, cells)]
     papers = [(x, p) for x, p in papers if p is not None]
     if papers:
       ax.scatter([x for x, _ in papers], [p for _, p in papers], marker="_", s=200,
