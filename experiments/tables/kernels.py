@@ -2,8 +2,9 @@
 
 Each cell runs the benchmark at one sequence length in
 `<results>/runs/len<T>/` (the table config's `args` are its other flags); the
-table has one row per benchmark record: implementation, length, mode, causal,
-milliseconds, peak memory and the ratio to the fastest peer.
+table puts each shape's implementations side by side, then lists every
+benchmark record: implementation, length, mode, causal, milliseconds, peak
+memory and the ratio to the fastest peer.
 """
 
 from __future__ import annotations
@@ -44,11 +45,40 @@ def summarize(table: Any, cells: Sequence[Cell]) -> List[Dict[str, Any]]:
   return rows
 
 
+def by_shape(rows: Sequence[Dict[str, Any]]) -> List[str]:
+  """One line per (T, mode, causal): each implementation's "ms (peak MiB)"
+  side by side, then the best peer's time over each of ours (above 1: ours is
+  faster)."""
+  impls = list(dict.fromkeys(r["impl"] for r in rows))
+  ours = [impl for impl in impls if impl.startswith("attention_jax:")]
+  shapes = list(dict.fromkeys((r["length"], r["mode"], r["causal"]) for r in rows))
+  cells = {(r["length"], r["mode"], r["causal"], r["impl"]): r for r in rows}
+
+  def timing(r: Optional[Dict[str, Any]]) -> str:
+    if r is None or r.get("error") or r.get("ms") is None:
+      return "-" if r is None else "failed"
+    peak = "-" if r["peak_mib"] is None else f"{r['peak_mib']:.0f}"
+    return f"{r['ms']:.0f} ({peak})"
+
+  lines = report.markdown_head(["T", "mode", "causal", *[f"{i} ms (MiB)" for i in impls],
+                                " / ".join(ours) + " vs best peer"])
+  for length, mode, causal in shapes:
+    here = [cells.get((length, mode, causal, impl)) for impl in impls]
+    ratios = [report.ratio_text((cells.get((length, mode, causal, impl)) or {}).get(
+        "speedup_vs_best_peer")) for impl in ours]
+    lines.append(report.markdown_row([length, mode, causal, *map(timing, here),
+                                      " / ".join(ratios)]))
+  return lines
+
+
 def markdown(table: Any, rows: Sequence[Dict[str, Any]], data_dir: str = "") -> List[str]:
-  """One line per record; a failed one says why in place of its numbers."""
+  """The timings side by side per shape (`by_shape`), then one line per record;
+  a failed one says why in place of its numbers."""
   del table, data_dir
-  lines = report.markdown_head(["impl", "T", "mode", "causal", "ms", "peak MiB",
-                                "vs best peer", "best peer"])
+  lines = ["## ms (peak MiB) by shape, and the best peer's time over ours", "",
+           *by_shape(rows), "", "## Every record", ""]
+  lines += report.markdown_head(["impl", "T", "mode", "causal", "ms", "peak MiB",
+                                 "vs best peer", "best peer"])
   for r in rows:
     shape = [r["impl"], r["length"], r["mode"], r["causal"]]
     if r.get("error"):
