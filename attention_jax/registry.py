@@ -333,6 +333,20 @@ def options_table_markdown() -> str:
   return "\n".join(rows) + "\n"
 
 
+def presets_table_markdown() -> str:
+  """docs/lra_release.md's table: every declared preset, its options per task."""
+  rows = ["| variant | preset | runs | tasks | options | what it changes |",
+          "|---|---|---|---|---|---|"]
+  for name in list_variants():
+    for preset_name, preset in get_variant(name).presets.items():
+      shown = lambda options: ", ".join(f"`{k}={v!r}`" for k, v in options.items()) or "none"
+      rows.append(f"| `{name}` | `{preset_name}` | `{preset.variant or name}` | all | "
+                  f"{shown(preset.options)} | {preset.doc} |")
+      for task, options in preset.tasks.items():
+        rows.append(f"| | | | {task} | {shown(options)} | on {task}, on top of the above |")
+  return "\n".join(rows) + "\n"
+
+
 def variant_table_markdown() -> str:
   """The README's variant table, one row per registered variant."""
   rows = ["| name | family | complexity | causal | cross-attention | exact | paper |",

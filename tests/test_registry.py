@@ -72,3 +72,28 @@ def test_bad_family_is_refused():
   bad = registry.VariantSpec(**{**spec.__dict__, "name": "x_bad_family", "family": "misc"})
   with pytest.raises(ValueError, match="family must be one of"):
     registry.register(bad)
+
+
+def test_every_lra_row_has_a_release_preset_whose_options_are_declared():
+  from experiments import lra_paper  # pylint: disable=g-import-not-at-top
+  for name in lra_paper.PAPER_NAMES:
+    assert "lra_release" in registry.variant_presets(name), name
+    for task in (None, *lra_paper.TASKS, "pathx"):
+      variant = registry.preset_variant(name, "lra_release")
+      options = registry.preset_options(name, "lra_release", task)
+      declared = {option.name for option in registry.variant_options(variant)}
+      assert set(options) <= declared, (name, task)
+    assert registry.get_variant(name).presets["lra_release"].doc
+
+
+def test_presets_are_checked_by_name():
+  with pytest.raises(ValueError, match="unknown preset 'lra'"):
+    registry.preset_options("dot_product", "lra")
+  with pytest.raises(ValueError, match="has no preset 'lra_release'; its presets are: method"):
+    registry.preset_options("multi_query", "lra_release")
+  assert registry.preset_options("multi_query", "method") == {}
+  with pytest.raises(ValueError, match="unknown preset of variant 'x'"):
+    registry.register(registry.VariantSpec(
+        name="x", fn=lambda q, k, v: q, family="dense", complexity="", subquadratic=False,
+        exact=True, causal=False, cross=False, paper="",
+        presets={"lra": registry.Preset({}, "")}))

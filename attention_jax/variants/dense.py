@@ -437,4 +437,7 @@ registry.register(registry.VariantSpec(
         local_window_size=registry.VariantOption(
             "local_window_size", tuple, None,
             "(left, right): each query sees keys q - left .. q + right; None for all"),
-        scale="multiplies the logits; 1/sqrt(D) when None")))
+        scale="multiplies the logits; 1/sqrt(D) when None"),
+    presets={"lra_release": registry.Preset(
+        {}, "the release's Transformer (lra_benchmarks/models/transformer/transformer.py) is "
+            "softmax attention scaled by 1/sqrt(D): the method, unchanged")}))
