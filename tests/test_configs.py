@@ -131,9 +131,6 @@ RELEASE = {
                   steps_per_cycle=2500 * 200, weight_decay=0.0, grad_clip_norm=1.0,
                   eval_frequency=2500),
 }
-# Our model has no qkv_dim: queries, keys and values are embed_dim wide (documented
-# in the two configs).
-QKV_NARROWER_THAN_EMBED = ("pathfinder32", "pathx")
 
 
 def _release_learning_rate(step, factors, learning_rate, warmup, steps_per_cycle=100_000):
@@ -167,8 +164,7 @@ def test_lra_default_is_the_lra_release_setting(task):
   model = config.model
   assert (model.num_layers, model.embed_dim, model.num_heads, model.mlp_dim) == (
       release["num_layers"], release["emb_dim"], release["num_heads"], release["mlp_dim"])
-  if task not in QKV_NARROWER_THAN_EMBED:
-    assert release["qkv_dim"] == release["emb_dim"]
+  assert (model.qkv_dim or model.embed_dim) == release["qkv_dim"]
   # common_layers.classifier_head: Dense(mlp_dim) -> ReLU -> Dense(num_classes).
   assert model.head_mlp_dim == release["mlp_dim"]
   assert model.pooling == release["classifier_pool"].lower()

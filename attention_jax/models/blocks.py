@@ -16,6 +16,7 @@ stack hands from block to block.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, Dict, Optional
 
 import flax.linen as nn
@@ -46,6 +47,11 @@ def make_mixer(config: ModelConfig, variant: str, **module_kwargs) -> nn.Module:
   # presets num_kv_heads=1).
   if config.num_kv_heads is not None:
     kwargs["num_kv_heads"] = config.num_kv_heads
+  if config.qkv_dim is not None:
+    if "qkv_features" not in {f.name for f in dataclasses.fields(spec.mixer_class)}:
+      raise ValueError(f"model.qkv_dim={config.qkv_dim} is set but the mixer of {variant!r} "
+                       f"({spec.mixer_class.__name__}) has no qkv width to set; leave it None.")
+    kwargs["qkv_features"] = config.qkv_dim
   if config.position in positional.RELATIVE_POSITIONS:
     kwargs.update(position=config.position, position_options=config.position_options)
   options = config.options_for(variant)

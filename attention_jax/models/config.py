@@ -56,6 +56,9 @@ class ModelConfig:
     num_heads: attention heads H.
     num_kv_heads: key/value heads (grouped-query attention); None: the
       variant's own default (all heads, or 1 for multi_query).
+    qkv_dim: the width of the queries, keys and values over all heads (H * D);
+      None: embed_dim. The LRA release's Pathfinder models are 32 wide with
+      qkv_dim 16.
     mlp_dim: feed-forward hidden size F.
     max_length: longest token sequence (the learned position table's size).
     attention: the registered variant of every block's mixer.
@@ -89,6 +92,7 @@ class ModelConfig:
   embed_dim: int = 64
   num_heads: int = 4
   num_kv_heads: Optional[int] = None
+  qkv_dim: Optional[int] = None
   mlp_dim: int = 128
   max_length: int = 512
   attention: str = "dot_product"
@@ -188,6 +192,10 @@ class ModelConfig:
     for name in ("dropout_rate", "attention_dropout_rate"):
       if not 0.0 <= getattr(self, name) < 1.0:
         raise ValueError(f"model.{name} must be in [0, 1), got {getattr(self, name)!r}.")
+    if self.qkv_dim is not None and (not isinstance(self.qkv_dim, int) or self.qkv_dim < 1
+                                     or self.qkv_dim % self.num_heads):
+      raise ValueError(f"model.qkv_dim must be a positive multiple of num_heads="
+                       f"{self.num_heads} (or None for embed_dim), got {self.qkv_dim!r}.")
     if self.num_kv_heads is not None and (self.num_kv_heads < 1
                                           or self.num_heads % self.num_kv_heads):
       raise ValueError(f"model.num_kv_heads must divide num_heads={self.num_heads}, got "

@@ -25,9 +25,9 @@ Attention dropout is 0, not the release's 0.1: most of our variants have no
 attention weights to drop and refuse a rate above 0 in training, and a
 comparison should not favour those that do (docs/ARCHITECTURE.md).
 
-What no config key expresses (docs/lra_release.md): the release projects
-queries, keys and values to qkv_dim = emb_dim // 2 = 16 (8 per head); our
-model has no qkv_dim, so they are 32 wide (16 per head). Its cosine runs a
+The release projects queries, keys and values to qkv_dim = emb_dim // 2 = 16
+(8 per head): `model.qkv_dim=16` here. What no config key expresses
+(docs/lra_release.md): its cosine runs a
 cycle of the whole run from the end of the warm-up (ending at 6e-5 of the
 peak; ours reaches 0 at the last step, less than 1% of the peak apart at any
 step). Its validation passes read 39 batches of 512 (19,968 of the 19,980
@@ -55,8 +55,8 @@ def get_config(arg: str = "dot_product"):
   config.task = TASK
   # The release's mlp_dim = qkv_dim * 2 = 32; the classifier head's hidden layer is
   # mlp_dim wide (classifier_head(..., mlp_dim)).
-  config.model.update(num_layers=1, embed_dim=32, num_heads=2, mlp_dim=32, head_mlp_dim=32,
-                      pooling="mean", position="sinusoidal", dropout_rate=0.1,
+  config.model.update(num_layers=1, embed_dim=32, qkv_dim=16, num_heads=2, mlp_dim=32,
+                      head_mlp_dim=32, pooling="mean", position="sinusoidal", dropout_rate=0.1,
                       attention_dropout_rate=0.0)  # release: 0.1, see above
   config.batch_size = 512
   steps_per_epoch = TRAIN_EXAMPLES // config.batch_size

@@ -68,6 +68,23 @@ def test_scanned_stack_equals_unrolled(layer_attention, remat_policy):
                unstack_scanned(grads, scanned), expected_grads)
 
 
+def test_qkv_dim_sets_the_attention_width_apart_from_the_model_width():
+  config = _config(num_layers=1, qkv_dim=8)
+  stack = LayerStack(config)
+  params = nn.meta.unbox(stack.init(jax.random.PRNGKey(0), _x())["params"])
+  attention = params["block_0"]["attention"]
+  shapes = {name: leaf["kernel"].shape for name, leaf in attention.items() if "kernel" in leaf}
+  # H = 2 heads of D = qkv_dim / H = 4, projected from and back to E = 16.
+  assert shapes["query"] == (E, 2, 4) and shapes["out"] == (2, 4, E)
+  y, _ = stack.apply({"params": params}, _x())
+  assert y.shape == (B, T, E)
+  with pytest.raises(ValueError, match="model.qkv_dim must be a positive multiple of num_heads"):
+    _config(qkv_dim=7)
+  with pytest.raises(ValueError, match="model.qkv_dim=8 is set but the mixer of 'perceiver'"):
+    LayerStack(_config(num_layers=1, qkv_dim=8, attention="perceiver")).init(
+        jax.random.PRNGKey(0), _x())
+
+
 def test_scan_needs_whole_periods():
   with pytest.raises(ValueError, match="num_layers=3 is not a multiple of its 2 entries"):
     _config(num_layers=3, layer_attention=("local", "dot_product"), scan_layers=True)
