@@ -78,7 +78,7 @@ def test_every_lra_row_has_a_release_preset_whose_options_are_declared():
   from experiments import lra_paper  # pylint: disable=g-import-not-at-top
   for name in lra_paper.PAPER_NAMES:
     assert "lra_release" in registry.variant_presets(name), name
-    for task in (None, *lra_paper.TASKS, "pathx"):
+    for task in (None, *lra_paper.TASKS, "pathfinder128"):
       variant = registry.preset_variant(name, "lra_release")
       options = registry.preset_options(name, "lra_release", task)
       declared = {option.name for option in registry.variant_options(variant)}
@@ -97,3 +97,11 @@ def test_presets_are_checked_by_name():
         name="x", fn=lambda q, k, v: q, family="dense", complexity="", subquadratic=False,
         exact=True, causal=False, cross=False, paper="",
         presets={"lra": registry.Preset({}, "")}))
+
+
+def test_presets_name_their_tasks_as_the_data_tasks_do():
+  from attention_jax import data  # pylint: disable=g-import-not-at-top
+  for name in registry.list_variants():
+    for preset in registry.get_variant(name).presets.values():
+      unknown = set(preset.tasks) - set(data.list_tasks())
+      assert not unknown, (name, unknown, "Path-X is the task 'pathfinder128'")
