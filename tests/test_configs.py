@@ -250,3 +250,21 @@ def test_listops_smoke_config_learns_above_the_majority_class(tmp_path):
   test = results["metrics"]["test"]
   assert test["count"] == len(labels) == 500
   assert test["accuracy"] > majority + 0.08, (test, majority)
+
+
+# The release's per-variant model settings (image/configs/cifar10/*_base.py,
+# image/configs/pathfinder32/*_base.py), for the lra_release preset.
+@pytest.mark.parametrize("task, variant, expected", [
+    ("image", "lsh", dict(num_layers=4, num_heads=8, embed_dim=64, qkv_dim=32, mlp_dim=64)),
+    ("image", "longformer", dict(num_layers=4, num_heads=4, embed_dim=128, qkv_dim=64)),
+    ("pathfinder32", "dot_product", dict(num_layers=4, num_heads=4, dropout_rate=0.2)),
+    ("pathfinder32", "linear", dict(num_layers=1, num_heads=2, embed_dim=128, qkv_dim=64)),
+])
+def test_lra_release_preset_takes_the_release_per_variant_model(task, variant, expected):
+  release = _load(f"lra/{task}.py").get_config(f"{variant},lra_release").model
+  method = _load(f"lra/{task}.py").get_config(variant).model
+  assert {k: release[k] for k in expected} == expected
+  assert release.head_mlp_dim == release.mlp_dim
+  assert release.pooling == method.pooling  # one pooling for every row
+  smoke = _load(f"lra/{task}.py").get_config(f"{variant},smoke,lra_release").model
+  assert smoke.to_dict() == _load(f"lra/{task}.py").get_config(f"{variant},smoke").model.to_dict()

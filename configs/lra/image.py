@@ -45,6 +45,21 @@ PRESETS = ("smoke",)
 # base_cifar10_config.py: TRAIN_EXAMPLES, NUM_EPOCHS (train[:90%] of CIFAR-10's 50,000).
 TRAIN_EXAMPLES = 45_000
 NUM_EPOCHS = 200
+# What the release's per-variant configs (image/configs/cifar10/<model>_base.py)
+# change, for the lra_release preset. Every row keeps [CLS] pooling (the
+# release's local and longformer pooled by the mean; one pooling for every row
+# keeps the rows comparable), and the head's hidden layer follows mlp_dim.
+_WIDE = dict(num_layers=1, num_heads=8, embed_dim=128, qkv_dim=64, mlp_dim=128)
+RELEASE_MODELS = {
+    "dot_product": _WIDE, "linear": _WIDE, "linformer": _WIDE, "performer": _WIDE,
+    "fixed": _WIDE, "synthesizer_dense": _WIDE,
+    "bigbird": dict(_WIDE, num_heads=4),  # its config's `num_head = 4`: a typo for num_heads
+    "local": dict(_WIDE, num_heads=2),
+    "longformer": dict(_WIDE, num_layers=4, num_heads=4),
+    "lsh": dict(num_layers=4, num_heads=8, embed_dim=64, qkv_dim=32, mlp_dim=64),
+    "sinkhorn": dict(dropout_rate=0.1),  # base sizes
+}
+RELEASE_OPTIMIZERS = {"sinkhorn": dict(weight_decay=0.7)}
 
 def get_config(arg: str = "dot_product"):
   variant, presets = parse_config_arg(arg, PRESETS)
@@ -63,6 +78,10 @@ def get_config(arg: str = "dot_product"):
                           weight_decay=0.0, grad_clip_norm=0.0)
   # Every evaluation is checkpointed too (the trainer keeps the best one).
   config.eval_every = config.checkpoint_every = steps_per_epoch
+  if config.attention_preset == "lra_release" and "smoke" not in presets:
+    release = RELEASE_MODELS.get(variant, {})
+    config.model.update(release, head_mlp_dim=release.get("mlp_dim", config.model.mlp_dim))
+    config.optimizer.update(RELEASE_OPTIMIZERS.get(variant, {}))
 
   if "smoke" in presets:
     config.task_options.update(dict(train_size=2000, validation_size=256, test_size=256))

@@ -48,6 +48,32 @@ TASK = "pathfinder32"
 # images, which gives the same 312 steps per epoch), NUM_EPOCHS.
 TRAIN_EXAMPLES = 160_000
 NUM_EPOCHS = 200
+# What the release's per-variant configs (image/configs/pathfinder32/<model>_base.py)
+# change, for the lra_release preset (every row keeps mean pooling, the task's).
+RELEASE_MODELS = {
+    "dot_product": dict(num_layers=4, num_heads=4, embed_dim=32, qkv_dim=16, mlp_dim=32,
+                        dropout_rate=0.2),
+    "bigbird": dict(num_layers=4, num_heads=2, embed_dim=64, qkv_dim=32, mlp_dim=64,
+                    dropout_rate=0.2),
+    "linear": dict(num_layers=1, num_heads=2, embed_dim=128, qkv_dim=64, mlp_dim=128,
+                   dropout_rate=0.2),
+    "linformer": dict(num_layers=1, num_heads=2, embed_dim=32, qkv_dim=16, mlp_dim=32,
+                      dropout_rate=0.2),
+    "local": dict(num_layers=2, num_heads=4, embed_dim=64, qkv_dim=32, mlp_dim=64,
+                  dropout_rate=0.1),
+    "longformer": dict(num_layers=2, num_heads=2, embed_dim=32, qkv_dim=16, mlp_dim=32,
+                       dropout_rate=0.1),
+    "performer": dict(num_layers=4, num_heads=8, embed_dim=32, qkv_dim=16, mlp_dim=32,
+                      dropout_rate=0.2),
+    "lsh": dict(num_layers=2, num_heads=8, embed_dim=64, qkv_dim=32, mlp_dim=64,
+                dropout_rate=0.2),
+    "sinkhorn": dict(num_layers=2, num_heads=4, embed_dim=32, qkv_dim=16, mlp_dim=64,
+                     dropout_rate=0.2),
+    "fixed": dict(num_layers=1, num_heads=8, embed_dim=32, qkv_dim=16, mlp_dim=32,
+                  dropout_rate=0.2),
+    "synthesizer_dense": dict(num_layers=2, num_heads=4, embed_dim=64, qkv_dim=32, mlp_dim=64,
+                              dropout_rate=0.2),
+}
 
 def get_config(arg: str = "dot_product"):
   variant, presets = parse_config_arg(arg, PRESETS)
@@ -65,12 +91,15 @@ def get_config(arg: str = "dot_product"):
                           weight_decay=0.0, grad_clip_norm=0.0)
   # Every evaluation is checkpointed too (the trainer keeps the best one).
   config.eval_every = config.checkpoint_every = steps_per_epoch
+  if config.attention_preset == "lra_release" and "smoke" not in presets:
+    release = RELEASE_MODELS.get(variant, {})
+    config.model.update(release, head_mlp_dim=release.get("mlp_dim", config.model.mlp_dim))
 
   if "smoke" in presets:
     config.task_options = dict(train_size=4000, validation_size=512, test_size=512,
                                difficulty="easy")
-    config.model.update(embed_dim=64, num_heads=4, mlp_dim=128, head_mlp_dim=128,
-                        dropout_rate=0.0)
+    config.model.update(embed_dim=64, qkv_dim=None, num_heads=4, mlp_dim=128,
+                        head_mlp_dim=128, dropout_rate=0.0)
     config.batch_size = 32
     config.num_train_steps = 400
     config.optimizer.update(learning_rate=2e-3, warmup_steps=40)

@@ -68,7 +68,8 @@ def get_config(arg: str = "dot_product"):
     # (it shrank an older Pathfinder-32 default) and keeps computing what it did.
     config.task_options = dict(train_size=512, validation_size=128, test_size=128,
                                difficulty="easy")
-    config.model.update(num_layers=1, embed_dim=32, num_heads=4, mlp_dim=64, head_mlp_dim=128,
+    config.model.update(num_layers=1, embed_dim=32, qkv_dim=None, num_heads=4, mlp_dim=64,
+                        head_mlp_dim=128,
                         pooling="mean", position="sinusoidal", dropout_rate=0.0,
                         attention_dropout_rate=0.0)
     config.batch_size = 8
