@@ -23,13 +23,18 @@ All functions take self-attention only (Tq == Tk), key padding
 `segment_ids` and grouped K/V heads; a dense `bias` or a pairwise `mask` is
 refused. Sequences are padded internally to a multiple of the block sizes, and
 the padded keys are masked.
+
+`random` and `bigbird` draw their pattern per head from a PRNG key `rng`; in a
+model that key is the layer's own, drawn once and kept (`LayerPattern`).
+Options named after the LRA release reproduce what its code ran where that
+differs from the papers (the `lra_release` presets, docs/lra_release.md).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Callable, NamedTuple, Optional, Sequence, Tuple
+from typing import Callable, List, NamedTuple, Optional, Sequence, Tuple
 
 import flax.linen as nn
 import jax
@@ -75,8 +80,10 @@ class _Inputs:
 
 def _prepare(variant: str, query: Array, key: Array, value: Array, bias, mask, *,
              is_causal: bool, key_value_seq_lengths, segment_ids, scale: Optional[float],
-             multiple: int) -> _Inputs:
-  """Validates the call and pads T to a multiple of `multiple`."""
+             multiple: int, offset: int = 0, pad_always: bool = False) -> _Inputs:
+  """Validates the call and pads T so that T - `offset` is a multiple of
+  `multiple`: the fewest positions, or with `pad_always` the LRA release's
+  `T + b - (T mod b)` (at least one, a whole block when b divides T)."""
   common.reject_unsupported(variant, bias=bias)
   batch, q_len, num_heads, head_dim = query.shape
   kv_len = _self_attention_length(variant, query, key)
@@ -87,7 +94,8 @@ def _prepare(variant: str, query: Array, key: Array, value: Array, bias, mask, *
   scale = head_dim ** -0.5 if scale is None else scale
   query = query * jnp.asarray(scale, query.dtype)
 
-  padded_len = -(-q_len // multiple) * multiple
+  rest = q_len - offset
+  padded_len = offset + (rest // multiple + 1 if pad_always else -(-rest // multiple)) * multiple
   pad = padded_len - q_len
   pad_time = lambda x: jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
   segments = None
@@ -259,27 +267,35 @@ def _block_part(query: Array, key: Array, value: Array, positions: Array, key_ok
     query, key, value: `[B, S, L, H, D]` (S stripes of length L, a multiple of `block`).
     positions: `[S, L]`; key_ok: `[B, S, L]`; segments: pair of `[B, S, L]` or None.
     block: the block size b.
-    key_blocks: `[L / b, M]` int: query block n attends to key blocks
-      `key_blocks[n]`; indices outside [0, L / b) stand for nothing.
+    key_blocks: `[L / b, M]` int, or `[S, L / b, M]` for blocks of each
+      stripe: query block n attends to key blocks `key_blocks[n]`; indices
+      outside [0, L / b) stand for nothing.
     allowed: the exact pattern inside the gathered `[b, M b]` tiles.
 
   Returns:
     A `_Part` with leading dims `[B, S, L]`. Cost: O(S L M b) scores.
   """
   batch, stripes, length = query.shape[:3]
-  num_blocks, per_query = key_blocks.shape[0], key_blocks.shape[1]
+  num_blocks, per_query = key_blocks.shape[-2], key_blocks.shape[-1]
   inside = (key_blocks >= 0) & (key_blocks < num_blocks)
   gather_index = jnp.clip(key_blocks, 0, num_blocks - 1)
+  per_stripe = key_blocks.ndim == 3
 
   def query_blocks(x):  # [B, S, L, ...] -> [B, S * nb, b, ...]
     return x.reshape(x.shape[0], stripes * num_blocks, block, *x.shape[3:])
 
   def gathered(x):  # [B, S, L, ...] -> [B, S * nb, M * b, ...]
-    x = x.reshape(x.shape[0], stripes, num_blocks, block, *x.shape[3:])[:, :, gather_index]
+    x = x.reshape(x.shape[0], stripes, num_blocks, block, *x.shape[3:])
+    if per_stripe:  # stripe s gathers its own blocks: [B, S, nb, M, b, ...]
+      x = x[:, jnp.arange(stripes)[:, None, None], gather_index]
+    else:
+      x = x[:, :, gather_index]
     return x.reshape(x.shape[0], stripes * num_blocks, per_query * block, *x.shape[5:])
 
-  inside_keys = jnp.repeat(inside, block, axis=1)  # [nb, M b]
-  key_ok_tiles = gathered(key_ok) & jnp.tile(inside_keys, (stripes, 1))[None]
+  inside_keys = jnp.repeat(inside, block, axis=-1)  # [(S,) nb, M b]
+  inside_keys = (inside_keys.reshape(stripes * num_blocks, per_query * block) if per_stripe
+                 else jnp.tile(inside_keys, (stripes, 1)))
+  key_ok_tiles = gathered(key_ok) & inside_keys[None]
   pos = positions[None]
   q_seg, k_seg = (None, None) if segments is None else (
       query_blocks(segments[0]), gathered(segments[1]))
@@ -345,43 +361,64 @@ def _columns_part(inputs: _Inputs, columns: np.ndarray, allowed: Optional[Predic
 
 def _gathered_keys_part(inputs: _Inputs, indices: Array, index_ok: Array,
                         allowed: Optional[Predicate]) -> _Part:
-  """Query i attends to the keys at `indices[i]` `[Tp, M]` where `index_ok`.
+  """Query i of head h attends to the keys at `indices[h, i]` where `index_ok`.
 
-  Gathers `[B, Tp, M, H, D]` keys: cost O(T M).
+  Args:
+    indices: `[H, Tp, M]` key positions; index_ok: `[H, Tp, M]` bool.
+
+  Every (query, head) pair is its own group of one query and one head, so
+  each head gathers its own keys, `[B, Tp, H, M, D]`: cost O(T H M).
   """
-  positions = jnp.arange(inputs.padded_len)
+  batch, padded_len, num_heads = inputs.query.shape[:3]
+  groups, per_query = padded_len * num_heads, indices.shape[-1]
+  index = jnp.transpose(indices, (1, 0, 2))  # [Tp, H, M]
+  heads = jnp.arange(num_heads)[None, :, None]
+  as_groups = lambda x: x.reshape(batch, groups, per_query, 1, *x.shape[4:])
+  key = as_groups(inputs.key[:, index, heads])  # [B, Tp * H, M, 1, D]
+  value = as_groups(inputs.value[:, index, heads])
+  query = inputs.query.reshape(batch, groups, 1, 1, inputs.query.shape[-1])
+  q_pos = jnp.repeat(jnp.arange(padded_len), num_heads)[:, None]  # [Tp * H, 1]
+  k_pos = index.reshape(groups, per_query)
+  key_ok = (inputs.key_ok[:, index].reshape(batch, groups, per_query)
+            & jnp.transpose(index_ok, (1, 0, 2)).reshape(groups, per_query)[None])
   segments = (None, None)
   if inputs.segments is not None:
-    segments = (inputs.segments[0][:, :, None], inputs.segments[1][:, indices])
-  part = _dense_part(inputs.query[:, :, None], inputs.key[:, indices], inputs.value[:, indices],
-                     positions[:, None], indices, inputs.key_ok[:, indices] & index_ok[None],
-                     *segments, allowed)
-  return _map_part(lambda x: x[:, :, 0], part)
+    segments = (jnp.repeat(inputs.segments[0], num_heads, axis=1)[:, :, None],
+                inputs.segments[1][:, index].reshape(batch, groups, per_query))
+  part = _dense_part(query, key, value, q_pos, k_pos, key_ok, *segments, allowed)
+  # [B, Tp * H, 1, 1, ...] -> [B, Tp, H, ...]
+  return _map_part(lambda x: x.reshape(batch, padded_len, num_heads, *x.shape[4:]), part)
 
 
-def _global_rows(inputs: _Inputs, num_global: int) -> Array:
-  """Outputs `[B, g, H, Dv]` of the first g queries, which attend to every key. O(g T)."""
-  positions = jnp.arange(inputs.padded_len)
+def _global_rows(inputs: _Inputs, positions: np.ndarray) -> Array:
+  """Outputs `[B, G, H, Dv]` of the queries at the G `positions`, which attend
+  to every key. O(G T)."""
+  rows = jnp.asarray(positions, jnp.int32)
+  every = jnp.arange(inputs.padded_len)
   segments = (None, None)
   if inputs.segments is not None:
-    segments = (inputs.segments[0][:, None, :num_global], inputs.segments[1][:, None])
-  part = _dense_part(inputs.query[:, None, :num_global], inputs.key[:, None],
-                     inputs.value[:, None], positions[None, :num_global], positions[None],
+    segments = (inputs.segments[0][:, None, rows], inputs.segments[1][:, None])
+  part = _dense_part(inputs.query[:, None, rows], inputs.key[:, None],
+                     inputs.value[:, None], rows[None], every[None],
                      inputs.key_ok[:, None], *segments, _causal(inputs.is_causal))
   return _merge_parts([_map_part(lambda x: x[:, 0], part)])
 
 
-def _with_globals(inputs: _Inputs, num_global: int, local_parts: Sequence[_Part]) -> Array:
-  """The first `num_global` tokens attend to all and are attended by all; the
-  other queries attend to them plus `local_parts` (which exclude keys < g).
+def _with_globals(inputs: _Inputs, num_global, local_parts: Sequence[_Part]) -> Array:
+  """Global tokens attend to all and are attended by all; the other queries
+  attend to them plus `local_parts` (which must exclude the global keys).
+
+  Args:
+    num_global: g, for the first g tokens, or the global positions (numpy ints).
 
   Returns `[B, Tp, H, Dv]` float32.
   """
-  if num_global == 0:
+  positions = np.arange(num_global) if np.isscalar(num_global) else np.asarray(num_global)
+  if positions.size == 0:
     return _merge_parts(local_parts)
-  columns = _columns_part(inputs, np.arange(num_global), _causal(inputs.is_causal))
+  columns = _columns_part(inputs, positions, _causal(inputs.is_causal))
   out = _merge_parts([*local_parts, columns])
-  return out.at[:, :num_global].set(_global_rows(inputs, num_global))
+  return out.at[:, positions].set(_global_rows(inputs, positions))
 
 
 def _head_range(inputs: _Inputs, start: int, stop: int) -> _Inputs:
@@ -394,25 +431,99 @@ def _concat_heads(parts: Sequence[_Part]) -> _Part:
   return _Part(*(jnp.concatenate(xs, axis=2) for xs in zip(*parts)))
 
 
+def _tail(inputs: _Inputs, start: int, *, is_causal: bool) -> _Inputs:
+  """The positions from `start` on, as a sequence of their own (position
+  `start` becomes 0), causal as `is_causal`."""
+  segments = None if inputs.segments is None else tuple(s[:, start:] for s in inputs.segments)
+  return dataclasses.replace(inputs, query=inputs.query[:, start:], key=inputs.key[:, start:],
+                             value=inputs.value[:, start:], key_ok=inputs.key_ok[:, start:],
+                             segments=segments, length=inputs.length - start,
+                             is_causal=is_causal)
+
+
+def _pad_front(part: _Part, count: int) -> _Part:
+  """`count` rows that attend to nothing before `part`'s `[B, T, ...]` rows."""
+  pad = lambda x, fill: jnp.pad(x, [(0, 0), (count, 0)] + [(0, 0)] * (x.ndim - 2),
+                                constant_values=fill)
+  return _Part(pad(part.acc, 0.0), pad(part.row_max, -jnp.inf), pad(part.total, 0.0))
+
+
+def _heads_as_stripes(inputs: _Inputs):
+  """`_striped`'s layout with one stripe per head (and one head per stripe),
+  for patterns drawn per head: q/k/v `[B, H, Tp, 1, D]`, positions `[H, Tp]`,
+  key_ok and segments `[B, H, Tp]`."""
+  batch, padded_len, num_heads = inputs.query.shape[:3]
+  heads = lambda x: jnp.swapaxes(x, 1, 2)[:, :, :, None]
+  per_head = lambda x: jnp.broadcast_to(x[:, None], (batch, num_heads, padded_len))
+  segments = None
+  if inputs.segments is not None:
+    segments = tuple(per_head(s) for s in inputs.segments)
+  positions = jnp.broadcast_to(jnp.arange(padded_len), (num_heads, padded_len))
+  return (heads(inputs.query), heads(inputs.key), heads(inputs.value), positions,
+          per_head(inputs.key_ok), segments)
+
+
+def _from_head_stripes(x: Array) -> Array:
+  """`[B, H, Tp, 1, ...]` -> `[B, Tp, H, ...]`, the inverse of `_heads_as_stripes`."""
+  return jnp.swapaxes(x[:, :, :, 0], 1, 2)
+
+
 # ----------------------------------------------------------------------------
 # The variants.
+
+LOCAL_PATTERNS = ("sliding", "release_strided")
+
 
 def local_attention(query: Array, key: Array, value: Array, bias=None, mask=None, *,
                     is_causal: bool = False, query_seq_lengths=None,
                     key_value_seq_lengths=None, segment_ids=None, window_size: int = 64,
+                    pattern: str = "sliding", block_size: Optional[int] = None,
                     scale: Optional[float] = None) -> Array:
-  """Sliding-window (band) attention: query i sees keys [i - w, i + w]
-  ([i - w, i] when causal), w = `window_size` (Parmar et al. 2018).
+  """Local attention, `query [B, T, H, D]`, `key/value [B, T, Hkv, D|Dv]` -> `[B, T, H, Dv]`.
 
-  Blockwise: queries in blocks of w attend to their own and neighbouring key
-  blocks (`[B, T/w, 3w, H, D]`, 2w when causal), O(T w).
+  pattern="sliding" (the method): query i sees keys [i - w, i + w] ([i - w, i]
+  when causal), w = `window_size` (Parmar et al. 2018). Blockwise: queries in
+  blocks of w attend to their own and neighbouring key blocks
+  (`[B, T/w, 3w, H, D]`, 2w when causal), O(T w).
+
+  pattern="release_strided": what the LRA release's `LocalAttention`
+  (lra_benchmarks/models/local/local_attention.py) computes. It pads T to
+  T' = T + b - (T mod b), b = `block_size` (always at least one position),
+  and reshapes `[T', ...]` to `[b, T'/b, ...]`, attending over the first axis:
+  the b keys of query i are the positions = i (mod T'/b), spread over the
+  whole sequence, not a neighbourhood (T = 2001, b = 50: token 1000 sees 16,
+  57, 98, ...). Computed as full attention within each of the T'/b stripes,
+  O(T b); `window_size` is not used. Unlike the release, padded keys (given
+  and added) are masked, and causal keeps j <= i within the stripe.
   """
   length = _self_attention_length("local", query, key)
-  common.check_size("window_size", window_size, length=length)
+  if pattern not in LOCAL_PATTERNS:
+    raise ValueError(f"local: pattern must be one of {LOCAL_PATTERNS}, got {pattern!r}.")
+  if pattern == "sliding":
+    if block_size is not None:
+      raise ValueError(f"local: block_size applies to pattern='release_strided' only, got "
+                       f"block_size={block_size!r} with pattern='sliding'.")
+    common.check_size("window_size", window_size, length=length)
+    inputs = _prepare("local", query, key, value, bias, mask, is_causal=is_causal,
+                      key_value_seq_lengths=key_value_seq_lengths, segment_ids=segment_ids,
+                      scale=scale, multiple=window_size)
+    out = _merge_parts([_windowed_part(inputs, window_size, window_size, window_size)])
+    return _finish(out, inputs, query_seq_lengths, query.dtype)
+  if block_size is None:
+    raise ValueError("local: pattern='release_strided' needs block_size (the release's "
+                     "block_size: 50 on the text tasks, 64 on the image ones), got None.")
+  common.check_size("block_size", block_size, length=length)
   inputs = _prepare("local", query, key, value, bias, mask, is_causal=is_causal,
                     key_value_seq_lengths=key_value_seq_lengths, segment_ids=segment_ids,
-                    scale=scale, multiple=window_size)
-  out = _merge_parts([_windowed_part(inputs, window_size, window_size, window_size)])
+                    scale=scale, multiple=block_size, pad_always=True)
+  # The release's reshape to [b, T'/b]: position a * (T'/b) + n is row a of
+  # group n, i.e. group n is the stripe of positions = n (mod T'/b).
+  query_, key_, value_, positions, key_ok, segments = _striped(
+      inputs, inputs.padded_len // block_size)
+  segments = (None, None) if segments is None else segments
+  part = _dense_part(query_, key_, value_, positions, positions, key_ok, *segments,
+                     _causal(inputs.is_causal))
+  out = _merge_parts([_map_part(_from_stripes, part)])
   return _finish(out, inputs, query_seq_lengths, query.dtype)
 
 
@@ -465,12 +576,12 @@ COMBINES = ("interleaved", "merged", "per_head")
 
 def _factorized(variant: str, inputs: _Inputs, first: Callable[..., _Part],
                 second: Callable[..., _Part], pattern_names: Tuple[str, str], combine: str,
-                pattern: Optional[str], layer_index: Optional[int]) -> Array:
+                pattern: Optional[str], layer_index: Optional[int]) -> List[_Part]:
   """Combines a Sparse Transformer's two factorised patterns.
 
   `first(inputs)` and `second(inputs, exclusive)` compute partial softmaxes;
   `exclusive=True` leaves out the keys `first` already covers, so that the
-  merged union counts each key once.
+  merged union counts each key once. Returns the parts to merge.
   """
   if combine not in COMBINES:
     raise ValueError(f"{variant}: combine must be one of {COMBINES}, got {combine!r}.")
@@ -486,17 +597,16 @@ def _factorized(variant: str, inputs: _Inputs, first: Callable[..., _Part],
       pattern = pattern_names[layer_index % 2]
     if pattern not in pattern_names:
       raise ValueError(f"{variant}: pattern must be one of {pattern_names}, got {pattern!r}.")
-    return _merge_parts([first(inputs) if pattern == pattern_names[0] else
-                         second(inputs, False)])
+    return [first(inputs) if pattern == pattern_names[0] else second(inputs, False)]
   if combine == "merged":
-    return _merge_parts([first(inputs), second(inputs, True)])
+    return [first(inputs), second(inputs, True)]
   num_heads = inputs.query.shape[2]
   if num_heads < 2:
     raise ValueError(f"{variant}: combine='per_head' needs at least 2 heads (half use each "
                      f"pattern), got num_heads={num_heads}.")
   half = num_heads // 2
-  return _merge_parts([_concat_heads([first(_head_range(inputs, 0, half)),
-                                      second(_head_range(inputs, half, num_heads), False)])])
+  return [_concat_heads([first(_head_range(inputs, 0, half)),
+                         second(_head_range(inputs, half, num_heads), False)])]
 
 
 def strided_attention(query: Array, key: Array, value: Array, bias=None, mask=None, *,
@@ -534,8 +644,8 @@ def strided_attention(query: Array, key: Array, value: Array, bias=None, mask=No
                        _all_of(_causal(inputs.is_causal), not_self))
     return _map_part(_from_stripes, part)
 
-  out = _factorized("strided", inputs, local, strided, ("local", "strided"), combine, pattern,
-                    layer_index)
+  out = _merge_parts(_factorized("strided", inputs, local, strided, ("local", "strided"),
+                                 combine, pattern, layer_index))
   return _finish(out, inputs, query_seq_lengths, query.dtype)
 
 
@@ -544,24 +654,44 @@ def fixed_attention(query: Array, key: Array, value: Array, bias=None, mask=None
                     key_value_seq_lengths=None, segment_ids=None,
                     stride: Optional[int] = None, num_summary: int = 1,
                     combine: str = "merged", pattern: Optional[str] = None,
-                    layer_index: Optional[int] = None, scale: Optional[float] = None) -> Array:
+                    layer_index: Optional[int] = None, summary_at_block_start: bool = False,
+                    causal_pattern: bool = False, num_global: int = 0,
+                    scale: Optional[float] = None) -> Array:
   """Sparse Transformer fixed attention (Child et al. 2019), stride l, c summaries.
 
+  `query [B, T, H, D]`, `key/value [B, T, Hkv, D|Dv]` -> `[B, T, H, Dv]`.
   Patterns: "block", floor(j / l) == floor(i / l) (blockwise, lower triangle
   when causal); "summary", j mod l >= l - c: the last c positions of every
   block, attended by all queries (j <= i when causal), a gather of (T / l) c
   columns. `combine` as in `strided_attention` ("per_head": first half
   "block", rest "summary"). c = `num_summary` <= l. O(T (l + c T / l)).
+
+  The LRA release's `SparseAttention` (lra_benchmarks/models/sparse_transformer/
+  sparse_attention.py, `Fixed1Pattern`/`Fixed2Pattern` merged) differs in
+  three ways, each an option:
+    summary_at_block_start: the first position of every block is a summary
+      too (j mod l == 0, its `Fixed2Pattern`);
+    causal_pattern: both patterns keep only j <= i even when the call is not
+      causal (the release builds them causal, in its encoders too);
+    num_global: the first g tokens attend to every key and every query
+      attends to them, and the pattern is over the positions after them
+      (position g starts the first block): the release's `use_cls_token` with g = 1.
   """
   length = _self_attention_length("fixed", query, key)
+  _check_at_most("num_global", num_global, "the sequence length - 1", length - 1, minimum=0)
   stride = _default_stride(length) if stride is None else stride
   common.check_size("stride", stride, length=length)
   _check_at_most("num_summary", num_summary, "stride", stride)
   inputs = _prepare("fixed", query, key, value, bias, mask, is_causal=is_causal,
                     key_value_seq_lengths=key_value_seq_lengths, segment_ids=segment_ids,
-                    scale=scale, multiple=stride)
-  positions = np.arange(inputs.padded_len)
-  summary = positions[positions % stride >= stride - num_summary]
+                    scale=scale, multiple=stride, offset=num_global)
+  # The pattern's positions count from the first token after the global ones.
+  rest = _tail(inputs, num_global, is_causal=inputs.is_causal or causal_pattern)
+  positions = np.arange(rest.padded_len)
+  is_summary = positions % stride >= stride - num_summary
+  if summary_at_block_start:
+    is_summary |= positions % stride == 0
+  summary = positions[is_summary]
 
   def block(inputs):
     return _own_block_part(inputs, stride)
@@ -570,34 +700,39 @@ def fixed_attention(query: Array, key: Array, value: Array, bias=None, mask=None
     other_block = (lambda q, k: q // stride != k // stride) if exclusive else None
     return _columns_part(inputs, summary, _all_of(_causal(inputs.is_causal), other_block))
 
-  out = _factorized("fixed", inputs, block, summaries, ("block", "summary"), combine, pattern,
-                    layer_index)
+  parts = _factorized("fixed", rest, block, summaries, ("block", "summary"), combine, pattern,
+                      layer_index)
+  out = _with_globals(inputs, num_global, [_pad_front(p, num_global) for p in parts])
   return _finish(out, inputs, query_seq_lengths, query.dtype)
 
 
 def _window_with_globals(variant: str, query, key, value, bias, mask, *, is_causal,
                          query_seq_lengths, key_value_seq_lengths, segment_ids, scale,
                          window_size: int, num_global: int, dilation: int = 1,
-                         dilated_heads: int = 0) -> Array:
+                         dilated_heads: int = 0, left_window_size: Optional[int] = None) -> Array:
   """Global tokens plus a sliding window, dilated on the last `dilated_heads` heads.
 
   The first `num_global` tokens attend to every key and every query attends
-  to them; every other query also sees keys i + d m, |m| <= w, of the window
-  (d = 1, or `dilation` on the dilated heads) that are not global. O(T (w + g)).
+  to them; every other query also sees keys i + d m, -left <= m <= w, of the
+  window (d = 1, or `dilation` on the dilated heads; left = `left_window_size`,
+  w when None) that are not global. O(T (w + left + g)).
   """
   length = _self_attention_length(variant, query, key)
   common.check_size("window_size", window_size, length=length)
+  left = window_size if left_window_size is None else left_window_size
+  common.check_size("left_window_size", left, length=length, minimum=0)
+  block = max(window_size, left)
   common.check_size("num_global", num_global, length=length, minimum=0)
   common.check_size("dilation", dilation, length=length)
   num_heads = query.shape[2]
   _check_at_most("dilated_heads", dilated_heads, "num_heads", num_heads, minimum=0)
   inputs = _prepare(variant, query, key, value, bias, mask, is_causal=is_causal,
                     key_value_seq_lengths=key_value_seq_lengths, segment_ids=segment_ids,
-                    scale=scale, multiple=window_size * dilation)
+                    scale=scale, multiple=block * dilation)
   not_global = _keys_from(num_global) if num_global else None
 
   def window(inputs, d):
-    return _windowed_part(inputs, window_size, window_size, window_size, d, not_global)
+    return _windowed_part(inputs, left, window_size, block, d, not_global)
 
   plain_heads = num_heads - dilated_heads
   head_parts = []
@@ -628,42 +763,55 @@ def longformer_attention(query: Array, key: Array, value: Array, bias=None, mask
                          is_causal: bool = False, query_seq_lengths=None,
                          key_value_seq_lengths=None, segment_ids=None, window_size: int = 32,
                          dilation: int = 2, dilated_heads: Optional[int] = None,
-                         num_global: int = 1, scale: Optional[float] = None) -> Array:
-  """Longformer (Beltagy et al. 2020): a sliding window of `window_size` each
-  side, dilated by `dilation` on the last `dilated_heads` heads (half of them
-  by default), plus `num_global` global tokens at the start (e.g. [CLS]).
-  O(T (w + g)).
+                         num_global: int = 1, left_window_size: Optional[int] = None,
+                         scale: Optional[float] = None) -> Array:
+  """Longformer (Beltagy et al. 2020), `query [B, T, H, D]`, `key/value
+  [B, T, Hkv, D|Dv]` -> `[B, T, H, Dv]`: a sliding window of `window_size`
+  keys after the query and `left_window_size` (`window_size` when None)
+  before it, dilated by `dilation` on the last `dilated_heads` heads (half of
+  them when None), plus `num_global` global tokens at the start (e.g. [CLS]),
+  which share the window's projections. O(T (w + g)).
+
+  The LRA release's `LongformerAttention` (lra_benchmarks/models/longformer/
+  longformer_attention.py) is this with `sliding_window_size` W = 512 keys:
+  W // 2 after the query and W - W // 2 - 1 before it (window_size=256,
+  left_window_size=255), no dilation and, as its encoders pass no
+  `global_mask`, no global token.
   """
   dilated_heads = query.shape[2] // 2 if dilated_heads is None else dilated_heads
   return _window_with_globals(
       "longformer", query, key, value, bias, mask, is_causal=is_causal,
       query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
       segment_ids=segment_ids, scale=scale, window_size=window_size, num_global=num_global,
-      dilation=dilation, dilated_heads=dilated_heads)
+      dilation=dilation, dilated_heads=dilated_heads, left_window_size=left_window_size)
 
 
 def _first_draws(indices: Array) -> Array:
-  """`[N, M]` ints -> True where the index is not already drawn earlier in its row."""
-  num = indices.shape[1]
+  """`[..., N, M]` ints -> True where the index is not already drawn earlier in its row."""
+  num = indices.shape[-1]
   earlier = jnp.tril(jnp.ones((num, num), bool), k=-1)  # [m, m'] m' < m
-  repeated = (indices[:, :, None] == indices[:, None, :]) & earlier[None]
+  repeated = (indices[..., :, None] == indices[..., None, :]) & earlier
   return ~jnp.any(repeated, axis=-1)
 
 
-def random_indices(rng: jax.Array, length: int, num_random: int, is_causal: bool) -> Array:
-  """`[length, num_random]` int32: row i holds draws uniform over [0, length)
-  (over [0, i] when causal). Draws may repeat; a repeat counts once."""
+def random_indices(rng: jax.Array, num_heads: int, length: int, num_random: int,
+                   is_causal: bool) -> Array:
+  """`[num_heads, length, num_random]` int32: for each head, row i holds draws
+  uniform over [0, length) (over [0, i] when causal). Draws may repeat; a
+  repeat counts once."""
+  shape = (num_heads, length, num_random)
   if is_causal:
-    uniform = jax.random.uniform(rng, (length, num_random))
+    uniform = jax.random.uniform(rng, shape)
     drawn = jnp.floor(uniform * (jnp.arange(length)[:, None] + 1)).astype(jnp.int32)
     return jnp.minimum(drawn, jnp.arange(length)[:, None])
-  return jax.random.randint(rng, (length, num_random), 0, length, dtype=jnp.int32)
+  return jax.random.randint(rng, shape, 0, length, dtype=jnp.int32)
 
 
 def _require_rng(variant: str, rng) -> jax.Array:
   if rng is None:
     raise ValueError(f"attention variant {variant!r} draws its pattern from rng: pass a PRNG "
-                     f"key (MultiHeadAttention supplies one through its 'extras' module).")
+                     f"key (MultiHeadAttention supplies its layer's key through the "
+                     f"'extras' module LayerPattern).")
   return rng
 
 
@@ -672,10 +820,13 @@ def random_attention(query: Array, key: Array, value: Array, bias=None, mask=Non
                      key_value_seq_lengths=None, segment_ids=None, rng: jax.Array = None,
                      num_random: int = 16, window_size: Optional[int] = None,
                      scale: Optional[float] = None) -> Array:
-  """Random attention (Zaheer et al. 2020): query i attends to the keys
-  `random_indices(rng, T, num_random, is_causal)[i]`, plus its window of
+  """Random attention (Zaheer et al. 2020), `query [B, T, H, D]`, `key/value
+  [B, T, Hkv, D|Dv]` -> `[B, T, H, Dv]`: query i of head h attends to the keys
+  `random_indices(rng, H, T, num_random, is_causal)[h, i]`, plus its window of
   `window_size` each side when given (blockwise; the random draws inside the
-  window count once). The random keys are gathered, `[B, T, r, H, D]`: O(T (w + r)).
+  window count once). Each head gathers its random keys, `[B, T, H, r, D]`:
+  O(T (w + r)). In a model the key `rng` is its layer's (`LayerPattern`): a
+  pattern per layer and head, fixed for the run.
   """
   length = _self_attention_length("random", query, key)
   rng = _require_rng("random", rng)
@@ -685,10 +836,10 @@ def random_attention(query: Array, key: Array, value: Array, bias=None, mask=Non
   inputs = _prepare("random", query, key, value, bias, mask, is_causal=is_causal,
                     key_value_seq_lengths=key_value_seq_lengths, segment_ids=segment_ids,
                     scale=scale, multiple=window_size or 1)
-  pad = inputs.padded_len - length
-  indices = random_indices(rng, length, num_random, inputs.is_causal)
-  index_ok = jnp.pad(_first_draws(indices), [(0, pad), (0, 0)])
-  indices = jnp.pad(indices, [(0, pad), (0, 0)])
+  pad = [(0, 0), (0, inputs.padded_len - length), (0, 0)]
+  indices = random_indices(rng, query.shape[2], length, num_random, inputs.is_causal)
+  index_ok = jnp.pad(_first_draws(indices), pad)
+  indices = jnp.pad(indices, pad)
   parts = []
   outside_window = None
   if window_size is not None:
@@ -699,51 +850,130 @@ def random_attention(query: Array, key: Array, value: Array, bias=None, mask=Non
   return _finish(_merge_parts(parts), inputs, query_seq_lengths, query.dtype)
 
 
-def bigbird_blocks(rng: jax.Array, num_blocks: int, num_random_blocks: int, num_global_blocks: int,
-                   is_causal: bool) -> Array:
-  """BigBird's random key blocks `[num_blocks, r]`: block indices drawn per
-  query block, with -1 where a draw repeats an earlier one, falls in the
-  window (blocks n - 1, n, n + 1) or is global (< num_global_blocks)."""
-  drawn = random_indices(rng, num_blocks, num_random_blocks, is_causal)
-  query_block = jnp.arange(num_blocks)[:, None]
-  keep = (_first_draws(drawn) & (jnp.abs(drawn - query_block) > 1)
-          & (drawn >= num_global_blocks))
-  return jnp.where(keep, drawn, -1)
+BIGBIRD_PADDINGS = ("minimal", "lra_release")
+BIGBIRD_CANDIDATES = ("exact", "lra_release")
+
+
+def bigbird_global_blocks(num_blocks: int, num_global_blocks: int,
+                          last_block_global: bool) -> np.ndarray:
+  """The global block indices (sorted): the first `num_global_blocks`, and the
+  last block when `last_block_global`."""
+  blocks = set(range(num_global_blocks)) | ({num_blocks - 1} if last_block_global else set())
+  return np.array(sorted(blocks), dtype=np.int64)
+
+
+def bigbird_candidates(num_blocks: int, *, num_global_blocks: int = 1,
+                       last_block_global: bool = True, is_causal: bool = False,
+                       within_blocks: Optional[int] = None,
+                       rule: str = "exact") -> np.ndarray:
+  """`[num_blocks, num_blocks]` bool: the key blocks query block n may draw
+  as random blocks.
+
+  rule="exact": every block outside n's window (n - 1, n, n + 1) and the
+  global blocks, before n - 1 when causal, and among the first
+  `within_blocks` blocks when given; none for global query blocks (they
+  attend to everything). rule="lra_release" also keeps, as the release's
+  `get_block_rand_mask` (lra_benchmarks/models/bigbird/bigbird_attention.py)
+  does, query blocks nb - 3 and nb - 2 to blocks <= L - 4 and <= L - 3, L the
+  last block it may draw (L = min(nb, within_blocks) - 1); this narrows their
+  range only when `within_blocks` cuts it.
+  """
+  if rule not in BIGBIRD_CANDIDATES:
+    raise ValueError(f"bigbird: random_candidates must be one of {BIGBIRD_CANDIDATES}, got "
+                     f"{rule!r}.")
+  query_block = np.arange(num_blocks)[:, None]
+  key_block = np.arange(num_blocks)[None, :]
+  is_global = np.zeros(num_blocks, bool)
+  is_global[bigbird_global_blocks(num_blocks, num_global_blocks, last_block_global)] = True
+  ok = (np.abs(key_block - query_block) > 1) & ~is_global[None, :] & ~is_global[:, None]
+  if is_causal:
+    ok &= key_block < query_block
+  if within_blocks is not None:
+    ok &= key_block < within_blocks
+  if rule == "lra_release":
+    last = min(num_blocks, within_blocks or num_blocks) - 1
+    # Its branches for query blocks 1 and 2 come before those for nb - 3 and nb - 2.
+    for row, limit in ((num_blocks - 3, last - 4), (num_blocks - 2, last - 3)):
+      if row > 2:
+        ok[row] &= key_block[0] <= limit
+  return ok
+
+
+def bigbird_random_blocks(rng: jax.Array, num_heads: int, candidates: np.ndarray,
+                          num_random_blocks: int) -> Array:
+  """BigBird's random key blocks `[num_heads, nb, r]` int32: for every head
+  and query block n, r distinct blocks drawn uniformly, without replacement,
+  among `candidates[n]` (`bigbird_candidates`); -1 fills the row where fewer
+  than r are candidates (all of them are then taken)."""
+  num_blocks = candidates.shape[0]
+  scores = jax.random.uniform(rng, (num_heads, num_blocks, num_blocks))
+  # The r largest of i.i.d. uniform scores are a uniform r-subset.
+  scores = jnp.where(jnp.asarray(candidates), scores, -1.0)
+  top, blocks = jax.lax.top_k(scores, num_random_blocks)
+  return jnp.where(top >= 0.0, blocks, -1).astype(jnp.int32)
 
 
 def bigbird_attention(query: Array, key: Array, value: Array, bias=None, mask=None, *,
                       is_causal: bool = False, query_seq_lengths=None,
                       key_value_seq_lengths=None, segment_ids=None, rng: jax.Array = None,
                       block_size: int = 64, num_global_blocks: int = 1,
-                      num_random_blocks: int = 3, scale: Optional[float] = None) -> Array:
-  """BigBird (Zaheer et al. 2020), blockified with blocks of b = `block_size`:
-  query block n attends to key blocks n - 1, n, n + 1 (window), the first
-  g = `num_global_blocks` blocks (global, which also attend to everything)
-  and the r = `num_random_blocks` blocks `bigbird_blocks(rng, ...)[n]`.
-  T is padded to a multiple of b. O(T b (3 + g + r)).
+                      last_block_global: bool = True, num_random_blocks: int = 3,
+                      random_blocks_within: Optional[int] = None,
+                      block_padding: str = "minimal", random_candidates: str = "exact",
+                      scale: Optional[float] = None) -> Array:
+  """BigBird-ITC (Zaheer et al. 2020), `query [B, T, H, D]`, `key/value
+  [B, T, Hkv, D|Dv]` -> `[B, T, H, Dv]`, in blocks of b = `block_size`.
+
+  Query block n attends to key blocks n - 1, n, n + 1 (window), the global
+  blocks (the first g = `num_global_blocks`, and the last one when
+  `last_block_global`: the paper's ITC, 2 x 64 global tokens), which also
+  attend to everything, and r = `num_random_blocks` random blocks per head:
+  `bigbird_random_blocks(rng, H, bigbird_candidates(...), r)[h, n]`, exactly r
+  distinct blocks outside the window and the global blocks (fewer only where
+  fewer exist), from the first `random_blocks_within` tokens when given. In a
+  model `rng` is its layer's (`LayerPattern`): a pattern per layer and head,
+  fixed for the run, as BigBird's code. O(T b (3 + g + r)).
+
+  block_padding: "minimal" pads T to a multiple of b; "lra_release" to
+  T + b - (T mod b) as the release's `BigBirdAttention` (at least one padded
+  position: with T a multiple of b its last, global block is all padding).
+  Padded keys are masked either way. random_candidates: see `bigbird_candidates`.
   """
   length = _self_attention_length("bigbird", query, key)
   rng = _require_rng("bigbird", rng)
   common.check_size("block_size", block_size, length=length)
-  num_blocks = -(-length // block_size)
+  if block_padding not in BIGBIRD_PADDINGS:
+    raise ValueError(f"bigbird: block_padding must be one of {BIGBIRD_PADDINGS}, got "
+                     f"{block_padding!r}.")
+  pad_always = block_padding == "lra_release"
+  num_blocks = length // block_size + 1 if pad_always else _ceil_div(length, block_size)
   _check_at_most("num_global_blocks", num_global_blocks, "the number of blocks", num_blocks,
                  minimum=0)
   _check_at_most("num_random_blocks", num_random_blocks, "the number of blocks", num_blocks,
                  minimum=0)
+  within_blocks = None
+  if random_blocks_within is not None:
+    common.check_size("random_blocks_within", random_blocks_within, minimum=block_size)
+    within_blocks = random_blocks_within // block_size
+  candidates = bigbird_candidates(num_blocks, num_global_blocks=num_global_blocks,
+                                  last_block_global=last_block_global, is_causal=is_causal,
+                                  within_blocks=within_blocks, rule=random_candidates)
   inputs = _prepare("bigbird", query, key, value, bias, mask, is_causal=is_causal,
                     key_value_seq_lengths=key_value_seq_lengths, segment_ids=segment_ids,
-                    scale=scale, multiple=block_size)
-  num_global = num_global_blocks * block_size
-  not_global = _keys_from(num_global) if num_global else None
+                    scale=scale, multiple=block_size, pad_always=pad_always)
+  global_blocks = bigbird_global_blocks(num_blocks, num_global_blocks, last_block_global)
+  is_global = np.zeros(num_blocks, bool)
+  is_global[global_blocks] = True
+  not_global = lambda q, k: ~jnp.asarray(is_global)[k // block_size]
   parts = [_block_window_part(inputs, block_size, not_global)]
   if num_random_blocks:
-    random_blocks = bigbird_blocks(rng, num_blocks, num_random_blocks, num_global_blocks,
-                                   inputs.is_causal)
-    query_, key_, value_, positions, key_ok, segments = _striped(inputs, 1)
-    part = _block_part(query_, key_, value_, positions, key_ok, segments, block_size,
-                       random_blocks, _causal(inputs.is_causal))
-    parts.append(_map_part(_from_stripes, part))
-  out = _with_globals(inputs, num_global, parts)
+    blocks = bigbird_random_blocks(rng, query.shape[2], candidates, num_random_blocks)
+    query_, key_, value_, positions, key_ok, segments = _heads_as_stripes(inputs)
+    part = _block_part(query_, key_, value_, positions, key_ok, segments, block_size, blocks,
+                       _causal(inputs.is_causal))
+    parts.append(_map_part(_from_head_stripes, part))
+  global_positions = (global_blocks[:, None] * block_size + np.arange(block_size)).ravel()
+  out = _with_globals(inputs, global_positions, parts)
   return _finish(out, inputs, query_seq_lengths, query.dtype)
 
 
@@ -811,21 +1041,36 @@ def axial_attention(query: Array, key: Array, value: Array, bias=None, mask=None
   return _finish(out, inputs, query_seq_lengths, query.dtype)
 
 
-class PatternRng(nn.Module):
-  """The PRNG key `random` and `bigbird` draw their pattern from.
+def pattern_key(kept: Array) -> jax.Array:
+  """The PRNG key of a layer's pattern from its kept `[2]` float32 draw (its
+  bits are the key's data)."""
+  bits = jax.lax.bitcast_convert_type(jnp.asarray(kept, jnp.float32), jnp.uint32)
+  return jax.random.wrap_key_data(bits, impl="threefry2x32")
 
-  From the "attention" RNG stream when the caller supplies one (a trainer that
-  wants a new pattern each step), else a fixed key from `seed`.
+
+def _draw_pattern_seed(rng: jax.Array) -> Array:
+  # Kept as floats, as every array of the "random" collection: state that
+  # is differentiated along with the parameters (zero gradient) must be.
+  return jax.random.uniform(rng, (2,), jnp.float32)
+
+
+class LayerPattern(nn.Module):
+  """The PRNG key `random` and `bigbird` draw their pattern from: one per layer.
+
+  Drawn by `common.layer_random` with `redraw_every=0`: at initialisation,
+  from the "params" stream, and kept in the "random" collection as `[2]`
+  float32 whose bits are the key (`pattern_key`), never redrawn, as
+  BigBird's code fixes its pattern per layer. The key, not the pattern, is
+  kept because the pattern's shape depends on T; the variant draws one
+  pattern per head from it.
   """
-
-  seed: int = 0
 
   @nn.compact
   def __call__(self, query, key, value, deterministic: bool = True):
-    del query, key, value, deterministic
-    if self.has_rng("attention"):
-      return {"rng": self.make_rng("attention")}
-    return {"rng": jax.random.PRNGKey(self.seed)}
+    del query, key, value
+    seed = common.layer_random(self, "pattern_key", _draw_pattern_seed,
+                               deterministic=deterministic, redraw_every=0)
+    return {"rng": pattern_key(seed)}
 
 
 # ----------------------------------------------------------------------------
@@ -835,17 +1080,38 @@ _SPARSE = dict(family="sparse", subquadratic=True, exact=True, causal=True, cros
 
 _SCALE = dict(scale="multiplies the logits; 1/sqrt(D) when None")
 _WINDOW = dict(window_size="keys each side of the query (w)")
-_SEED = dict(seed="pattern seed when the caller gives no 'attention' RNG stream")
 _FACTORIZED = dict(
     stride="the stride l; ceil(sqrt(T)) when None",
     combine="'merged' (one softmax over both patterns), 'per_head' or 'interleaved'",
     pattern="with combine='interleaved': the pattern this layer uses",
     layer_index="with combine='interleaved': picks the pattern by its parity")
+# The release's image configs (image/configs/{cifar10,pathfinder32}/*_base.py)
+# set block_size 64; the text ones keep the model default (50 for local). The
+# other Pathfinder sizes (Path-X is pathfinder128) have no release config for
+# these rows: they follow pathfinder32.
+_IMAGE_TASKS = ("image", "pathfinder32", "pathfinder64", "pathfinder128", "pathfinder256")
 
-for _name in ("local", "band"):
-  registry.register(registry.VariantSpec(name=_name, fn=local_attention, complexity="O(T w)",
-                                         paper="Parmar et al. 2018",
-                                         options={**_WINDOW, **_SCALE}, **_SPARSE))
+_LOCAL_OPTIONS = dict(
+    _WINDOW,
+    pattern="'sliding' (the method: the keys within w of the query) or 'release_strided' "
+            "(the LRA release's LocalAttention: the block_size keys = i mod T'/block_size, "
+            "T' = T + block_size - T mod block_size)",
+    block_size="with pattern='release_strided': the release's block_size (keys per query)",
+    **_SCALE)
+registry.register(registry.VariantSpec(
+    name="local", fn=local_attention, complexity="O(T w)", paper="Parmar et al. 2018",
+    options=_LOCAL_OPTIONS,
+    presets={"lra_release": registry.Preset(
+        dict(pattern="release_strided", block_size=50),
+        "the release's LocalAttention (lra_benchmarks/models/local/local_attention.py) reshapes "
+        "[T', ...] to [block_size, T'/block_size, ...] and attends over the first axis: each "
+        "query sees the block_size positions congruent to it modulo T'/block_size, spread over "
+        "the sequence, not a window; block_size 50 (the model default), 64 on the image tasks",
+        tasks={task: dict(block_size=64) for task in _IMAGE_TASKS})},
+    **_SPARSE))
+registry.register(registry.VariantSpec(name="band", fn=local_attention, complexity="O(T w)",
+                                       paper="Parmar et al. 2018", options=_LOCAL_OPTIONS,
+                                       **_SPARSE))
 registry.register(registry.VariantSpec(
     name="block_local", fn=block_local_attention, complexity="O(T b)", paper="Qiu et al. 2019",
     options=dict(block_size="queries attend within their own block of this many", **_SCALE),
@@ -856,10 +1122,29 @@ registry.register(registry.VariantSpec(
 registry.register(registry.VariantSpec(name="strided", fn=strided_attention,
                                        complexity="O(T sqrt(T))", paper="Child et al. 2019",
                                        options={**_FACTORIZED, **_SCALE}, **_SPARSE))
+# The release pools by [CLS] (its use_cls_token) on every task but pathfinder32
+# and pathfinder128 (image/configs/pathfinder{32,128}/base_*_config.py: MEAN).
+_MEAN_POOLED_TASKS = ("pathfinder32", "pathfinder128")
 registry.register(registry.VariantSpec(
     name="fixed", fn=fixed_attention, complexity="O(T sqrt(T))", paper="Child et al. 2019",
-    options=dict(_FACTORIZED, num_summary="summary positions c at the end of each block",
-                 **_SCALE), **_SPARSE))
+    options=dict(
+        _FACTORIZED, num_summary="summary positions c at the end of each block",
+        summary_at_block_start="the first position of each block is a summary too "
+                               "(j mod l == 0; the LRA release's Fixed2Pattern)",
+        causal_pattern="keep j <= i in both patterns even when the call is not causal "
+                       "(the LRA release builds them causal in its encoders too)",
+        num_global="leading tokens that attend to and are attended by all; the pattern starts "
+                   "after them (the release's [CLS] handling: 1)",
+        **_SCALE),
+    presets={"lra_release": registry.Preset(
+        dict(stride=50, num_summary=10, summary_at_block_start=True, causal_pattern=True,
+             num_global=1),
+        "lra_benchmarks/utils/train_utils.py get_model passes Fixed1Pattern(block_size=50) and "
+        "Fixed2Pattern(block_size=50, c=10) (not SparseAttention's 128/32 default); "
+        "sparse_attention.py merges them into one causal mask with the j mod l == 0 column, "
+        "and with [CLS] pooling makes the first token global and starts the pattern after it",
+        tasks={task: dict(num_global=0) for task in _MEAN_POOLED_TASKS})},
+    **_SPARSE))
 registry.register(registry.VariantSpec(
     name="global_tokens", fn=global_tokens_attention, complexity="O(T (w + g))",
     paper="Guo et al. 2019",
@@ -867,21 +1152,47 @@ registry.register(registry.VariantSpec(
                  **_WINDOW, **_SCALE), **_SPARSE))
 registry.register(registry.VariantSpec(
     name="random", fn=random_attention, complexity="O(T (w + r))", paper="Zaheer et al. 2020",
-    extras=PatternRng,
-    options=dict(num_random="random keys per query",
+    extras=LayerPattern,
+    options=dict(num_random="random keys per query, drawn per layer and head",
                  window_size="also attend to this many keys each side; None for none",
-                 **_SEED, **_SCALE), **_SPARSE))
+                 **_SCALE), **_SPARSE))
 registry.register(registry.VariantSpec(
     name="longformer", fn=longformer_attention, complexity="O(T (w + g))",
     paper="Beltagy et al. 2020",
-    options=dict(**_WINDOW, dilation="gap between keys on the dilated heads",
+    options=dict(window_size="keys after the query (w), and before it unless left_window_size",
+                 left_window_size="keys before the query; window_size when None",
+                 dilation="gap between keys on the dilated heads",
                  dilated_heads="heads that use the dilation; half of them when None",
-                 num_global="leading global tokens", **_SCALE), **_SPARSE))
+                 num_global="leading global tokens", **_SCALE),
+    presets={"lra_release": registry.Preset(
+        dict(window_size=256, left_window_size=255, dilated_heads=0, num_global=0),
+        "the release's LongformerAttention (lra_benchmarks/models/longformer/"
+        "longformer_attention.py) is a sliding window of sliding_window_size=512 keys (255 "
+        "before the query, 256 after), no dilation, and no global token (its encoders pass no "
+        "global_mask, so its separate global projections are never used)")},
+    **_SPARSE))
 registry.register(registry.VariantSpec(
     name="bigbird", fn=bigbird_attention, complexity="O(T b (3 + g + r))",
-    paper="Zaheer et al. 2020", extras=PatternRng,
+    paper="Zaheer et al. 2020", extras=LayerPattern,
     options=dict(block_size="tokens per block b", num_global_blocks="leading global blocks g",
-                 num_random_blocks="random key blocks per query block r", **_SEED, **_SCALE),
+                 last_block_global="the last block is global too (BigBird-ITC: the first and "
+                                   "last block)",
+                 num_random_blocks="random key blocks per query block r, distinct, outside the "
+                                   "window and the global blocks, drawn per layer and head",
+                 random_blocks_within="draw random blocks only among those within the first "
+                                      "this many tokens; None for all",
+                 block_padding="'minimal' (T padded to a multiple of b) or 'lra_release' "
+                               "(T + b - T mod b, as the release)",
+                 random_candidates="'exact' or 'lra_release' (the release's narrower ranges "
+                                   "for query blocks nb - 3 and nb - 2)",
+                 **_SCALE),
+    presets={"lra_release": registry.Preset(
+        dict(block_size=64, num_random_blocks=3, random_blocks_within=1024,
+             block_padding="lra_release", random_candidates="lra_release"),
+        "the release's BigBirdAttention (lra_benchmarks/models/bigbird/bigbird_attention.py): "
+        "blocks of 64, the first and last block global, 3 random blocks per head and layer "
+        "drawn from the first 1024 tokens by get_block_rand_mask, T padded to "
+        "T + 64 - T mod 64")},
     **_SPARSE))
 registry.register(registry.VariantSpec(
     name="axial", fn=axial_attention, complexity="O(T sqrt(T))", paper="Ho et al. 2019",

@@ -8,6 +8,7 @@ is the oracle for outputs and q/k/v gradients.
 import functools
 import itertools
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,7 +17,7 @@ import pytest
 from attention_jax import registry
 from attention_jax.core import reference_attention
 from attention_jax.layers.attention import MultiHeadAttention
-from attention_jax.variants import sparse
+from attention_jax.variants import common, sparse
 from attention_testing import assert_close, outputs_and_grads, random_qkv
 
 B, H = 2, 4
@@ -35,6 +36,12 @@ def _pattern_mask(length, allowed, *, q_lengths=None, kv_lengths=None, segments=
       ok = ok and segments[b][i] == segments[b][j]
     mask[b, 0, i, j] = ok
   return mask
+
+
+def _per_head_mask(length, allowed, **masks):
+  """`[B, H, T, T]`: `_pattern_mask` of `allowed(h, b, i, j)` for each head h."""
+  return np.concatenate([_pattern_mask(length, functools.partial(allowed, h), **masks)
+                         for h in range(H)], axis=1)
 
 
 def _assert_parity(attention_fn, allowed, *, length, num_kv_heads=H, **kwargs):
@@ -196,10 +203,11 @@ def test_longformer_matches_dense_with_dilated_heads(causal):
 
 
 def _random_pattern(indices, w, causal):
+  """(h, b, i, j) -> allowed: head h's drawn keys `indices[h, i]`, or the window."""
   indices = np.asarray(indices)
-  def allowed(b, i, j):
+  def allowed(h, b, i, j):
     near = w is not None and abs(i - j) <= w
-    return (j in indices[i] or near) and (j <= i or not causal)
+    return (j in indices[h, i] or near) and (j <= i or not causal)
   return allowed
 
 
@@ -207,49 +215,82 @@ def _random_pattern(indices, w, causal):
 @pytest.mark.parametrize("causal,window", [(False, None), (True, 2), (False, 3)])
 def test_random_matches_dense_under_the_drawn_keys(causal, window):
   rng = jax.random.PRNGKey(4)
-  indices = sparse.random_indices(rng, T, 5, causal)
-  _assert_parity(sparse.random_attention, _pattern_mask(T, _random_pattern(indices, window, causal)),
+  indices = sparse.random_indices(rng, H, T, 5, causal)
+  _assert_parity(sparse.random_attention,
+                 _per_head_mask(T, _random_pattern(indices, window, causal)),
                  length=T, is_causal=causal, rng=rng, num_random=5, window_size=window)
 
 
-def test_random_draws_are_in_range_causal_and_vary():
+def test_random_draws_are_in_range_causal_and_vary_by_head():
   for causal in (False, True):
-    indices = np.asarray(sparse.random_indices(jax.random.PRNGKey(0), 64, 8, causal))
-    assert indices.shape == (64, 8) and indices.min() >= 0 and indices.max() < 64
+    indices = np.asarray(sparse.random_indices(jax.random.PRNGKey(0), 2, 64, 8, causal))
+    assert indices.shape == (2, 64, 8) and indices.min() >= 0 and indices.max() < 64
     if causal:
       assert np.all(indices <= np.arange(64)[:, None])
-    assert len({tuple(row) for row in np.sort(indices, axis=1)}) > 32
-  other = sparse.random_indices(jax.random.PRNGKey(1), 64, 8, False)
+    assert len({tuple(row) for row in np.sort(indices[0], axis=1)}) > 32
+    assert np.any(indices[0] != indices[1])
+  other = sparse.random_indices(jax.random.PRNGKey(1), 2, 64, 8, False)
   assert np.any(np.asarray(other) != indices)
 
 
-def _bigbird_pattern(block, g, blocks, causal):
+def _bigbird_pattern(block, global_blocks, blocks, causal):
+  """(h, b, i, j) -> allowed, from the definition: a global query or key
+  block, the window of blocks, or one of head h's drawn blocks."""
   blocks = np.asarray(blocks)
-  def allowed(b, i, j):
+  def allowed(h, b, i, j):
     qb, kb = i // block, j // block
-    ok = qb < g or kb < g or abs(qb - kb) <= 1 or kb in blocks[qb]
+    ok = qb in global_blocks or kb in global_blocks or abs(qb - kb) <= 1 or kb in blocks[h, qb]
     return ok and (j <= i or not causal)
   return allowed
 
 
+def _bigbird_drawn(rng, num_blocks, r, causal, **options):
+  candidates = sparse.bigbird_candidates(num_blocks, is_causal=causal, **options)
+  return np.asarray(sparse.bigbird_random_blocks(rng, H, candidates, r))
+
+
 @pytest.mark.parity("bigbird")
-@pytest.mark.parametrize("causal", [False, True])
-def test_bigbird_matches_dense_block_mask(causal):
+@pytest.mark.parametrize("causal,last_global", [(False, True), (True, True), (False, False)])
+def test_bigbird_matches_dense_block_mask(causal, last_global):
   rng, block, length = jax.random.PRNGKey(2), 3, 26  # 9 blocks, the last one partial
-  drawn = sparse.random_indices(rng, 9, 2, causal)  # the blocks bigbird draws from rng
+  drawn = _bigbird_drawn(rng, 9, 2, causal, last_block_global=last_global)
+  global_blocks = (0, 8) if last_global else (0,)
   _assert_parity(sparse.bigbird_attention,
-                 _pattern_mask(length, _bigbird_pattern(block, 1, drawn, causal)),
+                 _per_head_mask(length, _bigbird_pattern(block, global_blocks, drawn, causal)),
                  length=length, is_causal=causal, rng=rng, block_size=block,
-                 num_global_blocks=1, num_random_blocks=2)
+                 num_global_blocks=1, last_block_global=last_global, num_random_blocks=2)
 
 
-def test_bigbird_random_blocks_leave_out_window_global_and_repeats():
-  blocks = np.asarray(sparse.bigbird_blocks(jax.random.PRNGKey(0), 16, 6, 2, False))
-  for n, row in enumerate(blocks):
+@pytest.mark.parametrize("causal", [False, True])
+def test_bigbird_draws_exactly_r_distinct_blocks_outside_window_and_globals(causal):
+  num_blocks, r, global_blocks = 16, 3, {0, 1, 15}
+  drawn = _bigbird_drawn(jax.random.PRNGKey(0), num_blocks, r, causal, num_global_blocks=2)
+  assert drawn.shape == (H, num_blocks, r)
+  for h, n in itertools.product(range(H), range(num_blocks)):
+    # Written from the definition: outside the window and the globals (and before n - 1).
+    possible = [k for k in range(num_blocks) if abs(k - n) > 1 and k not in global_blocks
+                and (k < n or not causal)]
+    if n in global_blocks:
+      possible = []
+    row = drawn[h, n]
     kept = row[row >= 0]
-    assert len(set(kept)) == len(kept)
-    assert all(abs(n - m) > 1 and m >= 2 for m in kept)
-  assert (blocks >= 0).sum() > 16
+    assert len(kept) == min(r, len(possible)), (h, n, row)
+    assert len(set(kept)) == len(kept) and set(kept) <= set(possible), (h, n, row)
+    assert np.all(row[len(kept):] == -1)
+  # Heads draw their own blocks.
+  assert all(np.any(drawn[0] != drawn[h]) for h in range(1, H))
+
+
+def test_bigbird_draws_uniformly_among_the_candidates():
+  # Query block 5 of 12, r = 2 among the 7 candidates (1..3, 7..10 with globals 0, 11):
+  # each is drawn with probability 2/7.
+  candidates = sparse.bigbird_candidates(12)
+  draws = np.asarray(jax.vmap(lambda k: sparse.bigbird_random_blocks(k, 1, candidates, 2))(
+      jax.random.split(jax.random.PRNGKey(3), 4000)))[:, 0, 5]
+  counts = np.bincount(draws.ravel(), minlength=12) / len(draws)
+  expected = np.zeros(12)
+  expected[[1, 2, 3, 7, 8, 9, 10]] = 2 / 7
+  np.testing.assert_allclose(counts, expected, atol=0.03)
 
 
 # name -> (function, options, pattern) for the padding, segments and GQA checks.
@@ -266,22 +307,35 @@ PADDED_CASES = {
                       _global_window(2, 2, False)),
     "longformer": (sparse.longformer_attention, dict(num_global=2, window_size=2,
                                                      dilated_heads=0), _global_window(2, 2, False)),
+    "local_release_strided": (sparse.local_attention,
+                              dict(pattern="release_strided", block_size=4),
+                              lambda b, i, j: i % 5 == j % 5),  # T' = 20, 5 groups of 4
+    "fixed_release": (sparse.fixed_attention,
+                      dict(stride=4, num_summary=1, summary_at_block_start=True,
+                           causal_pattern=True, num_global=1),
+                      lambda b, i, j: i == 0 or j == 0 or (
+                          j <= i and ((i - 1) // 4 == (j - 1) // 4 or (j - 1) % 4 in (0, 3)))),
+    "longformer_left": (sparse.longformer_attention,
+                        dict(window_size=2, left_window_size=3, dilated_heads=0, num_global=0),
+                        lambda b, i, j: -3 <= j - i <= 2),
+    # Per head: (h, b, i, j) -> allowed.
     "random": (sparse.random_attention, dict(rng=jax.random.PRNGKey(3), num_random=4),
-               _random_pattern(sparse.random_indices(jax.random.PRNGKey(3), T, 4, False), None,
-                               False)),
-    "bigbird": (sparse.bigbird_attention, dict(rng=jax.random.PRNGKey(3), block_size=4,
-                                               num_random_blocks=1),
-                _bigbird_pattern(4, 1, sparse.random_indices(jax.random.PRNGKey(3), 5, 1, False),
+               _random_pattern(sparse.random_indices(jax.random.PRNGKey(3), H, T, 4, False),
+                               None, False)),
+    "bigbird": (sparse.bigbird_attention, dict(rng=jax.random.PRNGKey(3), block_size=3,
+                                               num_random_blocks=1),  # 7 blocks, 0 and 6 global
+                _bigbird_pattern(3, (0, 6), _bigbird_drawn(jax.random.PRNGKey(3), 7, 1, False),
                                  False)),
 }
+PER_HEAD = ("random", "bigbird")
 
 
 @pytest.mark.parametrize("name", sorted(PADDED_CASES))
 def test_padding_segments_and_grouped_heads_match_dense(name):
   fn, options, pattern = PADDED_CASES[name]
   call, masks = _padding_args(T)
-  _assert_parity(fn, _pattern_mask(T, pattern, **masks), length=T, num_kv_heads=2,
-                 **call, **options)
+  mask = (_per_head_mask if name in PER_HEAD else _pattern_mask)(T, pattern, **masks)
+  _assert_parity(fn, mask, length=T, num_kv_heads=2, **call, **options)
 
 
 @pytest.mark.parametrize("name", sorted(PADDED_CASES))
@@ -305,6 +359,11 @@ def test_padded_keys_do_not_change_valid_queries_and_padded_queries_are_zero(nam
 BAD_SIZES = [
     ("local", dict(window_size=0), "window_size must be an int >= 1"),
     ("local", dict(window_size=20), "window_size=20 must be at most the sequence length 19"),
+    ("local", dict(pattern="strided"), "pattern must be one of \\('sliding', 'release_strided'\\), "
+                                       "got 'strided'"),
+    ("local", dict(block_size=4), "block_size applies to pattern='release_strided' only"),
+    ("local", dict(pattern="release_strided"), "needs block_size"),
+    ("local", dict(pattern="release_strided", block_size=20), "block_size=20 must be at most"),
     ("block_local", dict(block_size=2.5), "block_size must be an int"),
     ("block_local", dict(block_size=40), "block_size=40 must be at most"),
     ("dilated", dict(window_size=2, dilation=0), "dilation must be an int >= 1"),
@@ -316,6 +375,9 @@ BAD_SIZES = [
     ("strided", dict(combine="interleaved", pattern="block"), "pattern must be one of"),
     ("strided", dict(layer_index=1), "only with combine='interleaved'"),
     ("fixed", dict(stride=4, num_summary=5), "num_summary=5 must be at most stride=4"),
+    ("fixed", dict(num_global=19), "num_global=19 must be at most the sequence length - 1=18"),
+    ("longformer", dict(window_size=2, left_window_size=-1),
+     "left_window_size must be an int >= 0, got -1"),
     ("global_tokens", dict(num_global=0), "num_global must be an int >= 1"),
     ("global_tokens", dict(num_global=20), "num_global=20 must be at most"),
     ("longformer", dict(window_size=2, dilated_heads=3),
@@ -325,6 +387,16 @@ BAD_SIZES = [
     ("bigbird", dict(rng=jax.random.PRNGKey(0)), "block_size=64 must be at most"),
     ("bigbird", dict(rng=jax.random.PRNGKey(0), block_size=4, num_global_blocks=6),
      "num_global_blocks=6 must be at most the number of blocks=5"),
+    ("bigbird", dict(rng=jax.random.PRNGKey(0), block_size=4, block_padding="release"),
+     "block_padding must be one of \\('minimal', 'lra_release'\\), got 'release'"),
+    ("bigbird", dict(rng=jax.random.PRNGKey(0), block_size=4, random_candidates="paper"),
+     "random_candidates must be one of \\('exact', 'lra_release'\\), got 'paper'"),
+    ("bigbird", dict(rng=jax.random.PRNGKey(0), block_size=4, random_blocks_within=3),
+     "random_blocks_within must be an int >= 4, got 3"),
+    # lra_release padding: 19 // 4 + 1 = 5 blocks; 20 would need 6.
+    ("bigbird", dict(rng=jax.random.PRNGKey(0), block_size=4, block_padding="lra_release",
+                     num_random_blocks=6), "num_random_blocks=6 must be at most the number of "
+                                           "blocks=5"),
     ("axial", dict(), "length 19 has no factorisation"),
     ("axial", dict(shape=(4, 5)), "rows \\* cols equal to the sequence length 19"),
 ]
@@ -352,7 +424,7 @@ MODULE_OPTIONS = {
     "fixed": dict(stride=8, num_summary=2),
     "global_tokens": dict(num_global=2, window_size=4),
     "longformer": dict(window_size=4, dilation=2, num_global=1),
-    "random": dict(num_random=4, window_size=2, seed=3),
+    "random": dict(num_random=4, window_size=2),
     "bigbird": dict(block_size=4, num_random_blocks=2),
     "axial": dict(shape=(5, 8)),
 }
@@ -362,9 +434,7 @@ MODULE_OPTIONS = {
 def test_refuses_cross_attention_bias_and_pairwise_masks(name):
   fn = functools.partial(registry.get_variant(name).fn, **MODULE_OPTIONS[name])
   if registry.get_variant(name).extras is not None:
-    fn = functools.partial(fn, rng=jax.random.PRNGKey(0), seed=None)
-    fn = functools.partial(lambda *a, seed, **k: registry.get_variant(name).fn(*a, **k),
-                           **{k: v for k, v in fn.keywords.items()})
+    fn = functools.partial(fn, rng=jax.random.PRNGKey(0))
   query, key, value = random_qkv(q_len=40, kv_len=12, num_heads=2)
   with pytest.raises(ValueError, match=r"query length \(40\).*key/value length \(12\)"):
     fn(query, key, value)
@@ -392,24 +462,72 @@ def test_runs_in_multi_head_attention_under_jit(name):
   assert_close(out[:, :30], changed[:, :30])
 
 
-def test_pattern_rng_is_fixed_by_seed_unless_the_attention_stream_is_given():
-  module, x = sparse.PatternRng(seed=3), jnp.zeros((1, 4, 1, 2))
-  fixed = module.apply({}, x, x, x)["rng"]
-  assert np.array_equal(jax.random.key_data(fixed), jax.random.key_data(jax.random.PRNGKey(3)))
-  drawn = [module.apply({}, x, x, x, rngs={"attention": jax.random.PRNGKey(s)})["rng"]
-           for s in (5, 6)]
-  assert not np.array_equal(jax.random.key_data(drawn[0]), jax.random.key_data(drawn[1]))
+class TwoLayers(nn.Module):
+  """Two attention layers of `variant`, as an encoder stacks them (own names)."""
+
+  variant: str
+  options: dict
+
+  @nn.compact
+  def __call__(self, x, deterministic=True):
+    for i in range(2):
+      x = MultiHeadAttention(num_heads=H, attention=self.variant, attention_options=self.options,
+                             name=f"layer_{i}")(x, deterministic=deterministic)
+    return x
 
 
-def test_random_pattern_in_multi_head_attention_follows_the_rng():
+def _kept_keys(variables):
+  """The layers' kept pattern keys, in layer order, from the "random" collection."""
+  kept = variables[common.RANDOM_COLLECTION]
+  return [sparse.pattern_key(kept[f"layer_{i}"]["variant"]["pattern_key"]) for i in range(2)]
+
+
+@pytest.mark.parametrize("name", ["random", "bigbird"])
+def test_pattern_is_kept_per_layer_and_never_redrawn(name):
   x = jax.random.normal(jax.random.PRNGKey(0), (1, 40, 16))
-  layer = MultiHeadAttention(num_heads=2, attention="random",
-                             attention_options=MODULE_OPTIONS["random"])
-  variables = layer.init(jax.random.PRNGKey(1), x)
-  apply = jax.jit(lambda v, x, rng: layer.apply(v, x, rngs={"attention": rng}))
-  redrawn = [apply(variables, x, jax.random.PRNGKey(s)) for s in (5, 5, 6)]
-  assert_close(redrawn[0], redrawn[1])
-  assert not np.allclose(np.asarray(redrawn[0]), np.asarray(redrawn[2]))
+  model = TwoLayers(name, MODULE_OPTIONS[name])
+  variables = jax.jit(model.init)(jax.random.PRNGKey(1), x)
+  first, second = _kept_keys(variables)
+  if name == "random":
+    patterns = [sparse.random_indices(k, H, 40, 4, False) for k in (first, second)]
+  else:
+    candidates = sparse.bigbird_candidates(10)
+    patterns = [sparse.bigbird_random_blocks(k, H, candidates, 2) for k in (first, second)]
+  assert np.any(np.asarray(patterns[0]) != np.asarray(patterns[1]))  # per layer
+  assert all(np.any(np.asarray(p[0]) != np.asarray(p[h])) for p in patterns
+             for h in range(1, H))  # per head
+  # Training steps with different attention streams keep the pattern (redraw_every=0),
+  # so training and evaluation agree.
+  train = jax.jit(lambda v, rng: model.apply(v, x, False, rngs={"attention": rng},
+                                             mutable=[common.RANDOM_COLLECTION]))
+  evaluated = jax.jit(model.apply)(variables, x)
+  for seed in (5, 6):
+    out, updates = train(variables, jax.random.PRNGKey(seed))
+    assert_close(out, evaluated)
+    np.testing.assert_array_equal(
+        np.asarray(jax.random.key_data(_kept_keys(updates)[0])),
+        np.asarray(jax.random.key_data(first)))
+
+
+@pytest.mark.parametrize("name", ["random", "bigbird"])
+def test_layer_uses_the_kept_pattern_as_dense_attention_under_its_mask(name):
+  """MultiHeadAttention with the variant equals it with dot_product attention
+  (the same parameters) under the mask of the pattern drawn from the kept key."""
+  length = 24
+  x = jax.random.normal(jax.random.PRNGKey(0), (2, length, 16))
+  options = dict(num_random=3) if name == "random" else dict(block_size=4, num_random_blocks=1)
+  layer = MultiHeadAttention(num_heads=H, attention=name, attention_options=options)
+  variables = jax.jit(layer.init)(jax.random.PRNGKey(1), x)
+  rng = sparse.pattern_key(variables[common.RANDOM_COLLECTION]["variant"]["pattern_key"])
+  if name == "random":
+    pattern = _random_pattern(sparse.random_indices(rng, H, length, 3, False), None, False)
+  else:  # 6 blocks, 0 and 5 global
+    drawn = np.asarray(sparse.bigbird_random_blocks(rng, H, sparse.bigbird_candidates(6), 1))
+    pattern = _bigbird_pattern(4, (0, 5), drawn, False)
+  mask = jnp.asarray(_per_head_mask(length, pattern))
+  dense = MultiHeadAttention(num_heads=H, attention="dot_product")
+  want = jax.jit(dense.apply)({"params": variables["params"]}, x, mask=mask)
+  assert_close(jax.jit(layer.apply)(variables, x), want)
 
 
 # Axial attention: two dense passes composed; each is checked against the
