@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 from typing import Any, Callable, Mapping, Optional, Tuple
 
@@ -22,6 +23,30 @@ Dtype = Any
 EMBED, HEADS, KV = axes.EMBED, axes.HEADS, axes.KV
 ACTIVATION_AXES = (axes.ACTIVATION_BATCH, axes.ACTIVATION_LENGTH, axes.ACTIVATION_HEADS,
                    axes.ACTIVATION_KV)
+
+# Projections a variant does not read, where its modules cannot say so
+# themselves. Reformer's LSH shares queries and keys (its keys are the
+# normalised queries): its `extras` module lives in variants/hashing.py, which
+# should declare `unused_projections` as the Synthesizers' modules do.
+_UNUSED_PROJECTIONS = {"lsh": frozenset({"key"})}
+_PROJECTIONS = ("query", "key")
+
+
+def unused_projections(spec: "registry.VariantSpec", options: Mapping[str, Any]) -> frozenset:
+  """The input projections ("query", "key") variant `spec` with `options`
+  does not read, which `MultiHeadAttention` therefore neither creates nor
+  computes: what the variant's `extras` module declares as
+  `unused_projections(options)` (the Synthesizers: no key, and no query for
+  the random ones, unless the dot-product logits are mixed in), else the table
+  above (LSH: no key). Values are always projected."""
+  declared = getattr(spec.extras, "unused_projections", None) if spec.extras else None
+  unused = frozenset(declared(options)) if declared is not None else (
+      _UNUSED_PROJECTIONS.get(spec.name, frozenset()))
+  unknown = unused - set(_PROJECTIONS)
+  if unknown:
+    raise ValueError(f"attention variant {spec.name!r} declares unused projections "
+                     f"{sorted(unknown)}; only {_PROJECTIONS} can be left out.")
+  return unused
 
 
 
@@ -138,16 +163,23 @@ class MultiHeadAttention(nn.Module):
     if self.decode and context is not None:
       raise ValueError("decode=True caches self-attention keys; got a context for cross-attention.")
     kv_input = x if context is None else context
+    unused = unused_projections(spec, self.attention_options)
 
-    query = self._projection("query", self.num_heads, head_dim)(x)
-    key = self._projection("key", num_kv_heads, head_dim)(kv_input)
+    # A projection the variant does not read is neither created nor computed:
+    # the variant gets a shape-only stand-in (`jax.ShapeDtypeStruct`), which
+    # gives Tq, Tk and the heads and fails loudly if its contents are used.
+    projected_dtype = self.dtype or jnp.promote_types(x.dtype, self.param_dtype)
+    query = (jax.ShapeDtypeStruct(x.shape[:2] + (self.num_heads, head_dim), projected_dtype)
+             if "query" in unused else self._projection("query", self.num_heads, head_dim)(x))
+    key = (jax.ShapeDtypeStruct(kv_input.shape[:2] + (num_kv_heads, head_dim), projected_dtype)
+           if "key" in unused else self._projection("key", num_kv_heads, head_dim)(kv_input))
     value = self._projection("value", num_kv_heads, head_dim)(kv_input)
 
     q_len, kv_len = x.shape[1], kv_input.shape[1]
     q_positions = jnp.arange(q_len) if positions is None else positions
     k_positions = q_positions if context is None else jnp.arange(kv_len)
     q_offset = 0
-    if self.decode and self.has_variable("cache", "cached_key"):
+    if self.decode and self.has_variable("cache", "cached_value"):
       key, value, q_offset = self._update_cache(key, value)
       q_positions = q_positions + q_offset
       k_positions = jnp.arange(key.shape[1])
@@ -162,19 +194,23 @@ class MultiHeadAttention(nn.Module):
 
     if self.position == "rope":
       wavelength = self.position_options.get("max_wavelength", 10_000.0)
-      query = positional.apply_rope(query, q_positions, max_wavelength=wavelength)
-      key = positional.apply_rope(key, k_positions, max_wavelength=wavelength)
+      query = _unless_unused(query, lambda q: positional.apply_rope(
+          q, q_positions, max_wavelength=wavelength))
+      key = _unless_unused(key, lambda k: positional.apply_rope(
+          k, k_positions, max_wavelength=wavelength))
     elif self.position in ("alibi", "t5"):
       bias = _add(bias, self._position_bias(_batched(q_positions), _batched(k_positions)))
 
-    query = nn.with_logical_constraint(query, ACTIVATION_AXES)
-    key = nn.with_logical_constraint(key, ACTIVATION_AXES)
-    value = nn.with_logical_constraint(value, ACTIVATION_AXES)
+    constrain = lambda a: nn.with_logical_constraint(a, ACTIVATION_AXES)
+    query, key, value = (_unless_unused(a, constrain) for a in (query, key, value))
 
     options = dict(self.attention_options)
     if spec.extras is not None:
       options.update(self._variant_arrays(spec, options, query, key, value, deterministic))
     if self.dropout_rate > 0.0 and not deterministic:
+      if "dropout_rate" not in inspect.signature(spec.fn).parameters:
+        raise ValueError(f"attention variant {self.attention!r} has no attention weights to drop; "
+                         f"got dropout_rate={self.dropout_rate}: set it to 0 for this variant.")
       options.update(dropout_rate=self.dropout_rate, dropout_rng=self.make_rng("dropout"))
     if spec.carries:
       options["carry"] = {k: carry[k] for k in spec.carries if carry and k in carry}
@@ -197,9 +233,12 @@ class MultiHeadAttention(nn.Module):
   def _variant_arrays(self, spec: registry.VariantSpec, options: dict, query: Array, key: Array,
                       value: Array, deterministic: bool) -> dict:
     """Builds the variant's `extras` module from the options naming its fields
-    (removed from `options`) and returns the arrays it makes for `spec.fn`."""
+    and returns the arrays it makes for `spec.fn`. An option goes to the module
+    only, unless `spec.fn` takes it too (Performer's `kernel`): then to both."""
     fields = {f.name for f in dataclasses.fields(spec.extras)} - {"parent", "name"}
-    module_options = {name: options.pop(name) for name in list(options) if name in fields}
+    fn_parameters = inspect.signature(spec.fn).parameters
+    module_options = {name: options[name] if name in fn_parameters else options.pop(name)
+                      for name in list(options) if name in fields}
     return spec.extras(**module_options, name="variant")(query, key, value,
                                                          deterministic=deterministic)
 
@@ -212,8 +251,10 @@ class MultiHeadAttention(nn.Module):
         **dict(self.position_options))(q_positions, k_positions)
 
   def _init_cache(self, key: Array, value: Array) -> None:
-    """Sizes the cache from the full-length input seen at initialisation."""
-    self.variable("cache", "cached_key", jnp.zeros, key.shape, key.dtype)
+    """Sizes the cache from the full-length input seen at initialisation (no
+    key cache when the variant reads no key: `key` is then a stand-in)."""
+    if not _is_unused(key):
+      self.variable("cache", "cached_key", jnp.zeros, key.shape, key.dtype)
     self.variable("cache", "cached_value", jnp.zeros, value.shape, value.dtype)
     self.variable("cache", "cache_index", lambda: jnp.array(0, jnp.int32))
 
@@ -221,20 +262,25 @@ class MultiHeadAttention(nn.Module):
     """Writes the new tokens' K/V at the cache index; returns the whole cache.
 
     key, value: `[B, Tnew, Hkv, D]`. Returns `(cached_key [B, L, Hkv, D],
-    cached_value, index of the first new token)`.
+    cached_value, index of the first new token)`; the key is a stand-in of
+    that shape when the variant reads no key.
     """
-    cached_key = self.variable("cache", "cached_key")
     cached_value = self.variable("cache", "cached_value")
     cache_index = self.variable("cache", "cache_index")
-    max_len, new_len = cached_key.value.shape[1], key.shape[1]
+    max_len, new_len = cached_value.value.shape[1], value.shape[1]
     if new_len > max_len:
       raise ValueError(f"decoding {new_len} tokens at once exceeds the cache length {max_len}.")
     index = cache_index.value
     start = (0, index, 0, 0)
-    cached_key.value = jax.lax.dynamic_update_slice(cached_key.value, key, start)
+    if _is_unused(key):
+      cached = jax.ShapeDtypeStruct((key.shape[0], max_len) + key.shape[2:], key.dtype)
+    else:
+      cached_key = self.variable("cache", "cached_key")
+      cached_key.value = jax.lax.dynamic_update_slice(cached_key.value, key, start)
+      cached = cached_key.value
     cached_value.value = jax.lax.dynamic_update_slice(cached_value.value, value, start)
     cache_index.value = index + new_len
-    return cached_key.value, cached_value.value, index
+    return cached, cached_value.value, index
 
 
 class HeadProjection(nn.Module):
@@ -279,6 +325,15 @@ class HeadProjection(nn.Module):
     contract = tuple(range(x.ndim - self.merge_input, x.ndim))
     y = jax.lax.dot_general(x, kernel, ((contract, tuple(range(self.merge_input))), ((), ())))
     return y if bias is None else y + bias
+
+
+def _is_unused(x) -> bool:
+  """True for the shape-only stand-in of a projection the variant does not read."""
+  return isinstance(x, jax.ShapeDtypeStruct)
+
+
+def _unless_unused(x, fn: Callable[[Array], Array]):
+  return x if _is_unused(x) else fn(x)
 
 
 def _batched(positions: Array) -> Array:

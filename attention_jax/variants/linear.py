@@ -19,14 +19,22 @@ per-token cumulative sum. The normaliser rides along as an extra value column
 of ones, so numerator and denominator are one computation (and one gating).
 
 Random features live in the `extras` modules (`PerformerFeatures`,
-`RfaFeatures`): drawn from the `attention` PRNG stream when the caller supplies
-one (a trainer that wants redraws), else from a fixed `seed`.
+`RfaFeatures`), one draw per layer kept in the model's "random" collection
+(`common.layer_random`): drawn at initialisation, redrawn in training every
+`redraw_every` calls from the "attention" stream, fixed in evaluation.
+
+The LRA release's variants of these computations (docs/lra_release.md) are
+options: `mask_padding=False` (its linear attention and Performer apply no
+padding mask), `epsilon` (its linear attention's 1 / (normaliser + 1e-6)), the
+Performer's `kernel="relu"` (its generalized attention, relu(x) + 1e-3 with no
+random features) and `numerical_stabilizer` (its FAVOR+ features and
+normaliser stabilisation).
 """
 
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Callable, Optional
 
 import flax.linen as nn
 import jax
@@ -97,7 +105,8 @@ def _causal_chunk_scan(q_feat: Array, k_feat: Array, value: Array, log_gates: Ar
 
 def feature_attention(q_feat: Array, k_feat: Array, value: Array, *, is_causal: bool = False,
                       key_valid: Optional[Array] = None, gates: Optional[Array] = None,
-                      chunk_size: int = DEFAULT_CHUNK_SIZE) -> Array:
+                      chunk_size: int = DEFAULT_CHUNK_SIZE,
+                      normalizer: Optional[Callable[[Array], Array]] = None) -> Array:
   """sum_s phi(q_t) . phi(k_s) v_s / sum_s phi(q_t) . phi(k_s) over the keys s each query sees.
 
   Args:
@@ -110,6 +119,8 @@ def feature_attention(q_feat: Array, k_feat: Array, value: Array, *, is_causal: 
     gates: `[B, Tk, H]` in (0, 1), causal only: S_t = g_t S_{t-1} + (1 - g_t) phi(k_t) v_t^T
       (and the normaliser likewise), as in gated RFA.
     chunk_size: tokens per chunk of the causal scan.
+    normalizer: applied to each query's normaliser `[B, Tq, H]` before the
+      division (a stabiliser such as the LRA release's `+ eps`); None: as is.
 
   Returns:
     `[B, Tq, H, Dv]`; a query with a zero normaliser (nothing to attend) gives zeros.
@@ -137,17 +148,34 @@ def feature_attention(q_feat: Array, k_feat: Array, value: Array, *, is_causal: 
   else:
     state = jnp.einsum("bshf,bshd->bhfd", k_feat, value)
     out = jnp.einsum("bthf,bhfd->bthd", q_feat, state)
-  return _safe_ratio(out[..., :-1], out[..., -1])
+  denominator = out[..., -1] if normalizer is None else normalizer(out[..., -1])
+  return _safe_ratio(out[..., :-1], denominator)
 
 
 def _prepare(variant: str, query: Array, key: Array, bias, mask, is_causal, segment_ids,
-             key_value_seq_lengths):
-  """Shared argument handling: refuses what O(T) cannot apply; the key padding `[B, Tk]`."""
+             key_value_seq_lengths, mask_padding: bool = True):
+  """Shared argument handling: refuses what O(T) cannot apply; the key padding
+  `[B, Tk]` (None without padding, or when `mask_padding` is False: the LRA
+  release's linear attention and Performer take no padding mask; a mask of
+  another shape is still refused)."""
   common.reject_unsupported(variant, bias=bias, segment_ids=segment_ids)
   if is_causal and query.shape[1] != key.shape[1]:
     raise ValueError(f"attention variant {variant!r}: is_causal needs Tq == Tk, got "
                      f"Tq={query.shape[1]}, Tk={key.shape[1]}.")
-  return common.key_padding(variant, mask, key_value_seq_lengths, key.shape[0], key.shape[1])
+  valid = common.key_padding(variant, mask, key_value_seq_lengths, key.shape[0], key.shape[1])
+  return valid if mask_padding else None
+
+
+def _padded_queries_zeroed(out: Array, query_seq_lengths: Optional[Array],
+                           mask_padding: bool) -> Array:
+  """Zeros padded queries' outputs, unless padding is not masked (the release)."""
+  return common.zero_padded_queries(out, query_seq_lengths) if mask_padding else out
+
+
+def _check_epsilon(name: str, value: float) -> float:
+  if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+    raise ValueError(f"{name} must be a float >= 0, got {value!r}.")
+  return float(value)
 
 
 # ----------------------------------------------------------------------------
@@ -164,8 +192,9 @@ def linear_attention(query: Array, key: Array, value: Array, bias: Optional[Arra
                      mask: Optional[Array] = None, *, is_causal: bool = False,
                      query_seq_lengths: Optional[Array] = None,
                      key_value_seq_lengths: Optional[Array] = None, segment_ids=None,
-                     chunk_size: int = DEFAULT_CHUNK_SIZE) -> Array:
-  """Linear attention phi(Q) (phi(K)^T V) / (phi(Q) sum phi(K)), phi = elu + 1.
+                     chunk_size: int = DEFAULT_CHUNK_SIZE, epsilon: float = 0.0,
+                     mask_padding: bool = True) -> Array:
+  """Linear attention phi(Q) (phi(K)^T V) / (phi(Q) sum phi(K) + epsilon), phi = elu + 1.
 
   Args:
     query: `[B, Tq, H, D]`; key: `[B, Tk, Hkv, D]`; value: `[B, Tk, Hkv, Dv]`.
@@ -174,18 +203,25 @@ def linear_attention(query: Array, key: Array, value: Array, bias: Optional[Arra
     is_causal: prefix sums over a chunked scan (Tq == Tk).
     query_seq_lengths, key_value_seq_lengths: `[B]` padding.
     chunk_size: chunk of the causal scan (O(c) extra work per token).
+    epsilon: added to every normaliser (the LRA release's, and Katharopoulos
+      et al.'s code's, 1e-6); 0 divides by the normaliser itself.
+    mask_padding: apply the padding (lengths or key-padding mask). False
+      ignores it, as the LRA release's linear attention does: padded keys are
+      attended like any other and padded queries get outputs.
 
   Returns:
     `[B, Tq, H, Dv]`.
   """
   key_valid = _prepare("linear", query, key, bias, mask, is_causal, segment_ids,
-                       key_value_seq_lengths)
+                       key_value_seq_lengths, mask_padding)
+  epsilon = _check_epsilon("epsilon", epsilon)
   heads = query.shape[2]
   out = feature_attention(elu_feature_map(query),
                           common.repeat_kv_heads(elu_feature_map(key), heads),
                           common.repeat_kv_heads(value, heads), is_causal=is_causal,
-                          key_valid=key_valid, chunk_size=chunk_size)
-  return common.zero_padded_queries(out.astype(query.dtype), query_seq_lengths)
+                          key_valid=key_valid, chunk_size=chunk_size,
+                          normalizer=(lambda r: r + epsilon) if epsilon else None)
+  return _padded_queries_zeroed(out.astype(query.dtype), query_seq_lengths, mask_padding)
 
 
 # ----------------------------------------------------------------------------
@@ -216,11 +252,16 @@ def gaussian_projection(rng: Array, num_features: int, dim: int, *,
   return rows * norms[:, None]
 
 
-def _draw_rng(module: nn.Module, seed: int) -> Array:
-  """The `attention` stream when the caller provides it (redraws), else a fixed seed."""
-  if module.has_rng("attention"):
-    return module.make_rng("attention")
-  return jax.random.PRNGKey(seed)
+def _layer_projection(module: nn.Module, num_features: int, dim: int, orthogonal: bool,
+                      deterministic: bool, redraw_every: int) -> Array:
+  """This layer's `[m, D]` Gaussian projection (`gaussian_projection`), kept in
+  the "random" collection: drawn at initialisation, redrawn in training every
+  `redraw_every` calls, fixed in evaluation (`common.layer_random`)."""
+  common.check_size("num_features", num_features)
+  draw = lambda rng: gaussian_projection(rng, num_features, dim, orthogonal=orthogonal)
+  projection = common.layer_random(module, "projection", draw, deterministic=deterministic,
+                                   redraw_every=redraw_every)
+  return jax.lax.stop_gradient(projection)
 
 
 def _scaled(query: Array, key: Array, scale: Optional[float]):
@@ -231,8 +272,10 @@ def _scaled(query: Array, key: Array, scale: Optional[float]):
 
 
 # ----------------------------------------------------------------------------
-# performer: FAVOR+ positive random features.
+# performer: FAVOR+ positive random features, or the generalized ReLU kernel.
 # ----------------------------------------------------------------------------
+
+PERFORMER_KERNELS = ("softmax", "relu")
 
 
 def positive_feature_logits(x: Array, projection: Array) -> Array:
@@ -264,13 +307,63 @@ def performer_features(query: Array, key: Array, projection: Array,
   return jnp.exp(q_logits - q_max), jnp.exp(k_logits - k_max)
 
 
+def stabilized_performer_features(query: Array, key: Array, projection: Array,
+                                  key_valid: Optional[Array], epsilon: float):
+  """FAVOR+ features as the Performer reference code (forked by the LRA release,
+  `nonnegative_softmax_kernel_feature_creator`) stabilises them:
+
+      phi(x) = (exp(w_i^T x - |x|^2 / 2 - c) + epsilon) / sqrt(m),
+
+  with c the largest projection w_i^T x (not the largest logit): per query over
+  its m features, and per (batch, head) over the features of every (valid) key.
+  Unlike `performer_features` the result depends on c through `epsilon`, so it
+  is reproduced as written (gradients flow through c, as there).
+
+  query: `[B, Tq, H, D]`, key: `[B, Tk, Hkv, D]` (already scaled), projection
+  `[m, D]`, key_valid `[B, Tk]` or None. Returns `([B, Tq, H, m], [B, Tk, Hkv, m])`.
+  """
+  ratio = projection.shape[0] ** -0.5
+  q_dash = jnp.einsum("...d,md->...m", query, projection)
+  k_dash = jnp.einsum("...d,md->...m", key, projection)
+  q_diag = 0.5 * jnp.sum(query * query, axis=-1, keepdims=True)
+  k_diag = 0.5 * jnp.sum(key * key, axis=-1, keepdims=True)
+  q_shift = jnp.max(q_dash, axis=-1, keepdims=True)
+  valid_dash = k_dash if key_valid is None else jnp.where(key_valid[:, :, None, None], k_dash,
+                                                          -jnp.inf)
+  k_shift = jnp.max(valid_dash, axis=(1, 3), keepdims=True)
+  k_shift = jnp.where(jnp.isfinite(k_shift), k_shift, 0.0)
+  q_feat = ratio * (jnp.exp(q_dash - q_diag - q_shift) + epsilon)
+  k_feat = ratio * (jnp.exp(k_dash - k_diag - k_shift) + epsilon)
+  return q_feat, k_feat
+
+
+def relu_kernel_features(x: Array, epsilon: float) -> Array:
+  """relu(x) + epsilon: the generalized-attention features of the Performer
+  reference code with its ReLU kernel and no random projection (`features_type=
+  'deterministic'`, what the LRA release's Performer runs by default)."""
+  return jax.nn.relu(x) + epsilon
+
+
+def check_performer_kernel(kernel: str) -> str:
+  if kernel not in PERFORMER_KERNELS:
+    raise ValueError(f"kernel must be one of {PERFORMER_KERNELS}, got {kernel!r}.")
+  return kernel
+
+
 def performer_attention(query: Array, key: Array, value: Array, bias: Optional[Array] = None,
                         mask: Optional[Array] = None, *, is_causal: bool = False,
                         query_seq_lengths: Optional[Array] = None,
                         key_value_seq_lengths: Optional[Array] = None, segment_ids=None,
-                        projection: Array, scale: Optional[float] = None,
+                        projection: Optional[Array] = None, kernel: str = "softmax",
+                        scale: Optional[float] = None, kernel_epsilon: float = 0.0,
+                        numerical_stabilizer: float = 0.0, mask_padding: bool = True,
                         chunk_size: int = DEFAULT_CHUNK_SIZE) -> Array:
-  """FAVOR+ estimate of softmax(q k^T * scale) v in O(T m).
+  """Performer attention in O(T m): phi(Q) (phi(K)^T V) / (phi(Q) sum phi(K)).
+
+  kernel="softmax" (FAVOR+, the paper's method): phi are positive orthogonal
+  random features, an unbiased estimate of softmax(q k^T * scale) v.
+  kernel="relu" (the paper's generalized attention with the ReLU kernel, no
+  random features): phi(x) = relu(sqrt(scale) x) + kernel_epsilon.
 
   Args:
     query: `[B, Tq, H, D]`; key: `[B, Tk, Hkv, D]`; value: `[B, Tk, Hkv, Dv]`.
@@ -278,44 +371,86 @@ def performer_attention(query: Array, key: Array, value: Array, bias: Optional[A
     mask: key-padding mask `[B|1, 1, 1, Tk]` only.
     is_causal: prefix sums over a chunked scan (Tq == Tk).
     query_seq_lengths, key_value_seq_lengths: `[B]` padding.
-    projection: `[m, D]` random features (`gaussian_projection`, made by `PerformerFeatures`).
-    scale: logit scale, 1/sqrt(D) by default.
+    projection: `[m, D]` random features (`gaussian_projection`, made by
+      `PerformerFeatures`); needed by the softmax kernel, unused by relu.
+    kernel: "softmax" or "relu", as above.
+    scale: q and k are multiplied by sqrt(scale) before the features;
+      1/sqrt(D) by default (the softmax kernel's temperature). The LRA release's
+      ReLU kernel takes q and k as they are: scale=1.
+    kernel_epsilon: relu only: added to every feature (the release: 1e-3).
+    numerical_stabilizer: softmax only: eps > 0 gives the reference code's
+      stabilised features (`stabilized_performer_features`, eps added to every
+      feature) and adds 2 eps to normalisers with |R| <= eps (the release:
+      1e-6). 0: exact features stabilised by their largest logit.
+    mask_padding: apply the padding. False ignores it as the release's
+      Performer does (it never applies its attention bias): padded keys are
+      attended and padded queries get outputs.
     chunk_size: chunk of the causal scan.
 
   Returns:
     `[B, Tq, H, Dv]`.
   """
   key_valid = _prepare("performer", query, key, bias, mask, is_causal, segment_ids,
-                       key_value_seq_lengths)
+                       key_value_seq_lengths, mask_padding)
+  check_performer_kernel(kernel)
+  kernel_epsilon = _check_epsilon("kernel_epsilon", kernel_epsilon)
+  numerical_stabilizer = _check_epsilon("numerical_stabilizer", numerical_stabilizer)
   scaled_q, scaled_k = _scaled(query.astype(jnp.float32), key.astype(jnp.float32), scale)
-  q_feat, k_feat = performer_features(scaled_q, scaled_k, projection.astype(jnp.float32),
-                                      key_valid)
+  normalizer = None
+  if kernel == "relu":
+    if numerical_stabilizer:
+      raise ValueError(f"numerical_stabilizer is an option of the softmax kernel, got "
+                       f"{numerical_stabilizer!r} with kernel='relu' (its features are "
+                       f"relu(x) + kernel_epsilon).")
+    q_feat = relu_kernel_features(scaled_q, kernel_epsilon)
+    k_feat = relu_kernel_features(scaled_k, kernel_epsilon)
+  else:
+    if kernel_epsilon:
+      raise ValueError(f"kernel_epsilon is an option of the relu kernel, got {kernel_epsilon!r} "
+                       f"with kernel='softmax' (see numerical_stabilizer).")
+    if projection is None:
+      raise ValueError("performer's softmax kernel needs projection, its [m, D] random "
+                       "features (MultiHeadAttention's extras module supplies them).")
+    projection = projection.astype(jnp.float32)
+    if numerical_stabilizer:
+      q_feat, k_feat = stabilized_performer_features(scaled_q, scaled_k, projection, key_valid,
+                                                     numerical_stabilizer)
+      eps = numerical_stabilizer
+      normalizer = lambda r: r + 2 * eps * (jnp.abs(r) <= eps)
+    else:
+      q_feat, k_feat = performer_features(scaled_q, scaled_k, projection, key_valid)
   heads = query.shape[2]
   out = feature_attention(q_feat, common.repeat_kv_heads(k_feat, heads),
                           common.repeat_kv_heads(value.astype(jnp.float32), heads),
-                          is_causal=is_causal, key_valid=key_valid, chunk_size=chunk_size)
-  return common.zero_padded_queries(out.astype(query.dtype), query_seq_lengths)
+                          is_causal=is_causal, key_valid=key_valid, chunk_size=chunk_size,
+                          normalizer=normalizer)
+  return _padded_queries_zeroed(out.astype(query.dtype), query_seq_lengths, mask_padding)
 
 
 class PerformerFeatures(nn.Module):
-  """The random projection of `performer`: `{"projection": [m, D]}`.
+  """The random projection of `performer`'s softmax kernel, `{"projection": [m, D]}`,
+  one per layer (`common.layer_random`); nothing for the relu kernel.
 
   Attributes:
     num_features: m.
     orthogonal: orthogonal random features (FAVOR+); iid Gaussian otherwise.
-    seed: used when no `attention` PRNG stream is given (fixed features).
+    kernel: "softmax" (random features) or "relu" (none); also `performer_attention`'s.
+    redraw_every: training calls between redraws (1: every step, as the
+      Performer's reference code, which redraws at every call; 0: never).
   """
 
   num_features: int = 64
   orthogonal: bool = True
-  seed: int = 0
+  kernel: str = "softmax"
+  redraw_every: int = 1
 
   @nn.compact
   def __call__(self, query, key, value, deterministic: bool = True):
-    del key, value, deterministic  # Redraws follow the `attention` stream, not dropout.
-    projection = gaussian_projection(_draw_rng(self, self.seed), self.num_features,
-                                     query.shape[-1], orthogonal=self.orthogonal)
-    return {"projection": jax.lax.stop_gradient(projection)}
+    del key, value
+    if check_performer_kernel(self.kernel) == "relu":
+      return {}
+    return {"projection": _layer_projection(self, self.num_features, query.shape[-1],
+                                            self.orthogonal, deterministic, self.redraw_every)}
 
 
 # ----------------------------------------------------------------------------
@@ -409,27 +544,28 @@ def rfa_attention(query: Array, key: Array, value: Array, bias: Optional[Array] 
 
 
 class RfaFeatures(nn.Module):
-  """The arrays of `rfa`: `{"projection": [m, D]}` plus, when `gated`, the gate's
-  `gate_kernel [Hkv, D]` and `gate_bias [Hkv]` (learned parameters).
+  """The arrays of `rfa`: `{"projection": [m, D]}` (one per layer, `common.layer_random`)
+  plus, when `gated`, the gate's `gate_kernel [Hkv, D]` and `gate_bias [Hkv]`
+  (learned parameters).
 
   Attributes:
     num_features: m (the features are 2m: sin and cos).
     orthogonal: orthogonal blocks instead of iid Gaussian rows.
     gated: learned gate on the causal recurrence.
-    seed: used when no `attention` PRNG stream is given (fixed features).
+    redraw_every: training calls between redraws (1: every step; 0: never).
   """
 
   num_features: int = 64
   orthogonal: bool = False
   gated: bool = False
-  seed: int = 0
+  redraw_every: int = 1
 
   @nn.compact
   def __call__(self, query, key, value, deterministic: bool = True):
-    del value, deterministic
-    projection = gaussian_projection(_draw_rng(self, self.seed), self.num_features,
-                                     query.shape[-1], orthogonal=self.orthogonal)
-    arrays = {"projection": jax.lax.stop_gradient(projection)}
+    del value
+    arrays = {"projection": _layer_projection(self, self.num_features, query.shape[-1],
+                                              self.orthogonal, deterministic,
+                                              self.redraw_every)}
     if self.gated:
       kv_heads, dim = key.shape[2], key.shape[3]
       arrays["gate_kernel"] = self.param("gate_kernel", nn.initializers.normal(dim ** -0.5),
@@ -440,16 +576,44 @@ class RfaFeatures(nn.Module):
 
 _LINEAR = dict(family="linear", subquadratic=True, exact=False, causal=True, cross=True)
 _CHUNK = dict(chunk_size="causal form: positions per chunk of the prefix-sum scan")
+_MASK_PADDING = dict(mask_padding="apply the padding; False ignores it (the LRA release)")
 _FEATURES = dict(num_features="random features m",
                  orthogonal="orthogonal random projections (else i.i.d. Gaussian)",
-                 seed="feature seed when the caller gives no 'attention' RNG stream",
+                 redraw_every="training calls between redraws of a layer's features "
+                              "(1: every step; 0: never); evaluation keeps the last draw",
                  scale="multiplies q and k's product; 1/sqrt(D) when None")
 registry.register(registry.VariantSpec(
     name="linear", fn=linear_attention, complexity="O(T D Dv)",
-    paper="Katharopoulos et al. 2020", options=_CHUNK, **_LINEAR))
+    paper="Katharopoulos et al. 2020",
+    options=dict(_CHUNK, epsilon="added to the normaliser (the LRA release: 1e-6)",
+                 **_MASK_PADDING),
+    presets={"lra_release": registry.Preset(
+        options=dict(epsilon=1e-6, mask_padding=False),
+        doc="The release's linear attention (models/linear_transformer/linear_attention.py) "
+            "is ours (elu + 1 features) with 1e-6 added to the normaliser, and it applies no "
+            "padding mask (padded tokens are attended).")},
+    **_LINEAR))
 registry.register(registry.VariantSpec(
     name="performer", fn=performer_attention, complexity="O(T m D)",
-    paper="Choromanski et al. 2021", extras=PerformerFeatures, options={**_FEATURES, **_CHUNK},
+    paper="Choromanski et al. 2021", extras=PerformerFeatures,
+    options=dict(
+        _FEATURES,
+        kernel="'softmax' (FAVOR+ random features) or 'relu' (generalized attention, "
+               "relu(x) + kernel_epsilon, no random features)",
+        kernel_epsilon="relu kernel: added to every feature (the LRA release: 1e-3)",
+        numerical_stabilizer="softmax kernel: the reference code's eps (features + eps after "
+                             "its max-projection shift, 2 eps on tiny normalisers; the LRA "
+                             "release: 1e-6); 0: exact features",
+        **_MASK_PADDING, **_CHUNK),
+    presets={"lra_release": registry.Preset(
+        options=dict(kernel="relu", kernel_epsilon=1e-3, scale=1.0, mask_padding=False),
+        tasks={"listops": dict(kernel="softmax", kernel_epsilon=0.0, scale=None,
+                               num_features=2, numerical_stabilizer=1e-6, redraw_every=1)},
+        doc="The release's Performer (models/performer/) defaults to generalized attention "
+            "with the ReLU kernel: features relu(x) + 1e-3 of the unscaled q and k, no random "
+            "features; ListOps's config runs FAVOR+ with 2 orthogonal features and the "
+            "reference code's 1e-6 stabiliser, redrawn at every call. No padding mask, and "
+            "no attention dropout, on any task.")},
     **_LINEAR))
 registry.register(registry.VariantSpec(
     name="rfa", fn=rfa_attention, complexity="O(T m D)", paper="Peng et al. 2021",

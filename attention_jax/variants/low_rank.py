@@ -56,13 +56,15 @@ def linformer_attention(query: Array, key: Array, value: Array, bias: Optional[A
                         query_seq_lengths: Optional[Array] = None,
                         key_value_seq_lengths: Optional[Array] = None, segment_ids=None,
                         key_projection: Array, value_projection: Optional[Array] = None,
-                        scale: Optional[float] = None) -> Array:
+                        scale: Optional[float] = None, mask_padding: bool = True) -> Array:
   """softmax(Q (E^T K)^T * scale) (F^T V): attention over k length-projected keys.
 
   Padding is applied as in the paper, by zeroing padded keys and values before
   the projection. That is an approximation of masking: the padded content no
   longer matters, but the projected rows are mixtures of valid keys and zeros,
-  not of the valid keys alone.
+  not of the valid keys alone. `mask_padding=False` applies no padding at all,
+  as the LRA release's Linformer (models/linformer/linformer_attention.py),
+  which takes a padding mask and never uses it.
 
   Args:
     query: `[B, Tq, H, D]`; key: `[B, Tk, Hkv, D]`; value: `[B, Tk, Hkv, Dv]`.
@@ -74,6 +76,8 @@ def linformer_attention(query: Array, key: Array, value: Array, bias: Optional[A
       a shorter input uses its first Tk rows.
     value_projection: F, `[L, k]`; E when None (the paper's shared projection).
     scale: logit scale, 1/sqrt(D) by default.
+    mask_padding: apply the padding (above); False: padded keys are projected
+      like any other and padded queries get outputs (the LRA release).
 
   Returns:
     `[B, Tq, H, Dv]`.
@@ -86,13 +90,18 @@ def linformer_attention(query: Array, key: Array, value: Array, bias: Optional[A
                      f"Tk={kv_len}: build the module with the longest length it will see.")
   common.check_size("projected_length", projected_length, length=kv_len)
   value_projection = key_projection if value_projection is None else value_projection
+  # Checked (a pairwise mask is refused) even when the padding is not applied.
   key_valid = common.key_padding("linformer", mask, key_value_seq_lengths, batch, kv_len)
-  key, value = _zero_padded_keys(key, value, key_valid)
+  if mask_padding:
+    key, value = _zero_padded_keys(key, value, key_valid)
   projected_key = jnp.einsum("bthd,tk->bkhd", key, key_projection[:kv_len].astype(key.dtype))
   projected_value = jnp.einsum("bthd,tk->bkhd", value,
                                value_projection[:kv_len].astype(value.dtype))
   out = dot_product_attention(query, projected_key, projected_value, scale=scale)
-  return common.zero_padded_queries(out, query_seq_lengths)
+  return common.zero_padded_queries(out, query_seq_lengths) if mask_padding else out
+
+
+LINFORMER_INITS = ("normal", "xavier_uniform")
 
 
 class LinformerProjections(nn.Module):
@@ -100,17 +109,26 @@ class LinformerProjections(nn.Module):
 
   Attributes:
     projected_length: k, at most the key length.
-    share_kv: one projection for keys and values (E = F), a variant of the paper.
+    share_kv: one projection for keys and values (E = F), the paper's
+      key-value sharing (and the LRA release's single `lr_kernel`).
+    projection_init: "normal": N(0, 1/Tk) entries, so that a projected row
+      (a sum of Tk keys) keeps the scale of one key; "xavier_uniform": the LRA
+      release's, U(-a, a) with a = sqrt(6 / (Tk + k)) (Glorot over the `[Tk, k]`
+      matrix; the release sizes it for its max_len).
   """
 
   projected_length: int = 64
   share_kv: bool = False
+  projection_init: str = "normal"
 
   @nn.compact
   def __call__(self, query, key, value, deterministic: bool = True):
     del query, value, deterministic
     kv_len = key.shape[1]
     common.check_size("projected_length", self.projected_length, length=kv_len)
+    if self.projection_init not in LINFORMER_INITS:
+      raise ValueError(f"projection_init must be one of {LINFORMER_INITS}, got "
+                       f"{self.projection_init!r}.")
     names = ("key_projection",) if self.share_kv else ("key_projection", "value_projection")
     return {name: self._projection(name, kv_len) for name in names}
 
@@ -119,8 +137,11 @@ class LinformerProjections(nn.Module):
     # it is, and linformer_attention refuses longer ones.
     if self.has_variable("params", name):
       return self.get_variable("params", name)
-    # Each projected row sums Tk keys: variance 1/Tk keeps its scale that of one key.
-    init = nn.initializers.normal(stddev=kv_len ** -0.5)
+    if self.projection_init == "xavier_uniform":
+      init = nn.initializers.xavier_uniform()
+    else:
+      # Each projected row sums Tk keys: variance 1/Tk keeps its scale that of one key.
+      init = nn.initializers.normal(stddev=kv_len ** -0.5)
     return self.param(name, init, (kv_len, self.projected_length))
 
 
@@ -447,7 +468,18 @@ registry.register(registry.VariantSpec(
     name="linformer", fn=linformer_attention, complexity="O(T k)", subquadratic=True,
     causal=False, cross=True, paper="Wang et al. 2020", extras=LinformerProjections,
     options=dict(projected_length="k, the length keys and values are projected to",
-                 share_kv="one projection E = F for keys and values", scale="multiplies the logits; 1/sqrt(D) when None"),
+                 share_kv="one projection E = F for keys and values",
+                 projection_init="'normal' (N(0, 1/Tk)) or 'xavier_uniform' (the LRA release)",
+                 mask_padding="zero padded keys before projecting; False ignores padding "
+                              "(the LRA release)",
+                 scale="multiplies the logits; 1/sqrt(D) when None"),
+    presets={"lra_release": registry.Preset(
+        options=dict(projected_length=16, share_kv=True, projection_init="xavier_uniform",
+                     mask_padding=False),
+        doc="The release's LinformerAttention (models/linformer/linformer_attention.py) "
+            "projects keys and values with one shared Glorot-uniform [max_len, 16] kernel "
+            "(its blocks never pass low_rank_features; Text's config sets 32 where train.py "
+            "does not read it) and ignores the padding mask.")},
     **_LOW_RANK))
 registry.register(registry.VariantSpec(
     name="nystromformer", fn=nystromformer_attention, complexity="O(T m + m^3)",

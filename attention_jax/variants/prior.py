@@ -12,7 +12,15 @@ token-token interactions, then softmax-normalised and applied to the values.
 
 All three are `synthesizer_attention` with the logits made by their `extras`
 module. The logits are [B|1, H, Tq, Tk], so the cost is O(T^2) like dense
-attention; the saving of the paper is in not computing q k^T.
+attention; the saving of the paper is in not computing q k^T. They read no
+key projection (and the random ones no query projection either), so
+`MultiHeadAttention` makes none (`unused_projections` of their modules).
+
+`mix_dot_product=True` adds the scaled q . k logits to the synthetic ones
+before the one softmax: the LRA release's "Synthesizer" (models/synthesizer/
+synthesizer_attention.py, `synthetic_attention` with its default
+`ignore_dot_product=False`), the paper's Random + Vanilla mixture without the
+paper's learned mixing weights (the release adds the logits as they are).
 
 RealFormer (He et al. 2020), `realformer`: residual attention, each layer's
 logits plus the previous layer's. The scores flow from block to block in the
@@ -49,15 +57,19 @@ def synthesizer_attention(
     key_value_seq_lengths: Optional[Array] = None,
     segment_ids=None,
     synthetic_logits: Array,
+    mix_dot_product: bool = False,
+    scale: Optional[float] = None,
     dropout_rate: float = 0.0,
     dropout_rng: Optional[jax.Array] = None,
 ) -> Array:
-  """softmax(synthetic_logits + bias, masked) v.
+  """softmax(synthetic_logits [+ q . k * scale] + bias, masked) v.
 
-  The query and key contents are not used (the extras module has already made
-  the logits from what it needs); they give Tq and Tk. Padding, causal,
-  segment masks and `mask` are applied to the logits by the masked softmax, so
-  masked keys get exactly zero weight and queries that see nothing output zeros.
+  Without `mix_dot_product` the query and key contents are not used (the
+  extras module has already made the logits from what it needs; the layer
+  passes shape-only stand-ins for projections it does not make); they give Tq
+  and Tk. Padding, causal, segment masks and `mask` are applied to the logits
+  by the masked softmax, so masked keys get exactly zero weight and queries
+  that see nothing output zeros.
 
   Args:
     query: `[B, Tq, H, D]`.
@@ -69,6 +81,10 @@ def synthesizer_attention(
     query_seq_lengths, key_value_seq_lengths: `[B]` valid lengths.
     segment_ids: `[B, T]` or `(q_segment_ids, kv_segment_ids)`.
     synthetic_logits: `[B|1, H, Tq, Tk]` the synthesised scores.
+    mix_dot_product: add the dot-product logits q . k * scale to them before
+      the softmax (the LRA release's Random Synthesizer, R + V).
+    scale: the dot-product logits' scale, 1/sqrt(D) when None; only with
+      `mix_dot_product`.
     dropout_rate, dropout_rng: dropout on the attention weights.
 
   Returns:
@@ -85,6 +101,14 @@ def synthesizer_attention(
     raise ValueError(f"value must be [B, Tk, Hkv, Dv] with Tk = {kv_len} and Hkv dividing "
                      f"H = {num_heads}, got shape {list(value.shape)}.")
   logits = synthetic_logits.astype(jnp.float32)
+  if mix_dot_product:
+    scale = query.shape[-1] ** -0.5 if scale is None else scale
+    keys = common.repeat_kv_heads(key, num_heads)
+    logits = logits + jnp.einsum("bqhd,bkhd->bhqk", query, keys,
+                                 preferred_element_type=jnp.float32) * scale
+  elif scale is not None:
+    raise ValueError(f"scale multiplies the dot-product logits, which only mix_dot_product=True "
+                     f"adds; got scale={scale!r} with mix_dot_product=False.")
   if bias is not None:
     logits = logits + jnp.asarray(bias, jnp.float32)
   q_segments, kv_segments = split_segment_ids(segment_ids)
@@ -125,6 +149,12 @@ class DenseSyntheticLogits(nn.Module):
   hidden_dim: Optional[int] = None
   param_dtype: Dtype = jnp.float32
 
+  @staticmethod
+  def unused_projections(options: Mapping[str, Any]) -> frozenset:
+    """The projections `MultiHeadAttention` need not make: the key's, unless
+    the dot-product logits are mixed in (`options["mix_dot_product"]`)."""
+    return frozenset() if options.get("mix_dot_product") else frozenset({"key"})
+
   @nn.compact
   def __call__(self, query: Array, key: Array, value: Array, *, deterministic: bool = True):
     """query `[B, Tq, H, D]` -> `{"synthetic_logits": [B, H, Tq, Tk]}`."""
@@ -154,31 +184,52 @@ class DenseSyntheticLogits(nn.Module):
     return dict(synthetic_logits=logits + b2[None, :, None, :kv_len])
 
 
+RANDOM_LOGITS_INITS = ("normal", "xavier_uniform")
+
+
 class _RandomLogits(nn.Module):
   """A (learned or fixed) random array of logits, sliced to the sequence lengths."""
 
   max_length: int = 512
   trainable: bool = True
-  seed: int = 0
+  logits_init: str = "normal"
   param_dtype: Dtype = jnp.float32
 
   variant = ""
+
+  @staticmethod
+  def unused_projections(options: Mapping[str, Any]) -> frozenset:
+    """The projections `MultiHeadAttention` need not make: query's and key's
+    (the logits depend on positions only), unless the dot-product logits are
+    mixed in (`options["mix_dot_product"]`)."""
+    return frozenset() if options.get("mix_dot_product") else frozenset({"query", "key"})
 
   def _check_lengths(self, query: Array, key: Array) -> None:
     _check_length(self.variant, "query length Tq", query.shape[1], self.max_length)
     _check_length(self.variant, "key length Tk", key.shape[1], self.max_length)
 
-  def _random(self, name: str, index: int, shape, stddev: float) -> Array:
-    """A trainable parameter, or (trainable=False) a constant drawn from `seed`.
+  def _random(self, name: str, shape, stddev: float) -> Array:
+    """A trainable parameter, or (trainable=False) a fixed array of this layer.
 
-    The fixed matrix is deliberately not drawn from the "attention" RNG stream:
-    the fixed Random Synthesizer keeps one matrix for the whole training run.
+    "normal": N(0, stddev^2) entries; "xavier_uniform": the LRA release's
+    Glorot-uniform initialisation of the array (fans over its last two axes
+    times the heads). The fixed array is drawn once per layer when the model is
+    initialised and kept in the "random" collection (`common.layer_random`,
+    never redrawn): the fixed Random Synthesizer keeps one matrix per layer for
+    the whole run.
     """
-    init = nn.initializers.normal(stddev)
+    if self.logits_init not in RANDOM_LOGITS_INITS:
+      raise ValueError(f"logits_init must be one of {RANDOM_LOGITS_INITS}, got "
+                       f"{self.logits_init!r}.")
+    if self.logits_init == "xavier_uniform":
+      init = nn.initializers.xavier_uniform()
+    else:
+      init = nn.initializers.normal(stddev)
     if self.trainable:
       return self.param(name, init, shape, self.param_dtype)
-    key = jax.random.fold_in(jax.random.PRNGKey(self.seed), index)
-    return jax.lax.stop_gradient(init(key, shape, self.param_dtype))
+    fixed = common.layer_random(self, name, lambda key: init(key, shape, self.param_dtype),
+                                deterministic=True, redraw_every=0)
+    return jax.lax.stop_gradient(fixed)
 
 
 class RandomSyntheticLogits(_RandomLogits):
@@ -186,8 +237,9 @@ class RandomSyntheticLogits(_RandomLogits):
 
   Attributes:
     max_length: Tmax; R is `[H, Tmax, Tmax]` and both Tq and Tk must fit.
-    trainable: learn R (as a parameter), or keep a fixed one drawn from `seed`.
-    seed: PRNG seed of the fixed matrix.
+    trainable: learn R (as a parameter), or keep the layer's initial draw fixed.
+    logits_init: "normal" (N(0, 1) entries) or "xavier_uniform" (the LRA
+      release's: U(-a, a) with a = sqrt(3 / (H Tmax)), so nearly zero logits).
   """
 
   variant = "synthesizer_random"
@@ -197,7 +249,7 @@ class RandomSyntheticLogits(_RandomLogits):
     """-> `{"synthetic_logits": [1, H, Tq, Tk]}`."""
     del value, deterministic
     self._check_lengths(query, key)
-    logits = self._random("logits", 0, (query.shape[2], self.max_length, self.max_length), 1.0)
+    logits = self._random("logits", (query.shape[2], self.max_length, self.max_length), 1.0)
     return dict(synthetic_logits=logits[None, :, :query.shape[1], :key.shape[1]])
 
 
@@ -207,8 +259,9 @@ class FactorizedSyntheticLogits(_RandomLogits):
   Attributes:
     max_length: Tmax; both Tq and Tk must fit.
     rank: k, the inner size of the factorisation.
-    trainable: learn R1, R2, or keep fixed ones drawn from `seed`.
-    seed: PRNG seed of the fixed factors.
+    trainable: learn R1, R2, or keep the layer's initial draws fixed.
+    logits_init: "normal" (entries of R1 R2^T of unit variance) or
+      "xavier_uniform" (the LRA release's initialisation of R1 and R2).
   """
 
   rank: int = 8
@@ -224,8 +277,8 @@ class FactorizedSyntheticLogits(_RandomLogits):
     shape = (query.shape[2], self.max_length, rank)
     # Entries of R1 R2^T then have unit variance, like the unfactorised R.
     stddev = rank ** -0.25
-    left = self._random("query_factor", 0, shape, stddev)[:, :query.shape[1]]
-    right = self._random("key_factor", 1, shape, stddev)[:, :key.shape[1]]
+    left = self._random("query_factor", shape, stddev)[:, :query.shape[1]]
+    right = self._random("key_factor", shape, stddev)[:, :key.shape[1]]
     return dict(synthetic_logits=jnp.einsum("hqr,hkr->hqk", left, right)[None])
 
 
@@ -315,12 +368,23 @@ registry.register(registry.VariantSpec(
 _SYNTHESIZER = dict(fn=synthesizer_attention, family="prior", complexity="O(T^2)",
                     subquadratic=False, exact=False, causal=True, cross=True,
                     paper="Tay et al. 2021")
-_MAX_LENGTH = dict(max_length="longest key sequence the synthetic logits cover")
-_RANDOM = dict(_MAX_LENGTH, trainable="learn the random logits (else fixed)",
-               seed="initial logits' seed")
+_COMMON = dict(max_length="longest key sequence the synthetic logits cover",
+               mix_dot_product="add the scaled q . k logits before the softmax (the LRA "
+                               "release's default, R + V)",
+               scale="multiplies the mixed-in q . k logits; 1/sqrt(D) when None")
+_RANDOM = dict(_COMMON, trainable="learn the random logits (else fixed per layer)",
+               logits_init="'normal' or 'xavier_uniform' (the LRA release) initial logits")
 registry.register(registry.VariantSpec(
     name="synthesizer_dense", extras=DenseSyntheticLogits,
-    options=dict(_MAX_LENGTH, hidden_dim="width of the logit MLP; the head dim when None"),
+    options=dict(_COMMON, hidden_dim="width of the logit MLP; the head dim when None"),
+    presets={"lra_release": registry.Preset(
+        options=dict(mix_dot_product=True, logits_init="xavier_uniform"),
+        variant="synthesizer_random",
+        doc="The release's Synthesizer (models/synthesizer/) defaults to "
+            "synthesizer_mode='random' with ignore_dot_product=False: a learned "
+            "[H, max_len, max_len] Glorot-uniform logit matrix added to q . k / sqrt(D) "
+            "before one softmax (R + V), on every task (Text's config sets another mode at "
+            "the top level, where train.py does not read it).")},
     **_SYNTHESIZER))
 registry.register(registry.VariantSpec(name="synthesizer_random", extras=RandomSyntheticLogits,
                                        options=_RANDOM, **_SYNTHESIZER))

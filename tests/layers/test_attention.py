@@ -201,3 +201,116 @@ def test_decode_refuses_cross_attention():
   with pytest.raises(ValueError, match="decode=True caches self-attention"):
     MultiHeadAttention(num_heads=H, decode=True).init(jax.random.PRNGKey(0), _inputs(),
                                                       _inputs(1))
+
+
+# ---------------------------------------------------------------------------
+# Projections a variant does not read are neither created nor computed.
+
+
+def _np_softmax(logits):
+  logits = logits - logits.max(-1, keepdims=True)
+  weights = np.exp(logits)
+  return weights / weights.sum(-1, keepdims=True)
+
+
+def _np_project(x, p):
+  """x [B, T, E] through a HeadProjection's kernel [E, H, D] and bias [H, D]."""
+  return np.einsum("bte,ehd->bthd", x, np.asarray(p["kernel"])) + np.asarray(p["bias"])
+
+
+def _np_out(out, p):
+  """[B, T, H, D] through the output projection ([H, D, E] kernel, [E] bias)."""
+  return np.einsum("bthd,hde->bte", out, np.asarray(p["kernel"])) + np.asarray(p["bias"])
+
+
+def _np_attend(weights, value):
+  """weights [B|1, H, Tq, Tk], value [B, Tk, H, D] -> [B, Tq, H, D]."""
+  return np.einsum("bhqk,bkhd->bqhd", weights, value)
+
+
+def _keyless_layer(attention, **options):
+  module = MultiHeadAttention(num_heads=2, attention=attention, attention_options=options)
+  x = np.asarray(_inputs(5))
+  params = _init(module, jnp.asarray(x))["params"]
+  return module, x, params, np.asarray(module.apply({"params": params}, jnp.asarray(x)))
+
+
+@pytest.mark.property("lsh")
+def test_lsh_makes_no_key_projection_and_is_shared_qk_attention():
+  # One bucket and one chunk: LSH is exactly dense attention over the shared
+  # keys k_j = q_j / |q_j| with a token's own key penalised (Kitaev et al.).
+  from attention_jax.variants import hashing  # pylint: disable=g-import-not-at-top
+  module, x, params, out = _keyless_layer("lsh", n_buckets=1, chunk_size=T, n_hashes=1)
+  assert set(params) == {"query", "value", "out"}
+  q, v = _np_project(x, params["query"]), _np_project(x, params["value"])
+  k = q / np.linalg.norm(q, axis=-1, keepdims=True)
+  logits = np.einsum("bqhd,bkhd->bhqk", q, k) * q.shape[-1] ** -0.5
+  logits = logits - hashing.SELF_ATTENTION_PENALTY * np.eye(T)
+  expected = _np_out(_np_attend(_np_softmax(logits), v), params["out"])
+  assert_close(out, expected, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.property("synthesizer_dense")
+def test_dense_synthesizer_makes_no_key_projection():
+  module, x, params, out = _keyless_layer("synthesizer_dense", max_length=8)
+  assert set(params) == {"query", "value", "variant", "out"}
+  p = {k: np.asarray(w) for k, w in params["variant"].items()}
+  q, v = _np_project(x, params["query"]), _np_project(x, params["value"])
+  hidden = np.maximum(np.einsum("bqhd,hdf->bhqf", q, p["hidden_kernel"])
+                      + p["hidden_bias"][None, :, None], 0.0)
+  logits = (np.einsum("bhqf,hfk->bhqk", hidden, p["logits_kernel"])
+            + p["logits_bias"][None, :, None])[..., :T]
+  expected = _np_out(_np_attend(_np_softmax(logits), v), params["out"])
+  assert_close(out, expected, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.property("synthesizer_random")
+@pytest.mark.property("synthesizer_factorized")
+@pytest.mark.parametrize("attention", ["synthesizer_random", "synthesizer_factorized"])
+def test_random_synthesizers_make_neither_query_nor_key_projection(attention):
+  module, x, params, out = _keyless_layer(attention, max_length=8)
+  assert set(params) == {"value", "variant", "out"}
+  p = {k: np.asarray(w) for k, w in params["variant"].items()}
+  if attention == "synthesizer_random":
+    logits = p["logits"][:, :T, :T]
+  else:
+    logits = np.einsum("hqr,hkr->hqk", p["query_factor"][:, :T], p["key_factor"][:, :T])
+  v = _np_project(x, params["value"])
+  expected = _np_out(_np_attend(_np_softmax(logits[None]), v), params["out"])
+  assert_close(out, expected, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.property("synthesizer_random")
+def test_random_synthesizer_mixed_with_dot_products_projects_queries_and_keys():
+  module, x, params, out = _keyless_layer("synthesizer_random", max_length=8,
+                                          mix_dot_product=True)
+  assert set(params) == {"query", "key", "value", "variant", "out"}
+  q, k, v = (_np_project(x, params[name]) for name in ("query", "key", "value"))
+  logits = (np.einsum("bqhd,bkhd->bhqk", q, k) * q.shape[-1] ** -0.5
+            + np.asarray(params["variant"]["logits"])[None, :, :T, :T])
+  expected = _np_out(_np_attend(_np_softmax(logits), v), params["out"])
+  assert_close(out, expected, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.property("synthesizer_dense")
+def test_decoding_a_keyless_variant_caches_values_only():
+  x = _inputs(3)
+  full = MultiHeadAttention(num_heads=H, attention="synthesizer_dense",
+                            attention_options={"max_length": T})
+  params = _init(full, x)["params"]
+  expected = full.apply({"params": params}, x, is_causal=True)
+  decoder = full.clone(decode=True)
+  cache = decoder.init(jax.random.PRNGKey(0), x)["cache"]
+  assert set(cache) == {"cached_value", "cache_index"}
+  actual = _decode_step_by_step(decoder, params, x, cache)
+  assert_close(actual, expected, rtol=1e-5, atol=2e-5)
+
+
+def test_attention_dropout_on_a_variant_without_weights_is_refused():
+  module = MultiHeadAttention(num_heads=H, attention="linear", dropout_rate=0.1)
+  x = _inputs()
+  params = _init(module, x)["params"]
+  with pytest.raises(ValueError, match=r"'linear' has no attention weights to drop; got "
+                                       r"dropout_rate=0.1"):
+    module.apply({"params": params}, x, deterministic=False,
+                 rngs={"dropout": jax.random.PRNGKey(0)})

@@ -2,6 +2,7 @@
 (random-feature estimates of softmax attention)."""
 
 import functools
+import flax
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -10,7 +11,8 @@ import pytest
 
 import attention_jax
 from attention_jax.core import reference_attention
-from attention_jax.variants import linear
+from attention_jax.models import build_model, default_model_config
+from attention_jax.variants import common, linear
 from attention_testing import assert_close, assert_same_outputs_and_grads, loop_mask, random_qkv
 
 # This file's tolerance: float32 sums over whole sequences in a different order.
@@ -268,20 +270,80 @@ def test_runs_through_multi_head_attention_under_jit(name, options, is_causal):
   assert has_gate == bool(options.get("gated"))
 
 
-def test_random_features_are_fixed_without_an_attention_rng_and_redrawn_with_one():
-  options = {"num_features": 8}
-  _, fixed = _run_module("performer", options, False)
-  _, again = _run_module("performer", options, False)
-  assert_close(fixed, again, rtol=0, atol=0)
-  _, redraw_a = _run_module("performer", options, False, {"attention": jax.random.PRNGKey(1)})
-  _, redraw_b = _run_module("performer", options, False, {"attention": jax.random.PRNGKey(2)})
-  assert np.abs(np.asarray(redraw_a) - np.asarray(redraw_b)).max() > 1e-4
-  features = linear.PerformerFeatures(num_features=8, seed=3)
-  q = jnp.zeros((1, 4, 2, 8))
-  fixed = features.apply({}, q, q, q)["projection"]
-  drawn = features.apply({}, q, q, q, rngs={"attention": jax.random.PRNGKey(0)})["projection"]
-  assert_close(fixed, linear.gaussian_projection(jax.random.PRNGKey(3), 8, 8), rtol=0, atol=0)
-  assert not np.allclose(fixed, drawn)
+def _layer_projections(random_collection):
+  """{path: projection} of every layer's features in a "random" collection."""
+  flat = flax.traverse_util.flatten_dict(flax.core.unfreeze(random_collection))
+  return {path: np.asarray(value) for path, value in flat.items() if path[-1] == "projection"}
+
+
+@pytest.mark.property("performer")
+@pytest.mark.property("rfa")
+@pytest.mark.parametrize("name", ["performer", "rfa"])
+def test_each_layer_of_a_model_draws_its_own_features(name):
+  config = default_model_config()
+  config.update(dict(attention=name, attention_options={"num_features": 4}, vocab_size=11,
+                     num_classes=2, num_layers=2, embed_dim=16, num_heads=2, mlp_dim=16,
+                     max_length=8, dropout_rate=0.0))
+  model = build_model(config)
+  tokens = jnp.arange(16).reshape(2, 8) % 11
+  variables = model.init(jax.random.PRNGKey(0), tokens)
+  projections = _layer_projections(variables[common.RANDOM_COLLECTION])
+  assert len(projections) == 2, sorted(projections)
+  first, second = projections.values()
+  assert first.shape == second.shape == (4, 8)
+  assert np.abs(first - second).max() > 0.1
+
+
+def _attention_module(name, redraw_every):
+  return attention_jax.MultiHeadAttention(
+      num_heads=2, num_kv_heads=1, attention=name,
+      attention_options={"num_features": 4, "redraw_every": redraw_every})
+
+
+@pytest.mark.property("performer")
+@pytest.mark.property("rfa")
+@pytest.mark.parametrize("name", ["performer", "rfa"])
+def test_features_are_redrawn_at_training_calls_0_n_2n_and_fixed_in_evaluation(name):
+  module = _attention_module(name, redraw_every=2)
+  x = jax.random.normal(jax.random.PRNGKey(1), (2, 6, 16))
+  variables = module.init(jax.random.PRNGKey(0), x)
+  drawn = [_layer_projections(variables[common.RANDOM_COLLECTION])]
+  outputs = []
+  for step in range(5):  # as the trainer: the attention key is a function of the step
+    out, updates = module.apply(variables, x, deterministic=False,
+                                rngs={"attention": jax.random.fold_in(jax.random.key(0), step)},
+                                mutable=[common.RANDOM_COLLECTION])
+    variables = {**variables, **updates}
+    drawn.append(_layer_projections(variables[common.RANDOM_COLLECTION]))
+    outputs.append(np.asarray(out))
+  (path,) = drawn[0]
+  changed = [not np.array_equal(drawn[i + 1][path], drawn[i][path]) for i in range(5)]
+  assert changed == [True, False, True, False, True]
+  # The output of a call used that call's draw: it changed exactly when the features did.
+  assert [not np.array_equal(outputs[i], outputs[i - 1]) for i in range(1, 5)] == changed[1:]
+  # Evaluation: the kept draw, the same in two calls, and the collection is left alone.
+  evaluate = lambda: module.apply(variables, x, deterministic=True,
+                                  rngs={"attention": jax.random.key(9)},
+                                  mutable=[common.RANDOM_COLLECTION])
+  (first, kept), (second, _) = evaluate(), evaluate()
+  np.testing.assert_array_equal(np.asarray(first), np.asarray(second))
+  np.testing.assert_array_equal(_layer_projections(kept[common.RANDOM_COLLECTION])[path],
+                                drawn[-1][path])
+  # redraw_every=0: training never redraws.
+  never = _attention_module(name, redraw_every=0)
+  variables = never.init(jax.random.PRNGKey(0), x)
+  _, updates = never.apply(variables, x, deterministic=False,
+                           rngs={"attention": jax.random.key(3)}, mutable=[common.RANDOM_COLLECTION])
+  np.testing.assert_array_equal(_layer_projections(updates[common.RANDOM_COLLECTION])[path],
+                                _layer_projections(variables[common.RANDOM_COLLECTION])[path])
+
+
+def test_performer_relu_kernel_draws_no_features():
+  module = attention_jax.MultiHeadAttention(num_heads=2, attention="performer",
+                                            attention_options={"kernel": "relu"})
+  variables = module.init(jax.random.PRNGKey(0), jnp.ones((1, 6, 16)))
+  assert common.RANDOM_COLLECTION not in variables
+  assert "variant" not in variables["params"]
 
 
 def test_gates_need_causal():

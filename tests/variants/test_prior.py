@@ -7,7 +7,7 @@ import pytest
 
 import attention_jax
 from attention_jax.core import reference_attention
-from attention_jax.variants import prior
+from attention_jax.variants import common, prior
 from attention_testing import (B, H, KV_LENGTHS, Q_LENGTHS, Q_SEGMENTS, KV_SEGMENTS, TK, TQ,
                                assert_close, bias_and_mask, loop_mask, random_qkv)
 
@@ -73,6 +73,27 @@ def test_dot_product_logits_give_dot_product_attention(case, with_bias_and_mask)
     assert_close(got, expected, err_msg=f"gradient of {name}")
 
 
+@pytest.mark.property("synthesizer_random")
+@pytest.mark.parametrize("case", ["plain", "everything"])
+def test_mixed_dot_product_logits_are_added_before_one_softmax(case):
+  """mix_dot_product: softmax(R + q k^T * scale + bias) v, grouped K/V heads,
+  against the reference with R + bias as its additive bias."""
+  kwargs, mask_args = MASK_CASES[case]
+  query, key, value = random_qkv(seed=3, batch=B, q_len=TQ, kv_len=TK, num_heads=H,
+                                 num_kv_heads=2)
+  synthetic = jax.random.normal(jax.random.PRNGKey(4), (1, H, TQ, TK))
+  bias, _ = bias_and_mask(seed=2)
+  allowed = jnp.array(loop_mask(B, TQ, TK, **mask_args))
+  out = prior.synthesizer_attention(query, key, value, bias, synthetic_logits=synthetic,
+                                    mix_dot_product=True, scale=0.4, **kwargs)
+  expected = reference_attention(query, key, value, synthetic + bias, allowed, scale=0.4)
+  assert_close(out, expected)
+  # The default scale is 1/sqrt(D).
+  default = prior.synthesizer_attention(query, key, value, synthetic_logits=synthetic,
+                                        mix_dot_product=True)
+  assert_close(default, reference_attention(query, key, value, synthetic, scale=8 ** -0.5))
+
+
 @_with_marks
 def test_masked_keys_get_zero_weight_and_padded_queries_output_zeros():
   query, key, value = random_qkv(batch=2, q_len=6, num_heads=2, head_dim=4)
@@ -112,18 +133,24 @@ def test_dense_logits_are_an_mlp_of_each_token_alone():
 @pytest.mark.property("synthesizer_factorized")
 @pytest.mark.parametrize("module_class", [prior.RandomSyntheticLogits,
                                           prior.FactorizedSyntheticLogits])
-def test_fixed_random_logits_are_constant_and_position_indexed(module_class):
+def test_fixed_random_logits_are_kept_per_layer_and_position_indexed(module_class):
   short = random_qkv(batch=1, q_len=4, kv_len=3, num_heads=2)
   long = random_qkv(batch=1, q_len=6, kv_len=7, num_heads=2)
-  module = module_class(max_length=8, trainable=False, seed=3)
-  logits = lambda rng, qkv: module.init_with_output(rng, *qkv)[0]["synthetic_logits"]
-  first = logits(jax.random.PRNGKey(0), short)
-  assert_close(first, logits(jax.random.PRNGKey(1), short))  # Not re-drawn per init.
-  assert_close(first, logits(jax.random.PRNGKey(0), long)[:, :, :4, :3])  # R[h, i, j].
-  other = module_class(max_length=8, trainable=False, seed=4).init_with_output(
-      jax.random.PRNGKey(0), *short)[0]["synthetic_logits"]
+  module = module_class(max_length=8, trainable=False)
+  variables = module.init(jax.random.PRNGKey(0), *short)
+  # Not a parameter: the layer's draw, kept in the "random" collection.
+  assert "params" not in variables and common.RANDOM_COLLECTION in variables
+  logits = lambda qkv: module.apply(variables, *qkv)["synthetic_logits"]
+  first = logits(short)
+  assert_close(first, logits(long)[:, :, :4, :3])  # R[h, i, j].
+  # Never redrawn, not even by training calls with an "attention" stream.
+  trained, _ = module.apply(variables, *short, deterministic=False,
+                            rngs={"attention": jax.random.PRNGKey(5)},
+                            mutable=[common.RANDOM_COLLECTION])
+  np.testing.assert_array_equal(np.asarray(trained["synthetic_logits"]), np.asarray(first))
+  # Another initialisation (another layer, another seed) draws another matrix.
+  other = module.apply(module.init(jax.random.PRNGKey(1), *short), *short)["synthetic_logits"]
   assert np.abs(np.asarray(first - other)).max() > 0.1
-  assert "params" not in module.init(jax.random.PRNGKey(0), *short)
 
 
 @pytest.mark.property("synthesizer_factorized")
