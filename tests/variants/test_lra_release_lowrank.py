@@ -143,8 +143,8 @@ def test_synthesizer_release_is_random_logits_plus_dot_products_before_one_softm
   out = np.asarray(layer.apply({"params": params}, jnp.asarray(x),
                                key_value_seq_lengths=jnp.asarray(lengths),
                                query_seq_lengths=jnp.asarray(lengths)))
-  # Valid queries agree; a padded query's row is all -1e10 in the release (so
-  # softmax of its unmasked logits), and zero attention output here.
+  # Valid queries agree; a padded query's row is all -1e10 in the release
+  # (uniform weights once float32 rounds logit - 1e10), zero output here.
   assert_close(out[0], expected[0], rtol=1e-4, atol=1e-5)
   assert_close(out[1, :4], expected[1, :4], rtol=1e-4, atol=1e-5)
 
