@@ -202,7 +202,7 @@ def test_variant_options_are_declared_with_type_default_and_doc():
 def test_undeclared_option_fails_when_the_model_is_built():
   with pytest.raises(ValueError, match=r"attention variant 'local' has no option 'window'. "
                                        r"Did you mean 'window_size'\? Its options are: "
-                                       r"window_size, scale"):
+                                       r"window_size, pattern, block_size, scale"):
     build_model(dict(attention="local", attention_options={"window": 3}))
 
 

@@ -30,13 +30,16 @@ def _module(name):
 
 
 def _loss_of_params(module, x):
+  """The gradient of a loss in the parameters and inputs; the other variable
+  collections (e.g. the "random" draws, int counters) pass through undifferentiated."""
   variables = jax.eval_shape(module.init, jax.random.PRNGKey(0), x)
-  params = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), variables)
+  zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), variables)
+  others = {name: value for name, value in zeros.items() if name != "params"}
 
   def loss(params, x):
-    return jnp.sum(module.apply(params, x) ** 2)
+    return jnp.sum(module.apply({"params": params, **others}, x) ** 2)
 
-  return jax.grad(loss, argnums=(0, 1)), params
+  return jax.grad(loss, argnums=(0, 1)), zeros["params"]
 
 
 @pytest.mark.parametrize("name", registry.list_variants())
