@@ -718,9 +718,13 @@ def _window_with_globals(variant: str, query, key, value, bias, mask, *, is_caus
   w when None) that are not global. O(T (w + left + g)).
   """
   length = _self_attention_length(variant, query, key)
-  common.check_size("window_size", window_size, length=length)
+  common.check_size("window_size", window_size)
   left = window_size if left_window_size is None else left_window_size
-  common.check_size("left_window_size", left, length=length, minimum=0)
+  common.check_size("left_window_size", left, minimum=0)
+  # A side longer than the sequence reaches every key on that side, as T - 1
+  # does (the release's 512-key window on a 101-token smoke sequence).
+  reach = max(length - 1, 1)
+  window_size, left = min(window_size, reach), min(left, reach)
   block = max(window_size, left)
   common.check_size("num_global", num_global, length=length, minimum=0)
   common.check_size("dilation", dilation, length=length)

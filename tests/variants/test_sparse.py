@@ -202,6 +202,15 @@ def test_longformer_matches_dense_with_dilated_heads(causal):
                  is_causal=causal, num_global=2, window_size=3, dilation=2, dilated_heads=H // 2)
 
 
+@pytest.mark.parity("longformer")
+@pytest.mark.parametrize("causal", [False, True])
+def test_longformer_window_longer_than_the_sequence_is_full_attention(causal):
+  # The release preset's 512-key window on a sequence shorter than it.
+  everything = _pattern_mask(T, lambda b, i, j: j <= i or not causal)
+  _assert_parity(sparse.longformer_attention, everything, length=T, is_causal=causal,
+                 num_global=0, window_size=256, left_window_size=255, dilated_heads=0)
+
+
 def _random_pattern(indices, w, causal):
   """(h, b, i, j) -> allowed: head h's drawn keys `indices[h, i]`, or the window."""
   indices = np.asarray(indices)
