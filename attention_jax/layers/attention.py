@@ -24,11 +24,6 @@ EMBED, HEADS, KV = axes.EMBED, axes.HEADS, axes.KV
 ACTIVATION_AXES = (axes.ACTIVATION_BATCH, axes.ACTIVATION_LENGTH, axes.ACTIVATION_HEADS,
                    axes.ACTIVATION_KV)
 
-# Projections a variant does not read, where its modules cannot say so
-# themselves. Reformer's LSH shares queries and keys (its keys are the
-# normalised queries): its `extras` module lives in variants/hashing.py, which
-# should declare `unused_projections` as the Synthesizers' modules do.
-_UNUSED_PROJECTIONS = {"lsh": frozenset({"key"})}
 _PROJECTIONS = ("query", "key")
 
 
@@ -37,11 +32,10 @@ def unused_projections(spec: "registry.VariantSpec", options: Mapping[str, Any])
   does not read, which `MultiHeadAttention` therefore neither creates nor
   computes: what the variant's `extras` module declares as
   `unused_projections(options)` (the Synthesizers: no key, and no query for
-  the random ones, unless the dot-product logits are mixed in), else the table
-  above (LSH: no key). Values are always projected."""
+  the random ones, unless the dot-product logits are mixed in; LSH: no key,
+  its keys are the normalised queries). Values are always projected."""
   declared = getattr(spec.extras, "unused_projections", None) if spec.extras else None
-  unused = frozenset(declared(options)) if declared is not None else (
-      _UNUSED_PROJECTIONS.get(spec.name, frozenset()))
+  unused = frozenset(declared(options)) if declared is not None else frozenset()
   unknown = unused - set(_PROJECTIONS)
   if unknown:
     raise ValueError(f"attention variant {spec.name!r} declares unused projections "

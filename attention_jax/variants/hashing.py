@@ -110,6 +110,22 @@ def _valid_keys(variant: str, mask, key_value_seq_lengths, batch: int, length: i
   return jnp.ones((batch, length), bool) if valid is None else valid
 
 
+def _padded_to_multiple(variant: str, multiple: int, query: Array, key: Array, value: Array,
+                        mask: Optional[Array], key_value_seq_lengths: Optional[Array]):
+  """q, k, v `[B, T, ...]` zero-padded to T' = the next multiple of `multiple`,
+  and the key mask `[B, 1, 1, T']` that masks the added keys (and the given
+  padding); None when T is already a multiple. For the block and chunk
+  variants, so that a sequence of any length (T + 1 with a [CLS] token) runs
+  without a pooling change; the caller drops the added queries' outputs."""
+  batch, length = query.shape[:2]
+  padded = -(-length // multiple) * multiple
+  if padded == length:
+    return None
+  valid = _valid_keys(variant, mask, key_value_seq_lengths, batch, length)
+  extend = lambda x: jnp.pad(x, [(0, 0), (0, padded - length)] + [(0, 0)] * (x.ndim - 2))
+  return extend(query), extend(key), extend(value), extend(valid)[:, None, None, :]
+
+
 def _gather(x: Array, indices: Array) -> Array:
   """x `[..., T, D]`, indices `[..., n]` (same or broadcastable leading axes) -> `[..., n, D]`."""
   indices = jnp.broadcast_to(indices, jnp.broadcast_shapes(indices.shape, x.shape[:-2] + (1,)))
@@ -200,7 +216,8 @@ def lsh_attention(
     n_buckets: 1 or an even number; by default 2 T / chunk_size, Reformer's
       choice: a chunk then holds about two buckets' worth of tokens.
     n_hashes: hashing rounds; more rounds miss fewer keys.
-    chunk_size: must divide T.
+    chunk_size: queries per chunk; a T that it does not divide is padded to
+      its next multiple (the added keys masked, their outputs dropped).
     scale: logit scale, 1/sqrt(D) by default.
 
   Returns:
@@ -212,7 +229,15 @@ def lsh_attention(
     raise ValueError("attention variant 'lsh' needs hash_rng, a PRNG key for its random "
                      "rotations (MultiHeadAttention's extras module supplies one).")
   batch, length, num_heads, head_dim = query.shape
-  common.check_size("chunk_size", chunk_size, length=length, divides=True)
+  common.check_size("chunk_size", chunk_size)
+  padded = _padded_to_multiple("lsh", chunk_size, query, key, value, mask, key_value_seq_lengths)
+  if padded is not None:
+    query, key, value, mask = padded
+    out = lsh_attention(query, key, value, mask=mask, is_causal=is_causal,
+                        query_seq_lengths=query_seq_lengths, hash_rng=hash_rng,
+                        n_buckets=n_buckets, n_hashes=n_hashes, chunk_size=chunk_size,
+                        scale=scale)
+    return out[:, :length]
   common.check_size("n_hashes", n_hashes)
   if n_buckets is None:
     n_buckets = 2 * length // chunk_size
@@ -267,17 +292,33 @@ def lsh_attention(
   return common.zero_padded_queries(out.astype(query.dtype), query_seq_lengths)
 
 
-class LSHHashKey(nn.Module):
-  """Supplies `hash_rng`: a fresh key per call from the `attention` RNG stream
-  when the caller provides one (Reformer redraws its hashes), else a fixed key."""
+def _key_as_floats(rng: jax.Array) -> Array:
+  """A PRNG key as two float32 carrying its bits (the "random" collection stays
+  float, so code that differentiates every variable does not meet integers)."""
+  data = jax.random.key_data(rng) if jax.dtypes.issubdtype(rng.dtype, jax.dtypes.prng_key) \
+      else rng
+  return jax.lax.bitcast_convert_type(data.reshape(-1)[-2:].astype(jnp.uint32), jnp.float32)
 
-  seed: int = 0
+
+class LSHHashKey(nn.Module):
+  """Supplies `hash_rng`, the key of the layer's random rotations: drawn per
+  layer and redrawn every `redraw_every` training steps (1: every step, as
+  Reformer), fixed in evaluation (`common.layer_random`).
+
+  Declares that the layer makes no key projection (shared QK).
+  """
+
+  redraw_every: int = 1
+
+  unused_projections = staticmethod(lambda options: frozenset({"key"}))
 
   @nn.compact
   def __call__(self, query, key, value, deterministic: bool = True) -> dict:
-    del query, key, value, deterministic  # The rotations do not depend on the inputs.
-    rng = self.make_rng("attention") if self.has_rng("attention") else jax.random.PRNGKey(self.seed)
-    return {"hash_rng": rng}
+    del query, key, value  # The rotations do not depend on the inputs.
+    bits = common.layer_random(self, "hash_key", _key_as_floats, deterministic=deterministic,
+                               redraw_every=self.redraw_every)
+    return {"hash_rng": jax.random.wrap_key_data(
+        jax.lax.bitcast_convert_type(bits, jnp.uint32))}
 
 
 registry.register(registry.VariantSpec(
@@ -285,7 +326,9 @@ registry.register(registry.VariantSpec(
     exact=False, causal=True, cross=False, paper="Kitaev et al. 2020", extras=LSHHashKey,
     options=dict(n_buckets="hash buckets; about 2 T / chunk_size when None",
                  n_hashes="hash rounds", chunk_size="queries per chunk (each sees 2 chunks)",
-                 seed="hash seed when the caller gives no 'attention' RNG stream", scale="multiplies the logits; 1/sqrt(D) when None")))
+                 redraw_every="training steps between new rotations (1: every step, as "
+                              "Reformer; 0: never); fixed in evaluation",
+                 scale="multiplies the logits; 1/sqrt(D) when None")))
 
 
 # ---------------------------------------------------------------------------
@@ -623,7 +666,8 @@ def sinkhorn_attention(
     mask: only a key-padding mask `[B|1, 1, 1, T]`.
     query_seq_lengths: `[B]`; later queries output zeros.
     key_value_seq_lengths: `[B]`; later keys are not attended.
-    block_size: must divide T.
+    block_size: tokens per block; a T that it does not divide is padded to its
+      next multiple (the added keys masked, their outputs dropped).
     sinkhorn_iterations: Sinkhorn normalisation rounds.
     temperature: Sinkhorn temperature (> 0).
     sort_logits: `[B|1, H|1, nb, nb]` block-sorting scores given directly;
@@ -638,10 +682,21 @@ def sinkhorn_attention(
   common.reject_unsupported("sinkhorn", bias=bias, segment_ids=segment_ids)
   _check_self_attention("sinkhorn", query, key)
   batch, length, num_heads, head_dim = query.shape
-  common.check_size("block_size", block_size, length=length, divides=True)
+  common.check_size("block_size", block_size)
   common.check_size("sinkhorn_iterations", sinkhorn_iterations, minimum=0)
   if not temperature > 0:
     raise ValueError(f"temperature must be > 0, got {temperature!r}.")
+  padded = _padded_to_multiple("sinkhorn", block_size, query, key, value, mask,
+                               key_value_seq_lengths)
+  if padded is not None:
+    query, key, value, mask = padded
+    out = sinkhorn_attention(
+        query, key, value, mask=mask, is_causal=is_causal, query_seq_lengths=query_seq_lengths,
+        block_size=block_size, sinkhorn_iterations=sinkhorn_iterations,
+        temperature=temperature, sort_logits=sort_logits,
+        sort_hidden_kernel=sort_hidden_kernel, sort_output_kernel=sort_output_kernel,
+        scale=scale)
+    return out[:, :length]
   num_blocks = length // block_size
   scale = head_dim ** -0.5 if scale is None else scale
 

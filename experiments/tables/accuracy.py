@@ -66,8 +66,10 @@ def attention_presets(table: Any) -> Tuple[str, ...]:
 
 def expand(table: Any, runs: pathlib.Path, *, data_dir: str = "data",
            batch_size: Optional[int] = None) -> List[Cell]:
-  """The cells, seed-major (a stopped run has whole seeds first); `batch_size`
-  is unused (a training cell's batch is its config's). See `experiments.tables.expand`."""
+  """The cells, seed-major (a stopped run has whole seeds first), one per
+  preset the variant has; `batch_size` is unused (a training cell's batch is
+  its config's). See `experiments.tables.expand`."""
+  from attention_jax.registry import variant_presets  # pylint: disable=g-import-not-at-top
   del batch_size
   overrides = plain(table.get("cell_overrides", {})) or {}
   presets = tuple(table.get("presets", ()))
@@ -76,6 +78,8 @@ def expand(table: Any, runs: pathlib.Path, *, data_dir: str = "data",
     for task, config_file in table.tasks.items():
       for variant in table.variants:
         for preset in attention_presets(table):
+          if preset not in variant_presets(variant):
+            continue  # the table shows "-" for a preset the variant does not have
           workdir = runs / task / variant / preset / f"seed{seed}"
           flags = (f"--config.seed={seed}", f"--config.data_dir={data_dir}",
                    "--config.progress=False", *table.get("flags", ()))

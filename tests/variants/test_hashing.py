@@ -113,8 +113,7 @@ def test_lsh_padding():
 
 
 @pytest.mark.parametrize("options, message", [
-    (dict(chunk_size=5), "chunk_size=5 must divide the sequence length 16"),
-    (dict(chunk_size=32), "chunk_size=32 must divide the sequence length 16"),
+    (dict(chunk_size=0), "chunk_size must be an int >= 1"),
     (dict(n_buckets=3), "n_buckets must be 1 or even"),
     (dict(n_hashes=0), "n_hashes must be an int >= 1"),
     (dict(hash_rng=None), "needs hash_rng"),
@@ -134,16 +133,33 @@ def test_lsh_rejects_cross_attention():
     hashing.lsh_attention(query, key, value, hash_rng=RNG, chunk_size=4)
 
 
-def test_lsh_module_runs_under_jit_and_redraws_hashes_from_the_attention_stream():
+def test_lsh_rotations_are_per_layer_redrawn_each_training_step_and_fixed_in_evaluation():
   x = jax.random.normal(jax.random.PRNGKey(1), (2, 32, 16))
   module = MultiHeadAttention(num_heads=2, attention="lsh",
                               attention_options={"chunk_size": 8, "n_hashes": 2})
   variables, fixed = _jit_module_output(module, x)
+  assert "key" not in variables["params"]  # shared QK: no key projection
   _, again = _jit_module_output(module, x)
-  assert_close(again, fixed)  # No stream: the module's fixed seed.
-  apply = jax.jit(lambda rng: module.apply(variables, x, rngs={"attention": rng}))
-  redrawn = [apply(jax.random.PRNGKey(seed)) for seed in (1, 2)]
-  assert not np.allclose(redrawn[0], redrawn[1])
+  assert_close(again, fixed)  # Evaluation: the kept rotations.
+
+  def train_step(variables, step):
+    rng = jax.random.fold_in(jax.random.PRNGKey(0), step)
+    out, updates = module.apply(variables, x, deterministic=False, rngs={"attention": rng},
+                                mutable=["random"])
+    return out, {**variables, **updates}
+
+  kept = lambda v: np.asarray(jax.tree.leaves(v["random"])[0])
+  out_1, after_1 = train_step(variables, 1)
+  out_2, after_2 = train_step(after_1, 2)
+  assert not np.array_equal(kept(after_1), kept(variables))  # redrawn at every step
+  assert not np.array_equal(kept(after_2), kept(after_1))
+  assert not np.allclose(out_1, out_2)
+  # Evaluation after training uses the last draw, the same in every call.
+  eval_1, eval_2 = (module.apply(after_2, x) for _ in range(2))
+  assert_close(eval_1, eval_2)
+  # Another initialisation (another layer, seed) draws other rotations.
+  other = module.init({"params": jax.random.PRNGKey(5)}, x)
+  assert not np.array_equal(kept(other), kept(variables))
 
 
 # ---------------------------------------------------------------------------
@@ -375,7 +391,7 @@ def test_sinkhorn_padding():
 
 
 @pytest.mark.parametrize("options, message", [
-    (dict(block_size=5), "block_size=5 must divide the sequence length 16"),
+    (dict(block_size=0), "block_size must be an int >= 1"),
     (dict(temperature=0.0), "temperature must be > 0"),
     (dict(sort_output_kernel=None), "needs sort_logits"),
     (dict(sort_logits=jnp.zeros((1, 1, 3, 3))), r"sort_logits must end in \[nb, nb\] = \[4, 4\]"),
@@ -486,3 +502,31 @@ def test_routing_default_cluster_count_is_the_square_root_of_the_length(length, 
   variables = jax.eval_shape(hashing.RoutingCentroids().init, jax.random.PRNGKey(0),
                              query, key, value)
   assert variables["kmeans"]["centroids"].shape == (2, expected_clusters, 8)
+
+
+@pytest.mark.parametrize("variant", ["lsh", "sinkhorn"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_a_length_that_is_no_block_multiple_is_padded_inside(variant, causal):
+  """T = 13 with blocks of 4 (as T + 1 = 101 with [CLS]): the outputs at the 13
+  positions equal the computation on the input padded to 16 with the added
+  keys masked, whatever the padded positions hold; their weight is zero and
+  the gradients are finite."""
+  length, padded_length, batch = 13, 16, 2
+  query, key, value = random_qkv(batch=batch, q_len=length, num_heads=2)
+  lengths = jnp.array([13, 10])
+  if variant == "lsh":
+    fn = lambda q, k, v, **kw: hashing.lsh_attention(q, k, v, hash_rng=RNG, n_buckets=2,
+                                                     chunk_size=4, is_causal=causal, **kw)
+  else:
+    fn = lambda q, k, v, **kw: hashing.sinkhorn_attention(q, k, v, block_size=4,
+                                                          is_causal=causal, **_sort_kernels(),
+                                                          **kw)
+  out = fn(query, key, value, key_value_seq_lengths=lengths, query_seq_lengths=lengths)
+  assert out.shape == query.shape
+  noise = random_qkv(seed=7, batch=batch, q_len=padded_length - length, num_heads=2)
+  explicit = fn(*(jnp.concatenate([x, n], axis=1) for x, n in zip((query, key, value), noise)),
+                key_value_seq_lengths=lengths, query_seq_lengths=lengths)
+  assert_close(out, explicit[:, :length])
+  grads = jax.grad(lambda q, v: jnp.sum(fn(q, key, v, key_value_seq_lengths=lengths) ** 2),
+                   argnums=(0, 1))(query, value)
+  assert all(np.isfinite(np.asarray(g)).all() for g in grads)
