@@ -122,7 +122,10 @@ def _padded_to_multiple(variant: str, multiple: int, query: Array, key: Array, v
   if padded == length:
     return None
   valid = _valid_keys(variant, mask, key_value_seq_lengths, batch, length)
-  extend = lambda x: jnp.pad(x, [(0, 0), (0, padded - length)] + [(0, 0)] * (x.ndim - 2))
+  def extend(x):
+    if isinstance(x, jax.ShapeDtypeStruct):  # a projection the layer did not make (LSH's key)
+      return jax.ShapeDtypeStruct((x.shape[0], padded) + tuple(x.shape[2:]), x.dtype)
+    return jnp.pad(x, [(0, 0), (0, padded - length)] + [(0, 0)] * (x.ndim - 2))
   return extend(query), extend(key), extend(value), extend(valid)[:, None, None, :]
 
 

@@ -530,3 +530,16 @@ def test_a_length_that_is_no_block_multiple_is_padded_inside(variant, causal):
   grads = jax.grad(lambda q, v: jnp.sum(fn(q, key, v, key_value_seq_lengths=lengths) ** 2),
                    argnums=(0, 1))(query, value)
   assert all(np.isfinite(np.asarray(g)).all() for g in grads)
+
+
+@pytest.mark.parametrize("variant", ["lsh", "sinkhorn"])
+def test_the_layer_runs_a_length_that_is_no_block_multiple(variant):
+  # 13 tokens, blocks of 4, as [CLS] + 100 tokens in the smoke ListOps model.
+  x = jax.random.normal(jax.random.PRNGKey(1), (2, 13, 16))
+  options = {"chunk_size": 4} if variant == "lsh" else {"block_size": 4}
+  module = MultiHeadAttention(num_heads=2, attention=variant, attention_options=options)
+  _jit_module_output(module, x)
+  variables = module.init(jax.random.PRNGKey(0), x)
+  grads = jax.grad(lambda p: jnp.sum(module.apply({**variables, "params": p}, x) ** 2))(
+      variables["params"])
+  assert all(np.isfinite(np.asarray(g)).all() for g in jax.tree.leaves(grads))
