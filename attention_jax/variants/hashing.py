@@ -48,9 +48,10 @@ def _heads_first(x: Array) -> Array:
 
 
 def _normalize(x: Array, eps: float = 1e-6) -> Array:
-  """Unit vectors along the last axis (zero vectors stay zero)."""
-  norm = jnp.sqrt(jnp.sum(jnp.square(x), axis=-1, keepdims=True))
-  return x / jnp.maximum(norm, eps)
+  """Unit vectors along the last axis (zero vectors stay zero, with zero
+  gradients: x / max(|x|, eps) written so that no sqrt is differentiated at 0,
+  which gave NaN for the zero rows a padded sequence adds)."""
+  return x * jax.lax.rsqrt(jnp.maximum(jnp.sum(jnp.square(x), axis=-1, keepdims=True), eps * eps))
 
 
 def _attend(query: Array, key: Array, value: Array, allowed: Optional[Array], scale: float,
