@@ -255,7 +255,7 @@ def test_listops_smoke_config_learns_above_the_majority_class(tmp_path):
 # The release's per-variant model settings (image/configs/cifar10/*_base.py,
 # image/configs/pathfinder32/*_base.py), for the lra_release preset.
 @pytest.mark.parametrize("task, variant, expected", [
-    ("image", "lsh", dict(num_layers=4, num_heads=8, embed_dim=64, qkv_dim=32, mlp_dim=64)),
+    ("image", "local", dict(num_layers=1, num_heads=2, embed_dim=128, qkv_dim=64, mlp_dim=128)),
     ("image", "longformer", dict(num_layers=4, num_heads=4, embed_dim=128, qkv_dim=64)),
     ("pathfinder32", "dot_product", dict(num_layers=4, num_heads=4, dropout_rate=0.2)),
     ("pathfinder32", "linear", dict(num_layers=1, num_heads=2, embed_dim=128, qkv_dim=64)),
