@@ -3,6 +3,11 @@
   python -m experiments.make_data --task=listops --task=pathfinder32 --data_dir=DIR
   python -m experiments.make_data --task=listops --data_dir=DIR --size_scale=0.01
   python -m experiments.make_data --task=retrieval --data_dir=DIR --release_dir=lra_release/tsv_data
+  python -m experiments.make_data --task=text --task=image --data_dir=DIR [--tfds_data_dir=TFDS]
+
+text and image are downloaded and built by tensorflow-datasets the first time
+(network, and TensorFlow: pip install -e ".[data]"), into TFDS (default
+~/tensorflow_datasets); --nodownload then converts a TFDS copied from elsewhere.
 
 Each task is `attention_jax.data.get_task(name, **options).prepare(DIR)`, which
 shows the task's own progress bars and skips splits already in DIR. One line per

@@ -13,10 +13,12 @@ LRA fed the pixel values 0..255 to the model directly; here token = pixel + 1
 (vocabulary 257) so that id 0 stays the padding id of every task, and since
 no image is padded the padding mask is all ones.
 
-Preparing reads through `tfds.data_source`, which needs no TensorFlow. Note that
-tensorflow-datasets encodes CIFAR-10's images to PNG with TensorFlow when it
-builds the data set the first time: a machine without TensorFlow can read a
-prepared `cifar10` (array_record) but not build one.
+Preparing reads through `tfds.data_source`, which needs no TensorFlow (images are
+decoded with PIL). Building `cifar10` the first time does: tensorflow-datasets
+reads the downloaded batches with `tf.io.gfile` and encodes the images to PNG
+with TensorFlow, so `pip install -e ".[data]"` on the machine that downloads; a
+machine without TensorFlow can read a prepared `cifar10` (array_record) but not
+build one.
 """
 
 from __future__ import annotations

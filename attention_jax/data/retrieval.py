@@ -13,6 +13,9 @@ a float and casts it to int, so "1.0" is read as 1). Quotes are ordinary
 characters; a line ending "\\r\\n" loses its "\\r". Each text is encoded as in
 the text task (`ByteTextEncoder`: byte + 1, 0 for padding) into `seq_len`
 tokens (LRA: 4000), giving `inputs` (text1) and `inputs2` (text2).
+
+The files are looked for in `release_dir`, then in `release_dir/tsv_data/`,
+where the unpacked LRA release (lra_release.gz) keeps them.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from attention_jax.data.text import (BYTE_VOCAB_SIZE, LRA_TEXT_LENGTH, array_nam
 
 RELEASE_FILES = {"train": "new_aan_pairs.train.tsv", "validation": "new_aan_pairs.eval.tsv",
                  "test": "new_aan_pairs.test.tsv"}
+RELEASE_SUBDIR = "tsv_data"  # of the unpacked LRA release
 COLUMNS = ("label", "id1", "id2", "text1", "text2")
 _RELEASE_SIZES = {"train": 147_086, "validation": 18_090, "test": 17_437}
 _CHUNK = 1024  # rows encoded at a time
@@ -89,11 +93,13 @@ class RetrievalTask(Task):
       raise ValueError("the retrieval task converts the LRA release files: pass "
                        "release_dir=<folder with new_aan_pairs.{train,eval,test}.tsv> "
                        "(make_data: --release-dir).")
-    path = self.release_dir / RELEASE_FILES[split]
-    if not path.is_file():
-      raise FileNotFoundError(f"expected the LRA release file {path} (the {split} pairs of "
-                              f"the AAN retrieval task) in {self.release_dir}.")
-    return path
+    for folder in (self.release_dir, self.release_dir / RELEASE_SUBDIR):
+      path = folder / RELEASE_FILES[split]
+      if path.is_file():
+        return path
+    raise FileNotFoundError(f"expected the LRA release file {RELEASE_FILES[split]} (the "
+                            f"{split} pairs of the AAN retrieval task) in {self.release_dir} "
+                            f"or in {self.release_dir / RELEASE_SUBDIR}.")
 
   def prepare(self, data_dir: pathlib.Path, *, progress: bool = True) -> Dict[str, int]:
     root = pathlib.Path(data_dir) / self.info.name
@@ -152,8 +158,8 @@ def make_task(*, release_dir: Optional[str] = None, seq_len: int = LRA_TEXT_LENG
   """The LRA retrieval task.
 
   Args:
-    release_dir: the folder holding the LRA release's `new_aan_pairs.*.tsv`
-      (needed by `prepare` only).
+    release_dir: the folder holding the LRA release's `new_aan_pairs.*.tsv`, or
+      the unpacked release whose `tsv_data/` holds them (needed by `prepare` only).
     seq_len: bytes kept per document (LRA: 4000).
     train_size, validation_size, test_size: the first that many pairs of each
       file; None takes all.

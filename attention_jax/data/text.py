@@ -13,9 +13,13 @@ Truncation is at byte level, as in LRA, so it may cut a multi-byte UTF-8
 character in two.
 
 Reading goes through `tfds.data_source` (random access over array_record
-files), which needs no TensorFlow. This module also holds the pieces that the
-other converted tasks (image, retrieval) share: byte encoding, the check that a
-split folder is already prepared, and opening a tensorflow-datasets split.
+files), which needs no TensorFlow. Building the data set the first time does:
+tensorflow-datasets' builders open their downloads with `tf.io.gfile`, so
+`pip install -e ".[data]"` (TensorFlow, CPU build) on the machine that downloads;
+`experiments.make_data --task=text --data_dir=DIR` then downloads, builds and
+converts. This module also holds the pieces that the other converted tasks
+(image, retrieval) share: byte encoding, the check that a split folder is
+already prepared, and opening a tensorflow-datasets split.
 """
 
 from __future__ import annotations
@@ -110,10 +114,29 @@ def open_tfds_split(name: str, split: str, data_dir_tfds: Optional[str],
           f"tfds.data_source({name!r}, data_dir=...) where the download works, or pass "
           f"download=True.")
   try:
-    return tfds.data_source(name, split=split, data_dir=data_dir_tfds, download=download)
-  except Exception as error:  # Network, missing TensorFlow for encoding, wrong file format.
+    # array_record explicitly: given a data_dir, tfds.data_source would otherwise build
+    # TFRecord files, which it cannot then read by index.
+    return tfds.data_source(name, split=split, data_dir=data_dir_tfds, download=download,
+                            builder_kwargs={"file_format": "array_record"})
+  except Exception as error:  # Network, missing TensorFlow for building, wrong file format.
+    hint = ""
+    if _missing_module(error) == "tensorflow":
+      hint = (" Building a tensorflow-datasets data set needs TensorFlow: "
+              "pip install -e \".[data]\" (or pip install tensorflow-cpu).")
     raise RuntimeError(f"tensorflow-datasets could not open {name!r} split {split!r} "
-                       f"(data_dir={data_dir_tfds!r}, download={download}): {error}") from error
+                       f"(data_dir={data_dir_tfds!r}, download={download}): {error}"
+                       f"{hint}") from error
+
+
+def _missing_module(error: BaseException) -> Optional[str]:
+  """The top-level module whose import failed somewhere in `error`'s chain, if any."""
+  seen = set()
+  while error is not None and id(error) not in seen:
+    seen.add(id(error))
+    if isinstance(error, ModuleNotFoundError) and error.name:
+      return error.name.split(".")[0]
+    error = error.__cause__ or error.__context__
+  return None
 
 
 def read_examples(source: Sequence[Mapping[str, Any]], count: int,

@@ -1,28 +1,40 @@
-"""CIFAR-10 grey pixels: the grey-scale formula on hand-worked pixels, and the real
-tfds path over a tiny `cifar10` that the test writes with tfds's own builder class."""
+"""CIFAR-10 grey pixels: the grey-scale formula on hand-worked pixels, and the real tfds
+path end to end: the test writes `cifar-10-binary.tar.gz` with the real download's
+layout, the real `cifar10` builder prepares it offline (`tfds_offline`), and
+`prepare` converts the array_record files it wrote."""
 
 import numpy as np
-import PIL.Image
 import pytest
 import tensorflow_datasets as tfds
 
+import tfds_offline
 from attention_jax import data
 from attention_jax.data import image
 
+# Colours whose grey value is worked out by hand in test_grayscale_hand_worked.
+COLOURS = np.array([[0, 0, 0], [255, 255, 255], [255, 0, 0], [0, 255, 0], [0, 0, 255],
+                    [100, 150, 200]], np.uint8)
+HAND_GREY = np.array([0, 255, 76, 149, 29, 141])
+TRAIN_FILES = [f"data_batch_{i}.bin" for i in range(1, 6)]
 
-def write_tfds_dataset(name, data_dir, splits):
-  """Writes `splits` ({split: [example dict]}) as the registered tfds data set `name`."""
-  real = tfds.builder_cls(name)
 
-  def split_generators(self, dl_manager):
-    del self, dl_manager
-    return {split: enumerate(examples) for split, examples in splits.items()}
+def archive_images(seed=0):
+  """{file: [(label, rgb, expected tokens)]}: 2 images per training batch, 3 test images,
+  each pixel one of COLOURS at random, so its token is HAND_GREY + 1."""
+  rng = np.random.default_rng(seed)
+  files = {}
+  for name in [*TRAIN_FILES, "test_batch.bin"]:
+    records = []
+    for _ in range(3 if name == "test_batch.bin" else 2):
+      colour = rng.integers(0, len(COLOURS), size=(32, 32))
+      label = int(rng.integers(0, 10))
+      records.append((label, COLOURS[colour], HAND_GREY[colour].reshape(-1) + 1))
+    files[name] = records
+  return files
 
-  with tfds.core.registered.skip_registration():
-    fake = type("OfflineBuilder", (real,), {
-        "name": name, "_split_generators": split_generators,
-        "get_metadata": classmethod(lambda cls: real.get_metadata())})
-  fake(data_dir=str(data_dir), file_format="array_record").download_and_prepare()
+
+def _rows(records):
+  return sorted((tuple(int(t) for t in tokens), label) for label, _, tokens in records)
 
 
 def test_grayscale_hand_worked():
@@ -51,50 +63,43 @@ def test_info_is_the_lra_setting():
   assert dict(info.split_sizes) == {"train": 45000, "validation": 5000, "test": 10000}
 
 
-def _picture(index):
-  """A 32 x 32 RGB picture whose grey value is a known function of `index`."""
-  rgb = np.zeros((32, 32, 3), np.uint8)
-  rgb[..., 0] = index * 20        # red only: grey = int(0.2989 * r / 255 * 255.5)
-  rgb[index, index] = 255         # one white pixel at (index, index): grey 255
-  return rgb
-
-
 @pytest.fixture(scope="module")
 def cifar_dir(tmp_path_factory):
   folder = tmp_path_factory.mktemp("tfds")
-  write_tfds_dataset("cifar10", folder, {
-      "train": [{"id": f"train_{i}", "image": PIL.Image.fromarray(_picture(i)), "label": i}
-                for i in range(10)],
-      "test": [{"id": f"test_{i}", "image": PIL.Image.fromarray(_picture(i)),
-                "label": (i + 3) % 10} for i in range(4)]})
+  files = archive_images()
+  archive = tfds_offline.write_cifar10_archive(
+      folder / "downloads", {name: [(label, rgb) for label, rgb, _ in records]
+                             for name, records in files.items()})
+  builder = tfds_offline.prepare("cifar10", folder, {tfds_offline.CIFAR10_URL: archive})
+  assert builder.info.features["label"].names == list(tfds_offline.CIFAR10_NAMES)
   return folder
 
 
-def test_prepare_reads_the_tfds_files(cifar_dir, tmp_path):
+def _examples(source):
+  batch = source.gather(np.arange(len(source)))
+  return sorted((tuple(int(t) for t in row), int(label))
+                for row, label in zip(batch["inputs"], batch["label"]))
+
+
+def test_prepare_converts_what_the_real_builder_prepared(cifar_dir, tmp_path):
   task = image.make_task(data_dir_tfds=cifar_dir, download=False)
   # LRA's split: train[:90%] / train[90%:] / test.
-  assert task.prepare(tmp_path, progress=False) == {"train": 9, "validation": 1, "test": 4}
+  assert task.prepare(tmp_path, progress=False) == {"train": 9, "validation": 1, "test": 3}
   splits = task.splits(tmp_path)
-  seen_train = set()
-  for split, label_of in (("train", lambda i: i), ("validation", lambda i: i),
-                          ("test", lambda i: (i + 3) % 10)):
-    batch = splits[split].gather(np.arange(len(splits[split])))
-    for tokens, label in zip(batch["inputs"], batch["label"]):
-      # The white pixel names the picture; its flat position is index * 32 + index.
-      index = int(np.flatnonzero(tokens == 256)[0]) // 33
-      expected = np.full(1024, int(0.2989 * index * 20 / 255 * 255.5) + 1)
-      expected[index * 33] = 256
-      np.testing.assert_array_equal(tokens, expected)
-      assert label == label_of(index)
-      if split != "test":
-        assert index not in seen_train  # train and validation do not overlap
-        seen_train.add(index)
-  assert seen_train == set(range(10))
+  files = archive_images()
+  train_images = [record for name in TRAIN_FILES for record in files[name]]
+  # Train and validation share out the 10 training images, each once.
+  assert sorted(_examples(splits["train"]) + _examples(splits["validation"])) == _rows(
+      train_images)
+  assert _examples(splits["test"]) == _rows(files["test_batch.bin"])
+  assert np.load(tmp_path / "image" / "train" / "inputs.npy").dtype == np.int16
 
 
 def test_sizes_and_missing_data(cifar_dir, tmp_path):
   task = image.make_task(data_dir_tfds=cifar_dir, download=False, train_size=3, test_size=2)
   assert task.prepare(tmp_path, progress=False) == {"train": 3, "validation": 1, "test": 2}
+  assert set(_examples(task.splits(tmp_path)["test"])) <= set(
+      _rows(archive_images()["test_batch.bin"]))
   with pytest.raises(FileNotFoundError, match=r"'cifar10' is not prepared in .*nothing"):
     image.make_task(data_dir_tfds=tmp_path / "nothing", download=False).prepare(
         tmp_path / "out", progress=False)

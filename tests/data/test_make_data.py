@@ -6,6 +6,7 @@ import pytest
 import tensorflow_datasets as tfds
 from absl import flags
 
+import tfds_offline
 from attention_jax import data
 from experiments import make_data
 
@@ -33,6 +34,50 @@ def test_retrieval_from_release_files_then_skipped(tmp_path, capsys):
   assert bytes((first[first > 0] - 1).tolist()) == b"first train 0"
   assert make_data.main(argv) == [f"retrieval: already prepared in {tmp_path / 'out' / 'retrieval'}"
                                   ", nothing to do."]
+
+
+def test_text_downloads_and_prepares_through_the_real_builder(tmp_path):
+  # The command a machine with network runs; here tfds's download manager is served a
+  # written aclImdb_v1.tar.gz instead of the URL, everything else is the real path.
+  archive = tfds_offline.write_imdb_archive(tmp_path / "downloads", {
+      "aclImdb/train/pos/0_9.txt": b"loved it", "aclImdb/train/neg/0_2.txt": b" hated it\n",
+      "aclImdb/train/unsup/0_0.txt": b"?", "aclImdb/test/neg/0_1.txt": b"no",
+      "aclImdb/test/pos/0_8.txt": b"yes", "aclImdb/test/pos/1_7.txt": b"yes!"})
+  argv = ["--task=text", f"--data_dir={tmp_path / 'out'}", f"--tfds_data_dir={tmp_path / 'tfds'}",
+          "--option=seq_len=10", "--quiet"]
+  with tfds_offline.downloads_from({tfds_offline.IMDB_URL: archive}):
+    (line,) = make_data.main(argv)
+  assert line.startswith("text: wrote 8 examples (train 2, validation 3, test 3) in ")
+  train = data.get_task("text", seq_len=10).splits(tmp_path / "out")["train"]
+  batch = train.gather(np.arange(2))
+  got = {bytes((row[row > 0] - 1).tolist()): int(label)
+         for row, label in zip(batch["inputs"], batch["label"])}
+  assert got == {b"loved it": 1, b"hated it": 0}
+  assert (tmp_path / "tfds" / "imdb_reviews" / "plain_text").is_dir()
+
+
+def test_image_downloads_and_prepares_through_the_real_builder(tmp_path):
+  # One image per training batch file and two test images; image i is the grey level i * 10
+  # (r = g = b: grey int(i * 10 / 255 * 0.9999 * 255.5), i * 10 for these) with label i.
+  def record(i):
+    return i, np.full((32, 32, 3), i * 10, np.uint8)
+
+  files = {f"data_batch_{i}.bin": [record(i)] for i in range(1, 6)}
+  files["test_batch.bin"] = [record(7), record(8)]
+  archive = tfds_offline.write_cifar10_archive(tmp_path / "downloads", files)
+  argv = ["--task=image", f"--data_dir={tmp_path / 'out'}", f"--tfds_data_dir={tmp_path / 'tfds'}",
+          "--quiet"]
+  with tfds_offline.downloads_from({tfds_offline.CIFAR10_URL: archive}):
+    (line,) = make_data.main(argv)
+  assert line.startswith("image: wrote 7 examples (train 4, validation 1, test 2) in ")
+  splits = data.get_task("image").splits(tmp_path / "out")
+  seen = []
+  for split in data.SPLITS:
+    batch = splits[split].gather(np.arange(len(splits[split])))
+    for tokens, label in zip(batch["inputs"], batch["label"]):
+      np.testing.assert_array_equal(tokens, np.full(1024, label * 10 + 1))
+      seen.append((split if split == "test" else "train", int(label)))
+  assert sorted(seen) == [("test", 7), ("test", 8), *(("train", i) for i in range(1, 6))]
 
 
 def test_image_through_tfds_mock_with_size_scale(tmp_path):

@@ -51,6 +51,22 @@ def test_pairs_are_converted_in_file_order(tmp_path, line_end):
       b"a much lon")
 
 
+def test_the_unpacked_release_is_read_from_its_tsv_data_folder(tmp_path):
+  # lra_release.gz unpacks to lra_release/ with the AAN files in tsv_data/, beside the
+  # other tasks' folders.
+  release = tmp_path / "lra_release"
+  write_release(release / "tsv_data")
+  (release / "listops-1000").mkdir()
+  task = retrieval.make_task(release_dir=release, seq_len=4)
+  assert task.prepare(tmp_path / "out", progress=False) == {"train": 3, "validation": 1,
+                                                            "test": 1}
+  batch = task.splits(tmp_path / "out")["test"].gather(np.array([0]))
+  # ("1", "P09", "P10", "t1", "文書"): 文 = e6 96 87, 書 = e6 9b b8, cut to 4 bytes.
+  np.testing.assert_array_equal(batch["inputs"], [[ord("t") + 1, ord("1") + 1, 0, 0]])
+  np.testing.assert_array_equal(batch["inputs2"], [[0xe7, 0x97, 0x88, 0xe7]])
+  np.testing.assert_array_equal(batch["label"], [1])
+
+
 def test_same_data_same_bytes_sizes_and_skipping(tmp_path):
   release = write_release(tmp_path / "release")
   task = retrieval.make_task(release_dir=release, seq_len=5, train_size=2)
@@ -83,7 +99,8 @@ def test_missing_release_and_data_dir(tmp_path):
   with pytest.raises(ValueError, match="pass release_dir="):
     retrieval.make_task().prepare(tmp_path / "out", progress=False)
   release = write_release(tmp_path / "partial", {"train": TRAIN})
-  with pytest.raises(FileNotFoundError, match=r"partial/new_aan_pairs\.eval\.tsv"):
+  with pytest.raises(FileNotFoundError, match=r"new_aan_pairs\.eval\.tsv \(the validation "
+                                              r"pairs .* in .*partial or in .*partial/tsv_data"):
     retrieval.make_task(release_dir=release).prepare(tmp_path / "out", progress=False)
   with pytest.raises(FileNotFoundError, match=r"retrieval/train/inputs2\.npy"):
     (tmp_path / "out" / "retrieval" / "train" / "inputs2.npy").unlink()
