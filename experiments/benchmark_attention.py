@@ -184,12 +184,19 @@ def _jax_pallas_gpu(q, k, v, is_causal):
 
 
 def _jax_pallas_mgpu(q, k, v, is_causal):
-  """JAX's Mosaic GPU (Hopper) flash attention: 16-bit inputs, D and T multiples of 64/128."""
+  """JAX's Mosaic GPU (Hopper) flash attention: float16, D and T multiples of 64/128.
+
+  jax 0.11's kernel takes float16 only; bfloat16 inputs are cast (the tensor
+  cores run both at one rate; the casts are elementwise passes over q, k, v and
+  the output, timed with the kernel).
+  """
   from jax.experimental.pallas.ops.gpu import attention_mgpu  # pylint: disable=import-outside-toplevel
   config = attention_mgpu.TuningConfig(block_q=64, block_kv=128 if q.shape[-1] <= 128 else 64,
                                        max_concurrent_steps=2, causal=is_causal)
   # The kernel's own scale is fixed at 1; pre-scaling q gives the usual 1/sqrt(D).
-  return attention_mgpu.attention(q * jnp.asarray(q.shape[-1] ** -0.5, q.dtype), k, v, config)
+  q = q * jnp.asarray(q.shape[-1] ** -0.5, q.dtype)
+  half = lambda x: x.astype(jnp.float16)
+  return attention_mgpu.attention(half(q), half(k), half(v), config).astype(q.dtype)
 
 
 def _jax_pallas_tpu(q, k, v, is_causal):

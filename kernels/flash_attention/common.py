@@ -48,29 +48,37 @@ class BlockSizes:
     return (self.block_q_dkv or self.block_q, self.block_k_dkv or self.block_k)
 
 
+def _maximum(a, b):
+  # Python ints stay Python ints: a grid's size is computed from them while
+  # tracing (outside any device context, e.g. under an abstract mesh).
+  return max(a, b) if isinstance(a, int) and isinstance(b, int) else jnp.maximum(a, b)
+
+
+def _minimum(a, b):
+  return min(a, b) if isinstance(a, int) and isinstance(b, int) else jnp.minimum(a, b)
+
+
 def kv_block_range(q_block: Array, block_q: int, block_k: int, num_kv_blocks: int,
                    reach: Reach) -> Tuple[Array, Array]:
-  """[lo, hi) of the key blocks that queries of block `q_block` can see."""
+  """[lo, hi) of the key blocks that queries of block `q_block` can see.
+
+  Python ints in, Python ints out; a traced `q_block` gives traced bounds.
+  """
   left, right = reach
   first_q = q_block * block_q
   last_q = first_q + block_q - 1
-  lo = 0 if left is None else jnp.maximum(0, (first_q - left) // block_k)
-  hi = num_kv_blocks if right is None else jnp.minimum(num_kv_blocks,
-                                                       (last_q + right) // block_k + 1)
-  return lo, jnp.maximum(hi, lo)
+  lo = 0 if left is None else _maximum(0, (first_q - left) // block_k)
+  hi = num_kv_blocks if right is None else _minimum(num_kv_blocks,
+                                                    (last_q + right) // block_k + 1)
+  return lo, _maximum(hi, lo)
 
 
 def q_block_range(kv_block: Array, block_q: int, block_k: int, num_q_blocks: int,
                   reach: Reach) -> Tuple[Array, Array]:
   """[lo, hi) of the query blocks that can see keys of block `kv_block`."""
   left, right = reach
-  first_k = kv_block * block_k
-  last_k = first_k + block_k - 1
-  # q sees k when k - right <= q <= k + left.
-  lo = 0 if right is None else jnp.maximum(0, (first_k - right) // block_q)
-  hi = num_q_blocks if left is None else jnp.minimum(num_q_blocks,
-                                                     (last_k + left) // block_q + 1)
-  return lo, jnp.maximum(hi, lo)
+  # q sees k when k - right <= q <= k + left: the key-block range, mirrored.
+  return kv_block_range(kv_block, block_k, block_q, num_q_blocks, (right, left))
 
 
 def block_mask(q_pos: Array, k_pos: Array, *, kv_len: int, reach: Reach,

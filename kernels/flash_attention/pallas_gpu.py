@@ -136,6 +136,9 @@ def _kv_blocks(cfg: _Config, q_block, block_q: int, block_k: int, kv_limit):
 def _q_blocks(cfg: _Config, kv_block, block_q: int, block_k: int, kv_limit):
   """[lo, hi) of the query blocks that see key block `kv_block`."""
   lo, hi = common.q_block_range(kv_block, block_q, block_k, cfg.q_len // block_q, cfg.reach)
+  # Explicit int32: Triton rejects a select between an i32 and a constant that
+  # the lowering typed otherwise (seen on an H100, jax 0.11.2).
+  lo, hi = (jnp.asarray(bound, jnp.int32) for bound in (lo, hi))
   return lo, jnp.where(kv_block * block_k < kv_limit, hi, lo)
 
 

@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# The GPU measurements, in stages that each fit one call of a lent GPU machine
+# (under 10 minutes). Run from the repository root on the GPU machine:
+#
+#   bash experiments/gpu_session.sh setup tests sanity     # first call
+#   bash experiments/gpu_session.sh setup tune bench128    # next calls ...
+#
+# Logs and JSON go to $OUT (default /tmp/gpu_out). `setup` installs this
+# repository (editable, no dependencies: the machine's image has JAX with CUDA,
+# flax, optax and orbax) and the pure-Python wheels it lacks, carried in .whl/.
+set -uo pipefail
+OUT=${OUT:-/tmp/gpu_out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+PY=python3
+
+setup() {
+  if compgen -G ".whl/*.whl" >/dev/null; then
+    $PY -m pip install -q --no-index --no-deps --no-compile .whl/*.whl || return 1
+  fi
+  if ! $PY -m pip install -q --no-index --no-deps --no-build-isolation -e .; then
+    # The installed layout without pip: kernels/ is attention_jax.kernels.
+    ln -sfn ../kernels attention_jax/kernels && export PYTHONPATH=$PWD
+  fi
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm \
+      --format=csv | tee "$OUT/gpu.txt"
+  $PY -c "import jax, jaxlib, flax, optax; print('jax', jax.__version__, 'jaxlib', \
+jaxlib.__version__, 'flax', flax.__version__, 'optax', optax.__version__); \
+print(jax.devices(), jax.devices()[0].compute_capability)" | tee -a "$OUT/gpu.txt"
+}
+
+tests() {
+  # Every kernel test on the hardware (the Triton and Mosaic GPU kernels run
+  # natively; the TPU kernel's tests run in its interpreter, as on CPU).
+  timeout 240 $PY -m pytest tests/kernels -q -n 8 -p no:cacheprovider \
+      2>&1 | tee "$OUT/tests_kernels.log" | tail -60
+}
+
+sanity() {
+  timeout 240 $PY -m experiments.benchmark_attention --dtype=bfloat16 --lengths=8192 \
+      --head_dims=128 --modes=fwd,fwd_bwd --repeats=10 --out="$OUT/attention_gpu_sanity.json" \
+      2>&1 | tee "$OUT/sanity.log" | tail -30
+}
+
+tune() {
+  timeout 330 $PY -m experiments.tune_block_sizes --seq_len=8192 --head_dims=128,64 \
+      --out="$OUT/block_sizes_gpu.json" 2>&1 | tee "$OUT/tune.log" | tail -12
+}
+
+bench() {  # bench D LENGTHS
+  timeout 560 $PY -m experiments.benchmark_attention --dtype=bfloat16 --lengths="$2" \
+      --head_dims="$1" --repeats=10 --out="$OUT/attention_gpu_d$1.json" \
+      2>&1 | tee "$OUT/bench_d$1.log" | tail -90
+}
+
+for stage in "$@"; do
+  echo "=== $stage $(date +%T)"
+  case "$stage" in
+    bench64) bench 64 1024,2048,4096,8192,16384,32768 ;;
+    bench128) bench 128 1024,2048,4096,8192,16384,32768 ;;
+    *) "$stage" ;;
+  esac
+done
+echo "=== done $(date +%T)"
