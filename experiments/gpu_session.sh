@@ -36,6 +36,11 @@ tests() {
       2>&1 | tee "$OUT/tests_kernels.log" | tail -60
 }
 
+tests_defaults() {  # the tests that run the default block sizes
+  timeout 120 $PY -m pytest tests/kernels/test_pallas_gpu.py -q -n 8 -p no:cacheprovider \
+      -k "default_block or head_dims or long_sequences" 2>&1 | tail -3
+}
+
 sanity() {
   timeout 240 $PY -m experiments.benchmark_attention --dtype=bfloat16 --lengths=8192 \
       --head_dims=128 --modes=fwd,fwd_bwd --repeats=10 --out="$OUT/attention_gpu_sanity.json" \
@@ -47,17 +52,17 @@ tune() {
       --out="$OUT/block_sizes_gpu.json" 2>&1 | tee "$OUT/tune.log" | tail -12
 }
 
-bench() {  # bench D LENGTHS
-  timeout 560 $PY -m experiments.benchmark_attention --dtype=bfloat16 --lengths="$2" \
-      --head_dims="$1" --repeats=10 --out="$OUT/attention_gpu_d$1.json" \
+bench() {  # bench D LENGTHS TIMEOUT
+  timeout "$3" $PY -m experiments.benchmark_attention --dtype=bfloat16 --lengths="$2" \
+      --head_dims="$1" --repeats=5 --impls=attention_jax:pallas,attention_jax:pallas_mgpu --out="$OUT/attention_gpu_d$1.json" \
       2>&1 | tee "$OUT/bench_d$1.log" | tail -90
 }
 
 for stage in "$@"; do
   echo "=== $stage $(date +%T)"
   case "$stage" in
-    bench64) bench 64 1024,2048,4096,8192,16384,32768 ;;
-    bench128) bench 128 1024,2048,4096,8192,16384,32768 ;;
+    bench64) bench 64 4096,16384 200 ;;
+    bench128) bench 128 1024,4096,8192,16384,32768 340 ;;
     *) "$stage" ;;
   esac
 done

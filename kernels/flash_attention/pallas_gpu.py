@@ -344,8 +344,10 @@ def _row_stats_spec(block_len: int, blocked: bool):
 
 
 def _compiler_params(cfg: _Config, head_dim: int):
-  num_warps = cfg.num_warps if cfg.num_warps is not None else (4 if head_dim <= 64 else 8)
-  num_stages = cfg.num_stages if cfg.num_stages is not None else 2
+  # Tuned on an H100 (benchmarks/block_sizes_gpu.json): 4 warps up to head dim
+  # 128; a third pipeline stage pays at 64 only.
+  num_warps = cfg.num_warps if cfg.num_warps is not None else (4 if head_dim <= 128 else 8)
+  num_stages = cfg.num_stages if cfg.num_stages is not None else (3 if head_dim <= 64 else 2)
   return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
@@ -467,18 +469,22 @@ _attention = common.flash_attention_vjp(_forward, _backward)
 
 
 def default_block_sizes_gpu(head_dim: int, dtype) -> common.BlockSizes:
-  """Block sizes for an H100 by (padded) head dim and dtype; not tuned on hardware.
+  """Block sizes by (padded) head dim and dtype, tuned on an H100 for bfloat16.
 
-  The forward and dq passes tile `block_q x block_k`: 128 x 64 keeps a 16-bit
-  query block, its float32 accumulator and a K/V block on chip for head dims up
-  to 128; at 256 the blocks halve. The dk/dv pass keeps two float32
-  accumulators of its key block, so it uses 64 x 64 (32 x 32 at 256). float32
-  inputs take twice the registers and shared memory per element, so above head
-  dim 64 all their blocks halve again (never below 16).
+  `python -m experiments.tune_block_sizes` (benchmarks/block_sizes_gpu.json,
+  T=8192, forward+backward): at head dim 64 query blocks of 128 and key blocks
+  of 64 (with 4 warps, 3 stages); at 128 blocks of 64 x 64 (4 warps, 2
+  stages), 1.45x faster than the 128 x 64 and 8 warps used before. The dk/dv
+  pass keeps two float32 accumulators of its key block: 64 x 64 won at both.
+  Head dim 256 halves the blocks (not tuned). float32 inputs take twice the
+  registers and shared memory per element, so above head dim 64 their blocks
+  halve again (never below 16).
   """
   padded = _padded_dim(head_dim)
-  if padded <= 128:
+  if padded <= 64:
     blocks = common.BlockSizes(block_q=128, block_k=64, block_q_dkv=64, block_k_dkv=64)
+  elif padded <= 128:
+    blocks = common.BlockSizes(block_q=64, block_k=64, block_q_dkv=64, block_k_dkv=64)
   else:
     blocks = common.BlockSizes(block_q=64, block_k=32, block_q_dkv=32, block_k_dkv=32)
   if jnp.dtype(dtype).itemsize >= 4 and padded > 64:
