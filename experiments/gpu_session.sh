@@ -32,7 +32,7 @@ print(jax.devices(), jax.devices()[0].compute_capability)" | tee -a "$OUT/gpu.tx
 tests() {
   # Every kernel test on the hardware (the Triton and Mosaic GPU kernels run
   # natively; the TPU kernel's tests run in its interpreter, as on CPU).
-  timeout 240 $PY -m pytest tests/kernels -q -n 8 -p no:cacheprovider \
+  timeout 150 $PY -m pytest tests/kernels -q -n 8 -p no:cacheprovider \
       2>&1 | tee "$OUT/tests_kernels.log" | tail -60
 }
 
@@ -56,6 +56,12 @@ bench() {  # bench D LENGTHS TIMEOUT
   timeout "$3" $PY -m experiments.benchmark_attention --dtype=bfloat16 --lengths="$2" \
       --head_dims="$1" --repeats=5 --impls=attention_jax:pallas,attention_jax:pallas_mgpu --out="$OUT/attention_gpu_d$1.json" \
       2>&1 | tee "$OUT/bench_d$1.log" | tail -90
+}
+
+lra_speed4k() {  # the LRA speed table's 4K column at the paper's batch 32, tarred to $OUT
+  timeout 270 $PY -m experiments.reproduce --table=configs/tables/lra_speed.py \
+      --results=results/lra_speed_gpu/ --only=length=4096 2>&1 | tee "$OUT/lra_speed.log" | tail -30
+  tar cf "$OUT/lra_speed_gpu.tar" results/lra_speed_gpu
 }
 
 for stage in "$@"; do
