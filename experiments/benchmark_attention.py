@@ -191,8 +191,12 @@ def _jax_pallas_mgpu(q, k, v, is_causal):
   the output, timed with the kernel).
   """
   from jax.experimental.pallas.ops.gpu import attention_mgpu  # pylint: disable=import-outside-toplevel
+  # The backward blocks are required for its gradient (jax 0.11: "Need to specify
+  # backward blocks"); 64 everywhere as in JAX's own tests. It has no causal backward.
   config = attention_mgpu.TuningConfig(block_q=64, block_kv=128 if q.shape[-1] <= 128 else 64,
-                                       max_concurrent_steps=2, causal=is_causal)
+                                       max_concurrent_steps=2, causal=is_causal,
+                                       block_q_dkv=64, block_kv_dkv=64, block_q_dq=64,
+                                       block_kv_dq=64)
   # The kernel's own scale is fixed at 1; pre-scaling q gives the usual 1/sqrt(D).
   q = q * jnp.asarray(q.shape[-1] ** -0.5, q.dtype)
   half = lambda x: x.astype(jnp.float16)

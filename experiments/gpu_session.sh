@@ -8,11 +8,19 @@
 # Logs and JSON go to $OUT (default /tmp/gpu_out). `setup` installs this
 # repository (editable, no dependencies: the machine's image has JAX with CUDA,
 # flax, optax and orbax) and the pure-Python wheels it lacks, carried in .whl/.
+#
+# The copy of the tree that reaches the GPU machine carries a `.git` that need
+# not describe it, so the results' git revision comes from .whl/REVISION,
+# written on the sending side from a clean tree just before the call:
+#   test -z "$(git status --porcelain --untracked-files=no)" && git rev-parse HEAD > .whl/REVISION
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu_out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 PY=python3
+if [ -f .whl/REVISION ]; then
+  export ATTENTION_JAX_GIT_REVISION=$(cat .whl/REVISION)
+fi
 
 setup() {
   if compgen -G ".whl/*.whl" >/dev/null; then

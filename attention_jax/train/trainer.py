@@ -589,7 +589,14 @@ OUTPUT_FOLDERS = ("results", "benchmarks")
 
 def git_revision() -> Optional[str]:
   """The commit of the checkout this package runs from ("+dirty" with local
-  changes to anything but `OUTPUT_FOLDERS`), or None outside a git checkout."""
+  changes to anything but `OUTPUT_FOLDERS`), or None outside a git checkout.
+
+  $ATTENTION_JAX_GIT_REVISION, when set, is returned instead: for a copy of a
+  clean checkout sent to another machine whose `.git` does not describe it
+  (experiments/gpu_session.sh sets it from the sender's `git rev-parse HEAD`).
+  """
+  if os.environ.get("ATTENTION_JAX_GIT_REVISION"):
+    return os.environ["ATTENTION_JAX_GIT_REVISION"]
   root = pathlib.Path(__file__).resolve().parents[2]
   try:
     revision = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True,

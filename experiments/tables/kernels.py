@@ -33,16 +33,26 @@ def expand(table: Any, runs: pathlib.Path, *, data_dir: str = "data",
 def summarize(table: Any, cells: Sequence[Cell]) -> List[Dict[str, Any]]:
   """One row per benchmark record (implementation, length, mode, causal)."""
   del table
-  rows = []
-  for cell in cells:
-    payload = read_results(cell.results_path) or {}
-    for r in payload.get("records", []):
-      rows.append(dict(impl=r.get("impl"), length=r.get("seq_len"), mode=r.get("mode"),
-                       causal=r.get("causal"), head_dim=r.get("head_dim"), ms=r.get("ms"),
-                       peak_mib=((r.get("memory") or {}).get("peak_delta_bytes") or 0) / 2**20
-                       or None, speedup_vs_best_peer=r.get("speedup_vs_best_peer"),
-                       best_peer=r.get("best_peer"), error=r.get("error")))
-  return rows
+  return [row for cell in cells
+          for row in benchmark_rows((read_results(cell.results_path) or {}).get("records", []))]
+
+
+def benchmark_rows(records: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
+  """The table's rows of `experiments.benchmark_attention` records.
+
+  A peak that is only an upper bound (an accelerator's allocator peak that the
+  cell did not raise) is left out.
+  """
+  def peak_mib(memory):
+    exact = memory.get("exact", True)
+    return ((memory.get("peak_delta_bytes") or 0) / 2**20 or None) if exact else None
+
+  return [dict(impl=r.get("impl"), length=r.get("seq_len"), mode=r.get("mode"),
+               causal=r.get("causal"), head_dim=r.get("head_dim"), ms=r.get("ms"),
+               peak_mib=peak_mib(r.get("memory") or {}),
+               speedup_vs_best_peer=r.get("speedup_vs_best_peer"), best_peer=r.get("best_peer"),
+               error=r.get("error"))
+          for r in records]
 
 
 def by_shape(rows: Sequence[Dict[str, Any]]) -> List[str]:
@@ -58,7 +68,9 @@ def by_shape(rows: Sequence[Dict[str, Any]]) -> List[str]:
     if r is None or r.get("error") or r.get("ms") is None:
       return "-" if r is None else "failed"
     peak = "-" if r["peak_mib"] is None else f"{r['peak_mib']:.0f}"
-    return f"{r['ms']:.0f} ({peak})"
+    # Below 10 ms three significant figures: GPU cells take fractions of a millisecond.
+    ms = f"{r['ms']:.0f}" if r["ms"] >= 10 else f"{r['ms']:.3g}"
+    return f"{ms} ({peak})"
 
   lines = report.markdown_head(["T", "mode", "causal", *[f"{i} ms (MiB)" for i in impls],
                                 " / ".join(ours) + " vs best peer"])
