@@ -142,16 +142,28 @@ def _gather(x: Array, indices: Array) -> Array:
 # ---------------------------------------------------------------------------
 
 
-def _hash_buckets(vectors: Array, rng: jax.Array, n_buckets: int, n_hashes: int) -> Array:
+def fixed_rotations(dim: int, n_buckets: int, n_hashes: int) -> Array:
+  """The rotations of `fixed_rotations=True`: `[n_hashes, 1, D, n_buckets / 2]`
+  float32 from `PRNGKey(0)`, one per round shared by every head, layer and step
+  (as the LRA release draws them, from a fixed key, in every call)."""
+  return jax.random.normal(jax.random.PRNGKey(0), (n_hashes, 1, dim, n_buckets // 2))
+
+
+def _hash_buckets(vectors: Array, rng: Optional[jax.Array], n_buckets: int,
+                  n_hashes: int) -> Array:
   """Angular LSH: bucket = argmax([x R, -x R]) for a random rotation R per round.
 
   vectors: `[B, H, T, D]` -> `[n_hashes, B, H, T]` int32 in [0, n_buckets).
-  One rotation `[D, n_buckets / 2]` per round and head, drawn from `rng`.
+  One rotation `[D, n_buckets / 2]` per round and head, drawn from `rng`; with
+  `rng=None` the `fixed_rotations`, the same for every head.
   """
   batch, heads, length, dim = vectors.shape
   if n_buckets == 1:
     return jnp.zeros((n_hashes, batch, heads, length), jnp.int32)
-  rotations = jax.random.normal(rng, (n_hashes, heads, dim, n_buckets // 2), vectors.dtype)
+  if rng is None:
+    rotations = fixed_rotations(dim, n_buckets, n_hashes).astype(vectors.dtype)
+  else:
+    rotations = jax.random.normal(rng, (n_hashes, heads, dim, n_buckets // 2), vectors.dtype)
   rotated = jnp.einsum("bhtd,rhdn->rbhtn", vectors, rotations)
   return jnp.argmax(jnp.concatenate([rotated, -rotated], axis=-1), axis=-1).astype(jnp.int32)
 
@@ -186,7 +198,13 @@ def lsh_attention(
     n_buckets: Optional[int] = None,
     n_hashes: int = 2,
     chunk_size: int = 64,
+    num_chunks: Optional[int] = None,
     scale: Optional[float] = None,
+    scale_exponent: float = -0.5,
+    normalize_keys: bool = True,
+    mask_buckets: bool = True,
+    mask_padding: bool = True,
+    fixed_rotations: bool = False,
 ) -> Array:
   """Reformer LSH attention with shared queries and keys (Kitaev et al. 2020).
 
@@ -222,25 +240,52 @@ def lsh_attention(
     n_hashes: hashing rounds; more rounds miss fewer keys.
     chunk_size: queries per chunk; a T that it does not divide is padded to
       its next multiple (the added keys masked, their outputs dropped).
-    scale: logit scale, 1/sqrt(D) by default.
+    num_chunks: when given, the chunk count instead: T is padded to a multiple
+      of it and `chunk_size` is T' / num_chunks (the LRA release: 10 chunks).
+    scale: multiplies the logits; D ** scale_exponent when None.
+    scale_exponent: the logit scale's power of D: -0.5 (1/sqrt(D), the
+      default), 0 (trax's Reformer: no scale on the normalised keys) or 0.5
+      (the LRA release multiplies by sqrt(D)).
+    normalize_keys: keys are the unit-normalised queries (Reformer); False
+      uses the queries themselves (the LRA release).
+    mask_buckets: a query attends only to keys of its own bucket, itself only
+      when nothing else is allowed, and a key found by several rounds counts
+      once; False attends to every key of its chunk and the previous one, with
+      no self penalty (the LRA release).
+    mask_padding: False ignores the padding given (mask, key_value_seq_lengths)
+      and the padding added to a chunk multiple: padded keys are attended and
+      hashed like the others (the LRA release, whose padded tokens carry the
+      projections' biases where ours carry zeros).
+    fixed_rotations: ignore `hash_rng` and hash with `fixed_rotations(...)`,
+      one rotation for every head, layer and step (the LRA release).
 
   Returns:
     `[B, T, H, Dv]` in the query dtype.
   """
   common.reject_unsupported("lsh", bias=bias, segment_ids=segment_ids)
   _check_self_attention("lsh", query, key)
-  if hash_rng is None:
+  if hash_rng is None and not fixed_rotations:
     raise ValueError("attention variant 'lsh' needs hash_rng, a PRNG key for its random "
-                     "rotations (MultiHeadAttention's extras module supplies one).")
+                     "rotations (MultiHeadAttention's extras module supplies one), or "
+                     "fixed_rotations=True.")
   batch, length, num_heads, head_dim = query.shape
+  if num_chunks is not None:
+    common.check_size("num_chunks", num_chunks)
+    chunk_size = -(-length // num_chunks)
   common.check_size("chunk_size", chunk_size)
-  padded = _padded_to_multiple("lsh", chunk_size, query, key, value, mask, key_value_seq_lengths)
+  if not mask_padding:
+    mask = key_value_seq_lengths = None
+  # num_chunks chunks of chunk_size: T' = num_chunks * chunk_size.
+  multiple = chunk_size * (num_chunks or 1)
+  padded = _padded_to_multiple("lsh", multiple, query, key, value, mask, key_value_seq_lengths)
   if padded is not None:
     query, key, value, mask = padded
-    out = lsh_attention(query, key, value, mask=mask, is_causal=is_causal,
-                        query_seq_lengths=query_seq_lengths, hash_rng=hash_rng,
-                        n_buckets=n_buckets, n_hashes=n_hashes, chunk_size=chunk_size,
-                        scale=scale)
+    out = lsh_attention(query, key, value, mask=mask if mask_padding else None,
+                        is_causal=is_causal, query_seq_lengths=query_seq_lengths,
+                        hash_rng=hash_rng, n_buckets=n_buckets, n_hashes=n_hashes,
+                        chunk_size=chunk_size, scale=scale, scale_exponent=scale_exponent,
+                        normalize_keys=normalize_keys, mask_buckets=mask_buckets,
+                        mask_padding=mask_padding, fixed_rotations=fixed_rotations)
     return out[:, :length]
   common.check_size("n_hashes", n_hashes)
   if n_buckets is None:
@@ -249,16 +294,17 @@ def lsh_attention(
   if n_buckets != 1 and n_buckets % 2:
     raise ValueError(f"n_buckets must be 1 or even (hashing takes the argmax over a rotation "
                      f"and its negation), got {n_buckets}.")
-  scale = head_dim ** -0.5 if scale is None else scale
+  scale = head_dim ** scale_exponent if scale is None else scale
 
   valid = _valid_keys("lsh", mask, key_value_seq_lengths, batch, length)  # [B, T]
   q = _heads_first(query)  # [B, H, T, D]
-  k = _normalize(q)
+  k = _normalize(q) if normalize_keys else q
   v = _heads_first(common.repeat_kv_heads(value, num_heads))
   positions = jnp.arange(length)
 
   # Padded tokens get bucket n_buckets, after every real bucket.
-  buckets = _hash_buckets(jax.lax.stop_gradient(q), hash_rng, n_buckets, n_hashes)
+  buckets = _hash_buckets(jax.lax.stop_gradient(q), None if fixed_rotations else hash_rng,
+                          n_buckets, n_hashes)
   buckets = jnp.where(valid[None, :, None, :], buckets, n_buckets)  # [R, B, H, T]
   order = jnp.argsort(buckets * length + positions, axis=-1)  # [R, B, H, T]
 
@@ -278,12 +324,14 @@ def lsh_attention(
   own = jnp.arange(n_hashes)
   q_bucket = q_buckets[own, own][..., :, None]  # this round's buckets, [R, B, H, n, c, 1]
   k_bucket = k_buckets[own, own][..., None, :]
-  allowed = (q_bucket == k_bucket) & k_valid[..., None, :]
+  allowed = k_valid[..., None, :]
+  if mask_buckets:
+    allowed = allowed & (q_bucket == k_bucket)
   if is_causal:
     allowed &= k_pos[..., None, :] <= q_pos[..., :, None]
   is_self = q_pos[..., :, None] == k_pos[..., None, :]
-  logit_bias = jnp.where(is_self, -SELF_ATTENTION_PENALTY, 0.0)
-  if n_hashes > 1:
+  logit_bias = jnp.where(is_self & mask_buckets, -SELF_ATTENTION_PENALTY, 0.0)
+  if n_hashes > 1 and mask_buckets:
     shared_rounds = sum((q_buckets[:, r, ..., :, None] == k_buckets[:, r, ..., None, :])
                         .astype(q.dtype) for r in range(n_hashes))
     logit_bias = logit_bias - jnp.log(jnp.maximum(shared_rounds, 1.0))
@@ -313,12 +361,15 @@ class LSHHashKey(nn.Module):
   """
 
   redraw_every: int = 1
+  fixed_rotations: bool = False  # then no key: the function hashes with fixed_rotations()
 
   unused_projections = staticmethod(lambda options: frozenset({"key"}))
 
   @nn.compact
   def __call__(self, query, key, value, deterministic: bool = True) -> dict:
     del query, key, value  # The rotations do not depend on the inputs.
+    if self.fixed_rotations:
+      return {}
     bits = common.layer_random(self, "hash_key", _key_as_floats, deterministic=deterministic,
                                redraw_every=self.redraw_every)
     return {"hash_rng": jax.random.wrap_key_data(
@@ -330,9 +381,28 @@ registry.register(registry.VariantSpec(
     exact=False, causal=True, cross=False, paper="Kitaev et al. 2020", extras=LSHHashKey,
     options=dict(n_buckets="hash buckets; about 2 T / chunk_size when None",
                  n_hashes="hash rounds", chunk_size="queries per chunk (each sees 2 chunks)",
+                 num_chunks="the chunk count instead of chunk_size (the LRA release: 10)",
                  redraw_every="training steps between new rotations (1: every step, as "
                               "Reformer; 0: never); fixed in evaluation",
-                 scale="multiplies the logits; 1/sqrt(D) when None")))
+                 scale="multiplies the logits; D ** scale_exponent when None",
+                 scale_exponent="-0.5: 1/sqrt(D); 0: trax's Reformer (none); 0.5: the LRA "
+                                "release (times sqrt(D))",
+                 normalize_keys="keys are the unit-normalised queries; False: the queries "
+                                "(the LRA release)",
+                 mask_buckets="attend within the bucket, self only as a fallback; False: "
+                              "every key of the two chunks (the LRA release)",
+                 mask_padding="apply the padding; False ignores it (the LRA release)",
+                 fixed_rotations="one rotation from PRNGKey(0) for every head, layer and "
+                                 "step (the LRA release)"),
+    presets={"lra_release": registry.Preset(
+        options=dict(n_hashes=1, n_buckets=10, num_chunks=10, scale_exponent=0.5,
+                     normalize_keys=False, mask_buckets=False, mask_padding=False,
+                     fixed_rotations=True),
+        doc="The release's ReformerAttention (models/reformer/reformer_attention.py, "
+            "lsh_attention_single_head) hashes the raw queries once into 10 buckets with "
+            "rotations from a fixed PRNGKey(0), splits the sorted sequence into 10 chunks, "
+            "and attends each chunk to itself and the previous one with logits q.q' times "
+            "sqrt(D): no bucket, self or padding mask.")}))
 
 
 # ---------------------------------------------------------------------------
