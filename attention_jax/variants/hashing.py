@@ -690,6 +690,68 @@ def _sort_network_logits(q_blocks: Array, k_blocks: Array, valid: Array, hidden_
   return jnp.einsum("bhnd,bhmd->bhnm", sort_query, pooled_k) * pooled_k.shape[-1] ** -0.5
 
 
+SINKHORN_SORTS = ("sinkhorn", "lra_release")
+SINKHORN_LAYOUTS = ("contiguous", "strided")
+SINKHORN_PADDINGS = ("exact", "lra_release")
+# The LRA release's masked-logit value (an added bias, not -inf: a row with no
+# allowed key is uniform over its block rather than empty).
+_RELEASE_MASKED_LOGIT = -1e10
+
+
+def _to_blocks(x: Array, block_size: int, layout: str) -> Array:
+  """`[B, H, T, ...]` -> `[B, H, nb, b, ...]`: contiguous runs of `block_size`
+  tokens, or (`"strided"`, the LRA release's reshape to `[b, nb]`) block n
+  holding the tokens t with t mod nb == n."""
+  if layout == "contiguous":
+    return _chunks(x, block_size, 2)
+  num_blocks = x.shape[2] // block_size
+  return jnp.swapaxes(x.reshape(x.shape[:2] + (block_size, num_blocks) + x.shape[3:]), 2, 3)
+
+
+def _from_blocks(x: Array, layout: str) -> Array:
+  """The inverse of `_to_blocks`: `[B, H, nb, b, ...]` -> `[B, H, T, ...]`."""
+  if layout == "strided":
+    x = jnp.swapaxes(x, 2, 3)
+  return x.reshape(x.shape[:2] + (-1,) + x.shape[4:])
+
+
+def _release_sinkhorn(q: Array, k: Array, v: Array, valid: Array, block_size: int, layout: str,
+                      padding: str, scale: float) -> Array:
+  """What the LRA release's SinkhornAttention computes (sort_activation='softmax').
+
+  q, k, v: `[B, H, T, D]`; valid: `[B, T]`. Each query block attends to its own
+  block, and separately to the position-wise sum of *all* key (value) blocks
+  (the release's einsum sums the sort away, so its sort network has no effect);
+  the two outputs are added. Padding "lra_release": the mask of block n is the
+  token validity of the *contiguous* run n (query and key alike), whatever the
+  layout, and the summed block's is its OR over the runs; masked logits get
+  -1e10. "exact": keys masked by their own validity, padded keys left out of
+  the sum.
+  """
+  batch, length = valid.shape
+  num_blocks = length // block_size
+  qb, kb, vb = (_to_blocks(x, block_size, layout) for x in (q, k, v))  # [B, H, nb, b, D]
+  if padding == "lra_release":
+    runs = valid.reshape(batch, num_blocks, block_size)
+    own = runs[:, :, :, None] & runs[:, :, None, :]  # [B, nb, b, b]
+    summed = jnp.any(own, axis=1)[:, None]  # [B, 1, b, b]
+    k_sum, v_sum = (jnp.sum(x, axis=2, keepdims=True) for x in (kb, vb))
+  else:
+    key_valid = _to_blocks(valid[:, None], block_size, layout)[:, 0]  # [B, nb, b]
+    own = jnp.broadcast_to(key_valid[:, :, None, :], (batch, num_blocks, block_size, block_size))
+    summed = jnp.any(own, axis=1)[:, None]
+    weights = key_valid[:, None, :, :, None].astype(kb.dtype)
+    k_sum, v_sum = (jnp.sum(x * weights, axis=2, keepdims=True) for x in (kb, vb))
+
+  def attend(keys, values, allowed):  # allowed: [B, nb|1, b, b]
+    logits = jnp.einsum("bhnsd,bhntd->bhnst", qb, keys) * scale
+    logits = logits + jnp.where(allowed[:, None], 0.0, _RELEASE_MASKED_LOGIT)
+    return jnp.einsum("bhnst,bhntd->bhnsd", jax.nn.softmax(logits, axis=-1), values)
+
+  out = attend(kb, vb, own) + attend(k_sum, v_sum, summed)
+  return _from_blocks(out, layout)
+
+
 def sinkhorn_attention(
     query: Array,
     key: Array,
@@ -708,6 +770,9 @@ def sinkhorn_attention(
     sort_hidden_kernel: Optional[Array] = None,
     sort_output_kernel: Optional[Array] = None,
     scale: Optional[float] = None,
+    sort: str = "sinkhorn",
+    block_layout: str = "contiguous",
+    padding: str = "exact",
 ) -> Array:
   """Sparse Sinkhorn attention (Tay et al. 2020).
 
@@ -749,6 +814,16 @@ def sinkhorn_attention(
     sort_hidden_kernel: `[H, D, S]` and
     sort_output_kernel: `[H, S, D]` (the `SinkhornSortNet` parameters).
     scale: logit scale, 1/sqrt(D) by default.
+    sort: "sinkhorn" (the method above) or "lra_release": what the LRA
+      release's code computes (`_release_sinkhorn`): no sort at all, each
+      query block attending to its own block and, in a second softmax whose
+      output is added, to the sum of all key blocks. Not causal.
+    block_layout: "contiguous" blocks of `block_size` tokens, or "strided"
+      (the release's reshape: block n holds the tokens t = n mod T / block_size).
+      Only with sort="lra_release".
+    padding: "exact" or "lra_release" (the release's masks, built from
+      contiguous runs whatever the layout, -1e10 on masked logits). Only with
+      sort="lra_release".
 
   Returns:
     `[B, T, H, Dv]` in the query dtype.
@@ -760,6 +835,18 @@ def sinkhorn_attention(
   common.check_size("sinkhorn_iterations", sinkhorn_iterations, minimum=0)
   if not temperature > 0:
     raise ValueError(f"temperature must be > 0, got {temperature!r}.")
+  for name, value_, choices in (("sort", sort, SINKHORN_SORTS),
+                                ("block_layout", block_layout, SINKHORN_LAYOUTS),
+                                ("padding", padding, SINKHORN_PADDINGS)):
+    if value_ not in choices:
+      raise ValueError(f"{name} must be one of {choices}, got {value_!r}.")
+  if sort == "sinkhorn" and (block_layout, padding) != ("contiguous", "exact"):
+    raise ValueError(f"block_layout={block_layout!r} and padding={padding!r} go with "
+                     "sort='lra_release'; the Sinkhorn sort takes contiguous blocks and "
+                     "exact padding.")
+  if sort == "lra_release" and is_causal:
+    raise ValueError("sort='lra_release' is not causal (the release's causal branch was "
+                     "never finished); use sort='sinkhorn'.")
   padded = _padded_to_multiple("sinkhorn", block_size, query, key, value, mask,
                                key_value_seq_lengths)
   if padded is not None:
@@ -769,11 +856,19 @@ def sinkhorn_attention(
         block_size=block_size, sinkhorn_iterations=sinkhorn_iterations,
         temperature=temperature, sort_logits=sort_logits,
         sort_hidden_kernel=sort_hidden_kernel, sort_output_kernel=sort_output_kernel,
-        scale=scale)
+        scale=scale, sort=sort, block_layout=block_layout, padding=padding)
     return out[:, :length]
   num_blocks = length // block_size
   scale = head_dim ** -0.5 if scale is None else scale
 
+  if sort == "lra_release":
+    out = _release_sinkhorn(
+        _heads_first(query), _heads_first(common.repeat_kv_heads(key, num_heads)),
+        _heads_first(common.repeat_kv_heads(value, num_heads)),
+        _valid_keys("sinkhorn", mask, key_value_seq_lengths, batch, length), block_size,
+        block_layout, padding, scale)
+    return common.zero_padded_queries(jnp.swapaxes(out, 1, 2).astype(query.dtype),
+                                      query_seq_lengths)
   valid = _chunks(_valid_keys("sinkhorn", mask, key_value_seq_lengths, batch, length)[:, None],
                   block_size, -1)  # [B, 1, nb, b]
   blocks = lambda x: _chunks(_heads_first(x), block_size, -2)  # [B, H, nb, b, D]
@@ -818,10 +913,13 @@ class SinkhornSortNet(nn.Module):
   `sort_output_kernel [H, S, D]` with S = `sort_hidden_dim`."""
 
   sort_hidden_dim: int = 32
+  sort: str = "sinkhorn"  # "lra_release" sorts nothing: no network
 
   @nn.compact
   def __call__(self, query, key, value, deterministic: bool = True) -> dict:
     del key, value, deterministic
+    if self.sort == "lra_release":
+      return {}
     num_heads, head_dim = query.shape[2], query.shape[3]
     init = nn.initializers.lecun_normal(in_axis=-2, out_axis=-1, batch_axis=(0,))
     hidden = self.param("sort_hidden_kernel", init, (num_heads, head_dim, self.sort_hidden_dim))
@@ -835,7 +933,22 @@ registry.register(registry.VariantSpec(
     extras=SinkhornSortNet,
     options=dict(block_size="tokens per block", sinkhorn_iterations="balancing iterations",
                  temperature="of the Gumbel-Sinkhorn sort", sort_hidden_dim="sort network width",
-                 scale="multiplies the logits; 1/sqrt(D) when None")))
+                 scale="multiplies the logits; 1/sqrt(D) when None",
+                 sort="'sinkhorn' (the method) or 'lra_release' (no sort: own block plus the "
+                      "sum of all blocks, two softmaxes added)",
+                 block_layout="'contiguous' or 'strided' (the LRA release's reshape); "
+                              "with sort='lra_release'",
+                 padding="'exact' or 'lra_release' (masks from contiguous runs, -1e10 "
+                         "logits); with sort='lra_release'"),
+    presets={"lra_release": registry.Preset(
+        options=dict(sort="lra_release", block_layout="strided", padding="lra_release",
+                     block_size=50),
+        doc="The release's SinkhornAttention (models/sinkhorn_transformer/"
+            "sinkhorn_attention.py, sort_activation='softmax') reshapes tokens into strided "
+            "blocks of 50, and its einsum sums every key block instead of permuting them (the "
+            "sort network has no effect): each block attends to itself and, in a second "
+            "softmax added to the first, to the sum of all blocks; its padding masks come "
+            "from contiguous runs.")}))
 
 
 # ---------------------------------------------------------------------------

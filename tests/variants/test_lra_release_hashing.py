@@ -119,3 +119,97 @@ def test_lsh_release_options_each_change_the_output():
     hashing.lsh_attention(q, q, v, **dict(release, fixed_rotations=False))
   with pytest.raises(ValueError, match="num_chunks"):
     hashing.lsh_attention(q, q, v, **dict(release, num_chunks=0))
+
+
+# ---------------------------------------------------------------------------- sinkhorn
+
+
+def test_sinkhorn_release_preset_is_the_same_on_every_task():
+  for task in (None, *TASKS):
+    assert registry.preset_options("sinkhorn", "lra_release", task) == dict(
+        sort="lra_release", block_layout="strided", padding="lra_release", block_size=50)
+
+
+def _np_release_sinkhorn(q, k, v, token_valid, block_size, sort_logits):
+  """SinkhornAttention.apply (non-causal, sort_activation='softmax') on projected
+  q, k, v [B, T, H, D], padding_mask token_valid [B, T], the sort network's
+  output sort_logits [B, nb, H, nb]."""
+  batch, length, heads, dim = q.shape
+  nb = length // block_size
+  block = lambda x: x.reshape(batch, block_size, nb, heads, dim)  # the release's reshape
+  bq, bk, bv = block(q), block(k), block(v)
+  permutation = _np_softmax(sort_logits)
+  sorted_k = np.einsum("bskhd,bnhl->bsnhd", bk, permutation)
+  sorted_v = np.einsum("bskhd,bnhl->bsnhd", bv, permutation)
+  runs = token_valid.reshape(batch * nb, block_size)  # padding_mask reshaped contiguously
+  mask = (runs[:, :, None] & runs[:, None, :]).reshape(batch, nb, block_size, block_size)
+  sorted_mask = np.einsum("bksj,bnhl->bnsj", mask.astype(np.float64), permutation) > 0
+
+  def local_attention(keys, values, allowed):
+    # local_dot_product_attention over axis 1: batch dims (b, n, h).
+    logits = np.einsum("bsnhd,btnhd->bnhst", bq / np.sqrt(dim), keys)
+    # The bias is added in float32, as the release ran: -1e10 swallows the
+    # logit, so a row with nothing allowed is uniform (in float64 it would not be).
+    logits = (logits.astype(np.float32) +
+              np.where(allowed, 0.0, -1e10).astype(np.float32)[:, :, None]).astype(np.float64)
+    return np.einsum("bnhst,btnhd->bsnhd", _np_softmax(logits), values)
+
+  out = local_attention(bk, bv, mask) + local_attention(sorted_k, sorted_v, sorted_mask)
+  return out.reshape(batch, length, heads, dim)
+
+
+@pytest.mark.property("sinkhorn")
+def test_sinkhorn_release_is_the_release_computation():
+  batch, length, heads, dim, block_size = 2, 60, 2, 8, 10
+  keys = jax.random.split(jax.random.PRNGKey(4), 4)
+  q, k, v = (np.asarray(jax.random.normal(key, (batch, length, heads, dim))) for key in keys[:3])
+  lengths = np.array([60, 33])
+  token_valid = np.arange(length)[None, :] < lengths[:, None]
+  sort_logits = np.asarray(jax.random.normal(keys[3], (batch, length // block_size, heads,
+                                                       length // block_size)))
+  expected = _np_release_sinkhorn(_np(q), _np(k), _np(v), token_valid, block_size, sort_logits)
+  options = dict(registry.preset_options("sinkhorn", "lra_release", "listops"),
+                 block_size=block_size)
+  got = hashing.sinkhorn_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v),
+                                   key_value_seq_lengths=jnp.asarray(lengths), **options)
+  assert_close(got, expected, rtol=1e-4, atol=1e-5)
+  # The sort network's output never mattered: any other one gives the same.
+  assert_close(_np_release_sinkhorn(_np(q), _np(k), _np(v), token_valid, block_size,
+                                    2.0 * sort_logits + 1.0), expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.property("sinkhorn")
+def test_sinkhorn_release_layer_has_no_sort_network_and_takes_any_length():
+  layer = _release_layer("sinkhorn", "listops")
+  x = jax.random.normal(jax.random.PRNGKey(0), (2, 101, 16))  # [CLS] + 100: padded to 150
+  variables = layer.init(jax.random.PRNGKey(1), x)
+  assert set(nn.meta.unbox(variables["params"])) == {"query", "key", "value", "out"}
+  out = layer.apply(variables, x, key_value_seq_lengths=jnp.array([101, 40]))
+  assert out.shape == x.shape and bool(jnp.all(jnp.isfinite(out)))
+
+
+@pytest.mark.property("sinkhorn")
+def test_sinkhorn_release_sort_with_exact_padding_ignores_padded_keys():
+  """padding='exact': what padded keys hold changes no valid output."""
+  q, k, v = (jax.random.normal(key, (1, 40, 2, 8)) for key in jax.random.split(
+      jax.random.PRNGKey(5), 3))
+  options = dict(sort="lra_release", block_layout="strided", padding="exact", block_size=8)
+  lengths = jnp.array([29])
+  garbage = lambda x: x.at[:, 29:].set(100.0)
+  clean = hashing.sinkhorn_attention(q, k, v, key_value_seq_lengths=lengths, **options)
+  dirty = hashing.sinkhorn_attention(q, garbage(k), garbage(v), key_value_seq_lengths=lengths,
+                                     **options)
+  assert_close(clean[:, :29], dirty[:, :29], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(sort="sorted"), "sort must be one of"),
+    (dict(block_layout="strided"), "go with sort='lra_release'"),
+    (dict(sort="lra_release", padding="none"), "padding must be one of"),
+    (dict(sort="lra_release", is_causal=True), "not causal"),
+])
+def test_sinkhorn_release_options_reject_bad_values(options, message):
+  q = jnp.zeros((1, 16, 1, 4))
+  with pytest.raises(ValueError, match=message):
+    hashing.sinkhorn_attention(q, q, q, block_size=4, sort_hidden_kernel=jnp.zeros((1, 4, 2)),
+                               sort_output_kernel=jnp.zeros((1, 2, 4)), **options)
