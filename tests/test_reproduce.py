@@ -77,14 +77,15 @@ def get_config():
 def test_smoke_grid_is_every_paper_variant_and_both_presets_on_listops_with_two_seeds(
     tmp_path):
   cells = tables.expand(tables.load_table(SMOKE), tmp_path / "out")
-  # lsh and sinkhorn have no lra_release preset yet: their cells are method only.
-  assert len(cells) == 40
+  # Every row runs both presets.
+  assert len(cells) == 11 * 2 * 2
   assert {c.key["variant"] for c in cells} == PAPER_VARIANTS
   assert {c.key["task"] for c in cells} == {"listops"}
   assert {c.key["preset"] for c in cells} == {"method", "lra_release"}
   # Seed-major: all of seed 0 before any of seed 1.
-  assert [c.key["seed"] for c in cells] == [0] * 20 + [1] * 20
-  assert {c.key["preset"] for c in cells if c.key["variant"] == "lsh"} == {"method"}
+  assert [c.key["seed"] for c in cells] == [0] * 22 + [1] * 22
+  assert {c.key["preset"] for c in cells if c.key["variant"] == "lsh"} == {"method",
+                                                                           "lra_release"}
   cell = next(c for c in cells if c.key["variant"] == "performer" and c.key["seed"] == 1
               and c.key["preset"] == "lra_release")
   assert cell.workdir == (tmp_path / "out" / "runs" / "listops" / "performer" / "lra_release"
@@ -102,13 +103,13 @@ def test_smoke_grid_is_every_paper_variant_and_both_presets_on_listops_with_two_
 
 def test_full_grid_and_only_filters(tmp_path):
   cells = tables.expand(tables.load_table(FULL), tmp_path)
-  assert len(cells) == 6 * (9 * 2 + 2) * 3
+  assert len(cells) == 6 * 11 * 2 * 3
   only = table_cells.parse_only(["task=listops", "variant=performer,linear", "preset=method"])
   selected = table_cells.select(cells, only)
   assert len(selected) == 2 * 3
   assert {(c.key["task"], c.key["variant"]) for c in selected} == {
       ("listops", "performer"), ("listops", "linear")}
-  assert len(table_cells.select(cells, table_cells.parse_only(["seed=2"]))) == 6 * 20
+  assert len(table_cells.select(cells, table_cells.parse_only(["seed=2"]))) == 6 * 22
 
 
 @pytest.mark.parametrize("filters, message", [

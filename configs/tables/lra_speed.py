@@ -10,9 +10,9 @@ relative to the Transformer (`dot_product`).
 Each (variant, length) runs `experiments.benchmark_lra_speed` in its own
 process (the `configs/lra/text.py` model on random bytes, no dataset). The
 paper's batch is 32; Sparse Transformer and Longformer are in our grid though
-the paper left them out of its Table 2. LSH and Sinkhorn pool by the mean
-(the [CLS] token makes T + 1, which no block size divides); Synthesizer's
-`max_length` is T + 1.
+the paper left them out of its Table 2. Every row pools by [CLS], as the text
+task does (LSH and Sinkhorn pad the T + 1 tokens to their block multiple
+themselves); Synthesizer's `max_length` is T + 1.
 
 Attention dropout is the LRA release's 0.1 (its models' default, which the
 text task's config leaves in place) wherever our variant has attention weights
@@ -53,8 +53,6 @@ def get_config():
   overrides = {
       "dot_product": {"model": {"attention_options": {"implementation": "xla"},
                                 "attention_dropout_rate": attention_dropout}},
-      "lsh": {"model": {"pooling": "mean"}},
-      "sinkhorn": {"model": {"pooling": "mean"}},
   }
   for length in LENGTHS:
     overrides[f"synthesizer_dense@{length}"] = {
