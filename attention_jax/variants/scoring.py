@@ -1,0 +1,222 @@
+"""Scoring functions (section A of VARIANTS.md): attention whose logits come
+from a learned or plain score of each query-key pair, as in the RNN
+translation models.
+
+* `additive` (Bahdanau et al. 2015): score(q, k) = w^T tanh(W_q q + W_k k),
+  queries and keys of different sizes allowed (each has its own projection).
+* `luong_dot` (Luong et al. 2015): score(q, k) = q . k, unscaled.
+* `luong_general`: score(q, k) = q^T W k.
+* `luong_concat`: score(q, k) = w^T tanh(W [q; k]): the additive score with
+  W = [W_q W_k], so it is computed by the same function.
+
+Each is `scored_attention` with its score function; the masks, padding,
+causal and segment arguments are those of `dot_product_attention`. The scores
+are `[B, H, Tq, Tk]` (the additive ones pass through a `[B, H, Tq, Tk, A]`
+tanh), so every one costs O(T^2) like dense attention. Their parameters are
+per head and made by the variant's extras module inside `MultiHeadAttention`.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Callable, Optional
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from attention_jax import registry
+from attention_jax.core.softmax import masked_softmax
+from attention_jax.variants import common
+from attention_jax.variants.dense import prepare_inputs
+
+Array = jnp.ndarray
+# score(query [B, Tq, H, Dq], key [B, Tk, H, Dk]) -> [B, H, Tq, Tk] float32
+ScoreFn = Callable[[Array, Array], Array]
+
+
+def _check_per_head(name: str, array: Array, expected: tuple) -> None:
+  """`array` must have shape `expected` (None: any size there)."""
+  shape = tuple(jnp.shape(array))
+  if len(shape) != len(expected) or any(e is not None and s != e
+                                        for s, e in zip(shape, expected)):
+    wanted = "[" + ", ".join("*" if e is None else str(e) for e in expected) + "]"
+    raise ValueError(f"{name} must have shape {wanted}, got {list(shape)}.")
+
+
+def scored_attention(query: Array, key: Array, value: Array, score: ScoreFn,
+                     bias: Optional[Array] = None, mask: Optional[Array] = None, *,
+                     is_causal: bool = False, query_seq_lengths: Optional[Array] = None,
+                     key_value_seq_lengths: Optional[Array] = None, segment_ids=None,
+                     dropout_rate: float = 0.0,
+                     dropout_rng: Optional[jax.Array] = None) -> Array:
+  """softmax(score(q, k) + bias, masked) v: `[B, Tq, H, Dv]` in the query dtype.
+
+  Queries and keys may differ in their last size (the score decides what it
+  accepts); grouped K/V heads are repeated to the query heads.
+  """
+  if jnp.ndim(query) != 4 or jnp.ndim(key) != 4 or jnp.ndim(value) != 4:
+    raise ValueError(f"query, key and value must be [B, T, H, D], got shapes "
+                     f"{list(jnp.shape(query))}, {list(jnp.shape(key))}, "
+                     f"{list(jnp.shape(value))}.")
+  num_heads = query.shape[2]
+  # prepare_inputs checks the masks against the shapes; it needs equal q/k sizes,
+  # so it sees a key with the query's last size (the score reads the real key).
+  stand_in_key = jnp.zeros(key.shape[:3] + query.shape[3:], query.dtype)
+  inputs, _ = prepare_inputs(query, stand_in_key, value, bias, mask, is_causal=is_causal,
+                             query_seq_lengths=query_seq_lengths,
+                             key_value_seq_lengths=key_value_seq_lengths,
+                             segment_ids=segment_ids)
+  scores = score(query, common.repeat_kv_heads(key, num_heads)).astype(jnp.float32)
+  if inputs.bias is not None:
+    scores = scores + inputs.bias.astype(jnp.float32)
+  weights = common.dropout_weights(masked_softmax(scores, inputs.dense_mask()), dropout_rate,
+                                   dropout_rng)
+  return common.weighted_values(weights, inputs.value).astype(query.dtype)
+
+
+# The keyword arguments every score function passes on to `scored_attention`;
+# they are written into each function's signature, which MultiHeadAttention
+# and the registry read (e.g. whether a variant takes attention dropout).
+_PASSED_ON = tuple(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default)
+                   for name, default in (("is_causal", False), ("query_seq_lengths", None),
+                                         ("key_value_seq_lengths", None), ("segment_ids", None),
+                                         ("dropout_rate", 0.0), ("dropout_rng", None)))
+
+
+def _passes_on_masks(fn):
+  """Replaces `fn`'s `**kwargs` in its signature by the arguments it passes on."""
+  signature = inspect.signature(fn)
+  own = [p for p in signature.parameters.values() if p.kind != inspect.Parameter.VAR_KEYWORD]
+  fn.__signature__ = signature.replace(parameters=own + list(_PASSED_ON))
+  return fn
+
+
+@_passes_on_masks
+def additive_attention(query: Array, key: Array, value: Array, bias: Optional[Array] = None,
+                       mask: Optional[Array] = None, *, query_kernel: Array, key_kernel: Array,
+                       score_vector: Array, **kwargs) -> Array:
+  """Bahdanau attention: score(q, k) = w^T tanh(W_q q + W_k k), per head.
+
+  Args:
+    query: `[B, Tq, H, Dq]`; key: `[B, Tk, Hkv, Dk]`; value: `[B, Tk, Hkv, Dv]`.
+    query_kernel: W_q `[H, Dq, A]`; key_kernel: W_k `[H, Dk, A]`;
+    score_vector: w `[H, A]`.
+    **kwargs: the masks of `dot_product_attention` (is_causal,
+      query_seq_lengths, key_value_seq_lengths, segment_ids) and dropout.
+  """
+  num_heads, q_dim, k_dim = query.shape[2], query.shape[3], key.shape[3]
+  _check_per_head("query_kernel", query_kernel, (num_heads, q_dim, None))
+  attention_dim = query_kernel.shape[-1]
+  _check_per_head("key_kernel", key_kernel, (num_heads, k_dim, attention_dim))
+  _check_per_head("score_vector", score_vector, (num_heads, attention_dim))
+
+  def score(q, k):
+    projected_q = jnp.einsum("bqhd,hda->bhqa", q, query_kernel)
+    projected_k = jnp.einsum("bkhd,hda->bhka", k, key_kernel)
+    hidden = jnp.tanh(projected_q[:, :, :, None, :] + projected_k[:, :, None, :, :])
+    return jnp.einsum("bhqka,ha->bhqk", hidden, score_vector)
+
+  return scored_attention(query, key, value, score, bias, mask, **kwargs)
+
+
+@_passes_on_masks
+def luong_dot_attention(query: Array, key: Array, value: Array, bias: Optional[Array] = None,
+                        mask: Optional[Array] = None, **kwargs) -> Array:
+  """Luong's dot score: score(q, k) = q . k (no 1/sqrt(D) scale)."""
+  if query.shape[-1] != key.shape[-1]:
+    raise ValueError(f"luong_dot needs queries and keys of one size, got query dim "
+                     f"{query.shape[-1]} and key dim {key.shape[-1]}.")
+  score = lambda q, k: jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32)
+  return scored_attention(query, key, value, score, bias, mask, **kwargs)
+
+
+@_passes_on_masks
+def luong_general_attention(query: Array, key: Array, value: Array,
+                            bias: Optional[Array] = None, mask: Optional[Array] = None, *,
+                            score_kernel: Array, **kwargs) -> Array:
+  """Luong's general score: score(q, k) = q^T W k, W `[H, Dq, Dk]` per head."""
+  num_heads, q_dim, k_dim = query.shape[2], query.shape[3], key.shape[3]
+  _check_per_head("score_kernel", score_kernel, (num_heads, q_dim, k_dim))
+  score = lambda q, k: jnp.einsum("bqhd,hde,bkhe->bhqk", q, score_kernel, k)
+  return scored_attention(query, key, value, score, bias, mask, **kwargs)
+
+
+@_passes_on_masks
+def luong_concat_attention(query: Array, key: Array, value: Array,
+                           bias: Optional[Array] = None, mask: Optional[Array] = None, *,
+                           concat_kernel: Array, score_vector: Array, **kwargs) -> Array:
+  """Luong's concat score: score(q, k) = w^T tanh(W [q; k]), W `[H, Dq + Dk, A]`.
+
+  W [q; k] = W[:Dq] q + W[Dq:] k, so this is `additive_attention` with the
+  kernel split in two.
+  """
+  q_dim = query.shape[3]
+  _check_per_head("concat_kernel", concat_kernel,
+                  (query.shape[2], q_dim + key.shape[3], None))
+  return additive_attention(query, key, value, bias, mask,
+                            query_kernel=concat_kernel[:, :q_dim],
+                            key_kernel=concat_kernel[:, q_dim:], score_vector=score_vector,
+                            **kwargs)
+
+
+_KERNEL_INIT = nn.initializers.lecun_normal(in_axis=-2, out_axis=-1, batch_axis=(0,))
+_VECTOR_INIT = nn.initializers.lecun_normal(in_axis=-1, out_axis=-1, batch_axis=(0,))
+
+
+class AdditiveScore(nn.Module):
+  """`additive`'s parameters per head: W_q `[H, Dq, A]`, W_k `[H, Dk, A]`, w `[H, A]`
+  (A = `attention_dim`, the head dim when None)."""
+
+  attention_dim: Optional[int] = None
+
+  @nn.compact
+  def __call__(self, query, key, value, deterministic: bool = True) -> dict:
+    del value, deterministic
+    heads, q_dim, k_dim = query.shape[2], query.shape[3], key.shape[3]
+    width = common.check_size("attention_dim", self.attention_dim or q_dim)
+    return {"query_kernel": self.param("query_kernel", _KERNEL_INIT, (heads, q_dim, width)),
+            "key_kernel": self.param("key_kernel", _KERNEL_INIT, (heads, k_dim, width)),
+            "score_vector": self.param("score_vector", _VECTOR_INIT, (heads, width))}
+
+
+class GeneralScore(nn.Module):
+  """`luong_general`'s W `[H, Dq, Dk]`."""
+
+  @nn.compact
+  def __call__(self, query, key, value, deterministic: bool = True) -> dict:
+    del value, deterministic
+    shape = (query.shape[2], query.shape[3], key.shape[3])
+    return {"score_kernel": self.param("score_kernel", _KERNEL_INIT, shape)}
+
+
+class ConcatScore(nn.Module):
+  """`luong_concat`'s W `[H, Dq + Dk, A]` and w `[H, A]`."""
+
+  attention_dim: Optional[int] = None
+
+  @nn.compact
+  def __call__(self, query, key, value, deterministic: bool = True) -> dict:
+    del value, deterministic
+    heads, q_dim, k_dim = query.shape[2], query.shape[3], key.shape[3]
+    width = common.check_size("attention_dim", self.attention_dim or q_dim)
+    return {"concat_kernel": self.param("concat_kernel", _KERNEL_INIT,
+                                        (heads, q_dim + k_dim, width)),
+            "score_vector": self.param("score_vector", _VECTOR_INIT, (heads, width))}
+
+
+_SCORING = dict(family="scoring", complexity="O(T^2)", subquadratic=False, exact=False,
+                causal=True, cross=True)
+_WIDTH = dict(attention_dim="A, the width of the tanh layer; the head dim when None")
+registry.register(registry.VariantSpec(
+    name="additive", fn=additive_attention, paper="Bahdanau et al. 2015",
+    extras=AdditiveScore, options=_WIDTH, **_SCORING))
+registry.register(registry.VariantSpec(
+    name="luong_dot", fn=luong_dot_attention, paper="Luong et al. 2015", options={},
+    **_SCORING))
+registry.register(registry.VariantSpec(
+    name="luong_general", fn=luong_general_attention, paper="Luong et al. 2015",
+    extras=GeneralScore, options={}, **_SCORING))
+registry.register(registry.VariantSpec(
+    name="luong_concat", fn=luong_concat_attention, paper="Luong et al. 2015",
+    extras=ConcatScore, options=_WIDTH, **_SCORING))

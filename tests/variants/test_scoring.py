@@ -1,0 +1,140 @@
+"""The scoring functions (Bahdanau's additive score, Luong's dot, general and
+concat scores) against scores written out in numpy, and their masks."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import attention_jax
+from attention_jax.core import reference_attention
+from attention_jax.variants import scoring
+from attention_testing import assert_close, random_qkv
+
+
+def _np(x):
+  return np.asarray(x, np.float64)
+
+
+def _np_attention(scores, value, allowed):
+  """softmax over the allowed keys of scores [B, H, Tq, Tk], applied to value [B, Tk, H, Dv]."""
+  scores = np.where(allowed, scores, -np.inf)
+  weights = np.exp(scores - scores.max(-1, keepdims=True))
+  weights = weights / weights.sum(-1, keepdims=True)
+  return np.einsum("bhqk,bkhv->bqhv", weights, _np(value)), weights
+
+
+def _params(seed, heads, q_dim, k_dim, width):
+  keys = jax.random.split(jax.random.PRNGKey(seed), 4)
+  return dict(query_kernel=jax.random.normal(keys[0], (heads, q_dim, width)) * 0.5,
+              key_kernel=jax.random.normal(keys[1], (heads, k_dim, width)) * 0.5,
+              score_vector=jax.random.normal(keys[2], (heads, width)),
+              score_kernel=jax.random.normal(keys[3], (heads, q_dim, k_dim)) * 0.3)
+
+
+@pytest.mark.property("additive")
+def test_additive_is_bahdanau_with_queries_and_keys_of_different_sizes():
+  batch, q_len, kv_len, heads, q_dim, k_dim, width = 2, 5, 6, 2, 3, 7, 4
+  keys = jax.random.split(jax.random.PRNGKey(1), 3)
+  query = jax.random.normal(keys[0], (batch, q_len, heads, q_dim))
+  key = jax.random.normal(keys[1], (batch, kv_len, heads, k_dim))
+  value = jax.random.normal(keys[2], (batch, kv_len, heads, 5))
+  p = _params(0, heads, q_dim, k_dim, width)
+  lengths = np.array([6, 2])
+  got = scoring.additive_attention(query, key, value, query_kernel=p["query_kernel"],
+                                   key_kernel=p["key_kernel"], score_vector=p["score_vector"],
+                                   key_value_seq_lengths=jnp.asarray(lengths))
+  wq = np.einsum("bqhd,hda->bhqa", _np(query), _np(p["query_kernel"]))
+  wk = np.einsum("bkhd,hda->bhka", _np(key), _np(p["key_kernel"]))
+  scores = np.einsum("bhqka,ha->bhqk", np.tanh(wq[:, :, :, None] + wk[:, :, None]),
+                     _np(p["score_vector"]))
+  allowed = (np.arange(kv_len)[None, :] < lengths[:, None])[:, None, None, :]
+  expected, weights = _np_attention(scores, value, allowed)
+  assert_close(got, expected, rtol=1e-5, atol=1e-5)
+  assert np.all(weights[1, ..., 2:] == 0)  # padded keys get weight 0
+  assert_close(weights.sum(-1), np.ones(weights.shape[:-1]))
+
+
+@pytest.mark.property("luong_concat")
+def test_luong_concat_is_the_additive_score_of_the_concatenation():
+  query, key, value = random_qkv(seed=2, num_heads=2, head_dim=4)
+  p = _params(1, 2, 4, 4, 6)
+  concat_kernel = jnp.concatenate([p["query_kernel"], p["key_kernel"]], axis=1)
+  got = scoring.luong_concat_attention(query, key, value, concat_kernel=concat_kernel,
+                                       score_vector=p["score_vector"], is_causal=True)
+  hidden = np.tanh(np.einsum("bqhd,hda->bhqa", _np(query), _np(p["query_kernel"]))[:, :, :, None]
+                   + np.einsum("bkhd,hda->bhka", _np(key), _np(p["key_kernel"]))[:, :, None])
+  scores = np.einsum("bhqka,ha->bhqk", hidden, _np(p["score_vector"]))
+  causal = np.tril(np.ones((query.shape[1], key.shape[1]), bool))[None, None]
+  assert_close(got, _np_attention(scores, value, causal)[0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parity("luong_dot")
+@pytest.mark.parametrize("kwargs", [{}, dict(is_causal=True),
+                                    dict(key_value_seq_lengths=jnp.array([3, 7]))])
+def test_luong_dot_is_unscaled_dot_product_attention(kwargs):
+  query, key, value = random_qkv(seed=3, num_heads=2, head_dim=8)
+  ours = lambda q, k, v: scoring.luong_dot_attention(q, k, v, **kwargs)
+  dense = lambda q, k, v: attention_jax.dot_product_attention(q, k, v, scale=1.0,
+                                                              implementation="xla", **kwargs)
+  assert_close(ours(query, key, value), dense(query, key, value), rtol=1e-5, atol=1e-5)
+  loss = lambda f: lambda *a: jnp.sum(jnp.sin(f(*a)))
+  for got, want in zip(jax.grad(loss(ours), argnums=(0, 1, 2))(query, key, value),
+                       jax.grad(loss(dense), argnums=(0, 1, 2))(query, key, value)):
+    assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.property("luong_general")
+def test_luong_general_is_q_w_k_and_with_the_identity_is_luong_dot():
+  query, key, value = random_qkv(seed=4, num_heads=2, head_dim=5)
+  p = _params(2, 2, 5, 5, 1)
+  got = scoring.luong_general_attention(query, key, value, score_kernel=p["score_kernel"])
+  scores = np.einsum("bqhd,hde,bkhe->bhqk", _np(query), _np(p["score_kernel"]), _np(key))
+  assert_close(got, _np_attention(scores, value, True)[0], rtol=1e-5, atol=1e-5)
+  identity = jnp.broadcast_to(jnp.eye(5), (2, 5, 5))
+  assert_close(scoring.luong_general_attention(query, key, value, score_kernel=identity),
+               scoring.luong_dot_attention(query, key, value), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["additive", "luong_dot", "luong_general", "luong_concat"])
+def test_the_layer_honours_padding_and_runs_under_jit(name):
+  layer = attention_jax.MultiHeadAttention(num_heads=2, attention=name)
+  x = jax.random.normal(jax.random.PRNGKey(0), (2, 9, 16))
+  variables = layer.init(jax.random.PRNGKey(1), x)
+  apply = jax.jit(lambda v, x: layer.apply(v, x, key_value_seq_lengths=jnp.array([9, 4])))
+  out = apply(variables, x)
+  # What the padded keys (4..8 of sequence 1) hold changes nothing.
+  out_changed = apply(variables, x.at[1, 4:].set(7.0))
+  assert_close(out[1, :4], out_changed[1, :4], rtol=1e-5, atol=1e-5)
+  # A valid key does change the output (the test can fail).
+  assert not np.allclose(out[1, :4], apply(variables, x.at[1, 2].set(7.0))[1, :4])
+
+
+@pytest.mark.parametrize("fn, arguments, message", [
+    (scoring.additive_attention, dict(query_kernel=jnp.zeros((2, 3, 4)),
+                                      key_kernel=jnp.zeros((2, 8, 4)),
+                                      score_vector=jnp.zeros((2, 4))),
+     r"query_kernel must have shape \[2, 8, \*\], got \[2, 3, 4\]"),
+    (scoring.additive_attention, dict(query_kernel=jnp.zeros((2, 8, 4)),
+                                      key_kernel=jnp.zeros((2, 8, 5)),
+                                      score_vector=jnp.zeros((2, 4))),
+     r"key_kernel must have shape \[2, 8, 4\]"),
+    (scoring.luong_general_attention, dict(score_kernel=jnp.zeros((2, 8, 7))),
+     r"score_kernel must have shape \[2, 8, 8\]"),
+    (scoring.luong_concat_attention, dict(concat_kernel=jnp.zeros((2, 8, 4)),
+                                          score_vector=jnp.zeros((2, 4))),
+     r"concat_kernel must have shape \[2, 16, \*\]"),
+    (scoring.luong_dot_attention, dict(key_value_seq_lengths=jnp.array([1, 2, 3])),
+     "key_value_seq_lengths"),
+])
+def test_bad_sizes_name_the_argument(fn, arguments, message):
+  query, key, value = random_qkv(num_heads=2, head_dim=8)
+  with pytest.raises(ValueError, match=message):
+    fn(query, key, value, **arguments)
+
+
+def test_luong_dot_refuses_keys_of_another_size():
+  query, _, value = random_qkv(num_heads=2, head_dim=8)
+  key = jnp.zeros(query.shape[:3] + (4,))
+  with pytest.raises(ValueError, match="query dim 8 and key dim 4"):
+    scoring.luong_dot_attention(query, key, value)
