@@ -195,3 +195,26 @@ def perturbed(params, seed=7):
   rng = np.random.default_rng(seed)  # NumPy: no compilation per parameter shape.
   return jax.tree.unflatten(
       tree, [leaf + 0.3 * rng.standard_normal(leaf.shape, np.float32) for leaf in leaves])
+
+
+# numpy re-creations of the LRA release's layers (tests/variants/test_lra_release_*.py).
+
+
+def as_float64(x):
+  return np.asarray(x, np.float64)
+
+
+def np_softmax(logits):
+  logits = logits - logits.max(-1, keepdims=True)
+  weights = np.exp(logits)
+  return weights / weights.sum(-1, keepdims=True)
+
+
+def np_project_heads(x, p):
+  """DenseGeneral into heads: x [B, T, E], kernel [E, H, D], bias [H, D]."""
+  return np.einsum("bte,ehd->bthd", x, as_float64(p["kernel"])) + as_float64(p["bias"])
+
+
+def np_project_out(out, p):
+  """DenseGeneral out of heads: out [B, T, H, D], kernel [H, D, E], bias [E]."""
+  return np.einsum("bthd,hde->bte", out, as_float64(p["kernel"])) + as_float64(p["bias"])

@@ -19,7 +19,7 @@ per head and made by the variant's extras module inside `MultiHeadAttention`.
 from __future__ import annotations
 
 import inspect
-from typing import Callable, Optional
+from typing import Callable, ClassVar, Optional
 
 import flax.linen as nn
 import jax
@@ -165,19 +165,31 @@ _VECTOR_INIT = nn.initializers.lecun_normal(in_axis=-1, out_axis=-1, batch_axis=
 
 
 class AdditiveScore(nn.Module):
-  """`additive`'s parameters per head: W_q `[H, Dq, A]`, W_k `[H, Dk, A]`, w `[H, A]`
-  (A = `attention_dim`, the head dim when None)."""
+  """`additive`'s parameters per head: W_q `[H, Dq, A]`, W_k `[H, Dk, A]` and
+  w `[H, A]` (A = `attention_dim`, the head dim when None)."""
 
   attention_dim: Optional[int] = None
+  concatenated: ClassVar[bool] = False  # one kernel W [H, Dq + Dk, A] instead (concat)
 
   @nn.compact
   def __call__(self, query, key, value, deterministic: bool = True) -> dict:
     del value, deterministic
     heads, q_dim, k_dim = query.shape[2], query.shape[3], key.shape[3]
     width = common.check_size("attention_dim", self.attention_dim or q_dim)
-    return {"query_kernel": self.param("query_kernel", _KERNEL_INIT, (heads, q_dim, width)),
-            "key_kernel": self.param("key_kernel", _KERNEL_INIT, (heads, k_dim, width)),
-            "score_vector": self.param("score_vector", _VECTOR_INIT, (heads, width))}
+    arrays = {"score_vector": self.param("score_vector", _VECTOR_INIT, (heads, width))}
+    if self.concatenated:
+      arrays["concat_kernel"] = self.param("concat_kernel", _KERNEL_INIT,
+                                           (heads, q_dim + k_dim, width))
+    else:
+      arrays["query_kernel"] = self.param("query_kernel", _KERNEL_INIT, (heads, q_dim, width))
+      arrays["key_kernel"] = self.param("key_kernel", _KERNEL_INIT, (heads, k_dim, width))
+    return arrays
+
+
+class ConcatScore(AdditiveScore):
+  """`luong_concat`'s W `[H, Dq + Dk, A]` and w `[H, A]`."""
+
+  concatenated: ClassVar[bool] = True
 
 
 class GeneralScore(nn.Module):
@@ -188,21 +200,6 @@ class GeneralScore(nn.Module):
     del value, deterministic
     shape = (query.shape[2], query.shape[3], key.shape[3])
     return {"score_kernel": self.param("score_kernel", _KERNEL_INIT, shape)}
-
-
-class ConcatScore(nn.Module):
-  """`luong_concat`'s W `[H, Dq + Dk, A]` and w `[H, A]`."""
-
-  attention_dim: Optional[int] = None
-
-  @nn.compact
-  def __call__(self, query, key, value, deterministic: bool = True) -> dict:
-    del value, deterministic
-    heads, q_dim, k_dim = query.shape[2], query.shape[3], key.shape[3]
-    width = common.check_size("attention_dim", self.attention_dim or q_dim)
-    return {"concat_kernel": self.param("concat_kernel", _KERNEL_INIT,
-                                        (heads, q_dim + k_dim, width)),
-            "score_vector": self.param("score_vector", _VECTOR_INIT, (heads, width))}
 
 
 _SCORING = dict(family="scoring", complexity="O(T^2)", subquadratic=False, exact=False,

@@ -12,28 +12,11 @@ import pytest
 import attention_jax
 from attention_jax import registry
 from attention_jax.variants import common, linear, low_rank
+from attention_testing import (as_float64 as _np, np_project_heads as _np_project,
+                               np_project_out as _np_out, np_softmax as _np_softmax)
 from attention_testing import assert_close, random_qkv
 
 TASKS = ("listops", "text", "retrieval", "image", "pathfinder32", "pathx")
-
-
-def _np(x):
-  return np.asarray(x, np.float64)
-
-
-def _np_softmax(logits):
-  logits = logits - logits.max(-1, keepdims=True)
-  weights = np.exp(logits)
-  return weights / weights.sum(-1, keepdims=True)
-
-
-def _np_project(x, p):
-  """DenseGeneral into heads: x [B, T, E], kernel [E, H, D], bias [H, D]."""
-  return np.einsum("bte,ehd->bthd", x, _np(p["kernel"])) + _np(p["bias"])
-
-
-def _np_out(out, p):
-  return np.einsum("bthd,hde->bte", out, _np(p["kernel"])) + _np(p["bias"])
 
 
 def _release_layer(name, task, length, **extra):
