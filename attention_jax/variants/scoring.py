@@ -8,6 +8,9 @@ translation models.
 * `luong_general`: score(q, k) = q^T W k.
 * `luong_concat`: score(q, k) = w^T tanh(W [q; k]): the additive score with
   W = [W_q W_k], so it is computed by the same function.
+* `nadaraya_watson` (Nadaraya 1964, Watson 1964; the D2L chapter's attention
+  pooling): score(q, k) = -|q - k|^2 / (2 w^2), the Gaussian kernel, with a
+  fixed width or one learned per head; or average pooling (every key alike).
 
 Each is `scored_attention` with its score function; the masks, padding,
 causal and segment arguments are those of `dot_product_attention`. The scores
@@ -164,6 +167,63 @@ _KERNEL_INIT = nn.initializers.lecun_normal(in_axis=-2, out_axis=-1, batch_axis=
 _VECTOR_INIT = nn.initializers.lecun_normal(in_axis=-1, out_axis=-1, batch_axis=(0,))
 
 
+NADARAYA_WATSON_KERNELS = ("gaussian", "average")
+
+
+@_passes_on_masks
+def nadaraya_watson_attention(query: Array, key: Array, value: Array,
+                              bias: Optional[Array] = None, mask: Optional[Array] = None, *,
+                              kernel: str = "gaussian", width: float = 1.0,
+                              log_width: Optional[Array] = None, **kwargs) -> Array:
+  """Nadaraya-Watson kernel regression as attention: out_i = sum_j K(q_i, k_j) v_j / sum_j K.
+
+  Args:
+    kernel: "gaussian", K = exp(-|q - k|^2 / (2 w^2)), or "average", K = 1
+      (the mean of the allowed values).
+    width: w > 0.
+    log_width: `[H]`, per-head learned log-widths added to log w (the
+      parametric kernel; `NadarayaWatsonWidth` makes it), or None.
+  """
+  if kernel not in NADARAYA_WATSON_KERNELS:
+    raise ValueError(f"kernel must be one of {NADARAYA_WATSON_KERNELS}, got {kernel!r}.")
+  if not width > 0:
+    raise ValueError(f"width must be > 0, got {width!r}.")
+  if query.shape[-1] != key.shape[-1]:
+    raise ValueError(f"nadaraya_watson needs queries and keys of one size, got query dim "
+                     f"{query.shape[-1]} and key dim {key.shape[-1]}.")
+  if log_width is not None:
+    _check_per_head("log_width", log_width, (query.shape[2],))
+
+  def score(q, k):
+    if kernel == "average":
+      return jnp.zeros((q.shape[0], q.shape[2], q.shape[1], k.shape[1]), jnp.float32)
+    # |q - k|^2 = |q|^2 - 2 q.k + |k|^2, without a [B, H, Tq, Tk, D] difference.
+    squared = (jnp.sum(jnp.square(q), -1).transpose(0, 2, 1)[..., None]
+               - 2.0 * jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32)
+               + jnp.sum(jnp.square(k), -1).transpose(0, 2, 1)[:, :, None, :])
+    widths = jnp.full((q.shape[2],), width, jnp.float32)
+    if log_width is not None:
+      widths = widths * jnp.exp(log_width.astype(jnp.float32))
+    return -squared / (2.0 * jnp.square(widths))[None, :, None, None]
+
+  return scored_attention(query, key, value, score, bias, mask, **kwargs)
+
+
+class NadarayaWatsonWidth(nn.Module):
+  """The parametric kernel's per-head log-width `[H]` (zero at init: the width
+  starts at `width`), when `learn_width`; nothing otherwise."""
+
+  learn_width: bool = False
+
+  @nn.compact
+  def __call__(self, query, key, value, deterministic: bool = True) -> dict:
+    del key, value, deterministic
+    if not self.learn_width:
+      return {}
+    return {"log_width": self.param("log_width", nn.initializers.zeros_init(),
+                                    (query.shape[2],))}
+
+
 class AdditiveScore(nn.Module):
   """`additive`'s parameters per head: W_q `[H, Dq, A]`, W_k `[H, Dk, A]` and
   w `[H, A]` (A = `attention_dim`, the head dim when None)."""
@@ -217,3 +277,11 @@ registry.register(registry.VariantSpec(
 registry.register(registry.VariantSpec(
     name="luong_concat", fn=luong_concat_attention, paper="Luong et al. 2015",
     extras=ConcatScore, options=_WIDTH, **_SCORING))
+registry.register(registry.VariantSpec(
+    name="nadaraya_watson", fn=nadaraya_watson_attention, paper="Nadaraya 1964; Watson 1964",
+    extras=NadarayaWatsonWidth,
+    options=dict(kernel="'gaussian' (exp(-|q - k|^2 / 2 w^2)) or 'average' (mean pooling)",
+                 width="w, the Gaussian kernel's width",
+                 learn_width="learn a per-head log-width added to log w (the parametric "
+                             "kernel)"),
+    **_SCORING))

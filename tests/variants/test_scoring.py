@@ -96,7 +96,8 @@ def test_luong_general_is_q_w_k_and_with_the_identity_is_luong_dot():
                scoring.luong_dot_attention(query, key, value), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("name", ["additive", "luong_dot", "luong_general", "luong_concat"])
+@pytest.mark.parametrize("name", ["additive", "luong_dot", "luong_general", "luong_concat",
+                                  "nadaraya_watson"])
 def test_the_layer_honours_padding_and_runs_under_jit(name):
   layer = attention_jax.MultiHeadAttention(num_heads=2, attention=name)
   x = jax.random.normal(jax.random.PRNGKey(0), (2, 9, 16))
@@ -138,3 +139,61 @@ def test_luong_dot_refuses_keys_of_another_size():
   key = jnp.zeros(query.shape[:3] + (4,))
   with pytest.raises(ValueError, match="query dim 8 and key dim 4"):
     scoring.luong_dot_attention(query, key, value)
+
+
+# ---------------------------------------------------------------------------- nadaraya_watson
+
+
+@pytest.mark.property("nadaraya_watson")
+@pytest.mark.parametrize("width", [0.5, 2.0])
+def test_nadaraya_watson_gaussian_is_the_closed_form(width):
+  query, key, value = random_qkv(seed=6, num_heads=2, head_dim=3, kv_len=9)
+  lengths = np.array([9, 4])
+  got = scoring.nadaraya_watson_attention(query, key, value, width=width,
+                                          key_value_seq_lengths=jnp.asarray(lengths))
+  q, k, v = _np(query), _np(key), _np(value)
+  kernel = np.exp(-((q[:, :, None] - k[:, None]) ** 2).sum(-1) / (2 * width ** 2))  # [B,Tq,Tk,H]
+  kernel = kernel * (np.arange(k.shape[1])[None, :] < lengths[:, None])[:, None, :, None]
+  expected = np.einsum("bqkh,bkhv->bqhv", kernel, v) / kernel.sum(2)[..., None]
+  assert_close(got, expected, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.property("nadaraya_watson")
+def test_nadaraya_watson_average_is_the_mean_of_the_allowed_values():
+  query, key, value = random_qkv(seed=7, num_heads=2, head_dim=4)
+  got = scoring.nadaraya_watson_attention(query, key, value, kernel="average", is_causal=True)
+  v = _np(value)
+  expected = np.cumsum(v, axis=1)[:, :query.shape[1]] / np.arange(1, query.shape[1] + 1)[
+      None, :, None, None]
+  assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.property("nadaraya_watson")
+def test_nadaraya_watson_learned_width_starts_at_the_width_and_is_trained():
+  layer = attention_jax.MultiHeadAttention(
+      num_heads=2, attention="nadaraya_watson",
+      attention_options=dict(learn_width=True, width=1.5))
+  fixed = attention_jax.MultiHeadAttention(num_heads=2, attention="nadaraya_watson",
+                                           attention_options=dict(width=1.5))
+  x = jax.random.normal(jax.random.PRNGKey(0), (2, 6, 8))
+  variables = layer.init(jax.random.PRNGKey(1), x)
+  params = variables["params"]
+  without = {name: p for name, p in params.items() if name != "variant"}
+  assert_close(layer.apply(variables, x), fixed.apply({"params": without}, x))
+  grads = jax.grad(lambda p: jnp.sum(jnp.sin(layer.apply({"params": p}, x))))(params)
+  assert float(jnp.max(jnp.abs(grads["variant"]["log_width"]))) > 0.0
+  wider = jax.tree.map(lambda p: p, params)
+  wider["variant"]["log_width"] = jnp.log(jnp.array([1.0, 3.0]))  # head 1 three times wider
+  out_wider = layer.apply({"params": wider}, x)
+  assert not np.allclose(out_wider, layer.apply(variables, x))
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(kernel="epanechnikov"), "kernel must be one of"),
+    (dict(width=0.0), "width must be > 0, got 0.0"),
+    (dict(log_width=jnp.zeros((3,))), r"log_width must have shape \[2\], got \[3\]"),
+])
+def test_nadaraya_watson_rejects_bad_arguments(options, message):
+  query, key, value = random_qkv(num_heads=2, head_dim=4)
+  with pytest.raises(ValueError, match=message):
+    scoring.nadaraya_watson_attention(query, key, value, **options)
