@@ -208,6 +208,10 @@ class MultiHeadAttention(nn.Module):
       options.update(dropout_rate=self.dropout_rate, dropout_rng=self.make_rng("dropout"))
     if spec.carries:
       options["carry"] = {k: carry[k] for k in spec.carries if carry and k in carry}
+    if "query_positions" in inspect.signature(spec.fn).parameters:
+      # Variants that place each query (Luong's local-m) see its position,
+      # offset while decoding.
+      options["query_positions"] = q_positions
     out = spec.fn(query, key, value, bias, mask, is_causal=is_causal,
                   query_seq_lengths=query_seq_lengths,
                   key_value_seq_lengths=key_value_seq_lengths,

@@ -47,16 +47,29 @@ def _check_per_head(name: str, array: Array, expected: tuple) -> None:
     raise ValueError(f"{name} must have shape {wanted}, got {list(shape)}.")
 
 
+def _general_score(query: Array, key: Array, score_kernel: Array) -> Array:
+  """q^T W k per head: `[B, H, Tq, Tk]`; W `[H, Dq, Dk]`."""
+  _check_per_head("score_kernel", score_kernel, (query.shape[2], query.shape[3], key.shape[3]))
+  return jnp.einsum("bqhd,hde,bkhe->bhqk", query, score_kernel, key)
+
+
+def _dot_score(query: Array, key: Array) -> Array:
+  """q . k per head, unscaled: `[B, H, Tq, Tk]` float32."""
+  return jnp.einsum("bqhd,bkhd->bhqk", query, key, preferred_element_type=jnp.float32)
+
+
 def scored_attention(query: Array, key: Array, value: Array, score: ScoreFn,
                      bias: Optional[Array] = None, mask: Optional[Array] = None, *,
                      is_causal: bool = False, query_seq_lengths: Optional[Array] = None,
                      key_value_seq_lengths: Optional[Array] = None, segment_ids=None,
-                     dropout_rate: float = 0.0,
-                     dropout_rng: Optional[jax.Array] = None) -> Array:
+                     dropout_rate: float = 0.0, dropout_rng: Optional[jax.Array] = None,
+                     reweight: Optional[Callable[[Array], Array]] = None) -> Array:
   """softmax(score(q, k) + bias, masked) v: `[B, Tq, H, Dv]` in the query dtype.
 
   Queries and keys may differ in their last size (the score decides what it
-  accepts); grouped K/V heads are repeated to the query heads.
+  accepts); grouped K/V heads are repeated to the query heads. `reweight`
+  maps the softmax weights `[B, H, Tq, Tk]` to the weights applied (Luong's
+  local attention multiplies them by a Gaussian without renormalising).
   """
   if jnp.ndim(query) != 4 or jnp.ndim(key) != 4 or jnp.ndim(value) != 4:
     raise ValueError(f"query, key and value must be [B, T, H, D], got shapes "
@@ -73,8 +86,10 @@ def scored_attention(query: Array, key: Array, value: Array, score: ScoreFn,
   scores = score(query, common.repeat_kv_heads(key, num_heads)).astype(jnp.float32)
   if inputs.bias is not None:
     scores = scores + inputs.bias.astype(jnp.float32)
-  weights = common.dropout_weights(masked_softmax(scores, inputs.dense_mask()), dropout_rate,
-                                   dropout_rng)
+  weights = masked_softmax(scores, inputs.dense_mask())
+  if reweight is not None:
+    weights = reweight(weights)
+  weights = common.dropout_weights(weights, dropout_rate, dropout_rng)
   return common.weighted_values(weights, inputs.value).astype(query.dtype)
 
 
@@ -130,8 +145,7 @@ def luong_dot_attention(query: Array, key: Array, value: Array, bias: Optional[A
   if query.shape[-1] != key.shape[-1]:
     raise ValueError(f"luong_dot needs queries and keys of one size, got query dim "
                      f"{query.shape[-1]} and key dim {key.shape[-1]}.")
-  score = lambda q, k: jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32)
-  return scored_attention(query, key, value, score, bias, mask, **kwargs)
+  return scored_attention(query, key, value, _dot_score, bias, mask, **kwargs)
 
 
 @_passes_on_masks
@@ -139,9 +153,7 @@ def luong_general_attention(query: Array, key: Array, value: Array,
                             bias: Optional[Array] = None, mask: Optional[Array] = None, *,
                             score_kernel: Array, **kwargs) -> Array:
   """Luong's general score: score(q, k) = q^T W k, W `[H, Dq, Dk]` per head."""
-  num_heads, q_dim, k_dim = query.shape[2], query.shape[3], key.shape[3]
-  _check_per_head("score_kernel", score_kernel, (num_heads, q_dim, k_dim))
-  score = lambda q, k: jnp.einsum("bqhd,hde,bkhe->bhqk", q, score_kernel, k)
+  score = lambda q, k: _general_score(q, k, score_kernel)
   return scored_attention(query, key, value, score, bias, mask, **kwargs)
 
 
@@ -161,6 +173,87 @@ def luong_concat_attention(query: Array, key: Array, value: Array,
                             query_kernel=concat_kernel[:, :q_dim],
                             key_kernel=concat_kernel[:, q_dim:], score_vector=score_vector,
                             **kwargs)
+
+
+LUONG_LOCAL_MODES = ("predictive", "monotonic")
+LUONG_LOCAL_SCORES = ("general", "dot")
+
+
+@_passes_on_masks
+def luong_local_attention(query: Array, key: Array, value: Array, bias: Optional[Array] = None,
+                          mask: Optional[Array] = None, *, mode: str = "predictive",
+                          window: int = 10, sigma: Optional[float] = None,
+                          score: str = "general", score_kernel: Optional[Array] = None,
+                          position_kernel: Optional[Array] = None,
+                          position_vector: Optional[Array] = None,
+                          query_positions: Optional[Array] = None, **kwargs) -> Array:
+  """Luong's local attention: each query attends to the keys within `window`
+  of an aligned position p_t, its softmax weights scaled by a Gaussian there.
+
+  a_t(s) = softmax_{|s' - p_t| <= D}(score(h_t, k_s')) * exp(-(s - p_t)^2 / (2 sigma^2))
+
+  (not renormalised after the Gaussian, as in the paper), where p_t is
+
+  * "predictive" (local-p): S * sigmoid(v_p^T tanh(W_p h_t)), S the number
+    of keys (each row's `key_value_seq_lengths` where given);
+  * "monotonic" (local-m): the query's own position t.
+
+  Args:
+    query: `[B, Tq, H, D]`; key: `[B, Tk, Hkv, D]`; value: `[B, Tk, Hkv, Dv]`.
+    mode: "predictive" or "monotonic".
+    window: D, the half-width of the window, in keys.
+    sigma: the Gaussian's standard deviation; D / 2 when None (the paper).
+    score: "general" (q^T W k, with `score_kernel` `[H, D, D]`) or "dot".
+    position_kernel: W_p `[H, D, A]`; position_vector: v_p `[H, A]` (local-p).
+    query_positions: `[Tq]` or `[B, Tq]` positions t of the queries (local-m),
+      `arange(Tq)` when None; `MultiHeadAttention` passes its positions,
+      offset while decoding.
+    **kwargs: the masks of `dot_product_attention` and dropout.
+  """
+  if mode not in LUONG_LOCAL_MODES:
+    raise ValueError(f"mode must be one of {LUONG_LOCAL_MODES}, got {mode!r}.")
+  if score not in LUONG_LOCAL_SCORES:
+    raise ValueError(f"score must be one of {LUONG_LOCAL_SCORES}, got {score!r}.")
+  common.check_size("window", window, minimum=0)
+  sigma = window / 2 if sigma is None else sigma
+  if not sigma > 0:
+    raise ValueError(f"sigma must be > 0 (or None for window / 2), got {sigma!r}.")
+  if query.shape[-1] != key.shape[-1]:
+    raise ValueError(f"luong_local needs queries and keys of one size, got query dim "
+                     f"{query.shape[-1]} and key dim {key.shape[-1]}.")
+  batch, q_len, num_heads, head_dim = query.shape
+  kv_len = key.shape[1]
+  if mode == "predictive":
+    for name, array in (("position_kernel", position_kernel),
+                        ("position_vector", position_vector)):
+      if array is None:
+        raise ValueError(f"mode='predictive' needs {name} (W_p and v_p); got None.")
+    _check_per_head("position_kernel", position_kernel, (num_heads, head_dim, None))
+    _check_per_head("position_vector", position_vector, (num_heads, position_kernel.shape[-1]))
+    lengths = kwargs.get("key_value_seq_lengths")
+    num_keys = (jnp.full((batch,), kv_len, jnp.float32) if lengths is None
+                else jnp.asarray(lengths, jnp.float32))
+    hidden = jnp.tanh(jnp.einsum("bqhd,hda->bhqa", query, position_kernel))
+    centre = num_keys[:, None, None] * jax.nn.sigmoid(
+        jnp.einsum("bhqa,ha->bhq", hidden, position_vector).astype(jnp.float32))
+  else:
+    positions = jnp.arange(q_len) if query_positions is None else jnp.asarray(query_positions)
+    if positions.shape not in ((q_len,), (batch, q_len)):
+      raise ValueError(f"query_positions must be [Tq] or [B, Tq] = [{q_len}] or "
+                       f"[{batch}, {q_len}], got {list(positions.shape)}.")
+    centre = jnp.broadcast_to(positions.astype(jnp.float32), (batch, q_len))[:, None, :]
+  distance = jnp.arange(kv_len, dtype=jnp.float32) - centre[..., None]  # [B, H|1, Tq, Tk]
+  in_window = jnp.abs(distance) <= window
+  mask = in_window if mask is None else jnp.logical_and(mask, in_window)
+  gaussian = jnp.exp(-jnp.square(distance) / (2.0 * jnp.square(jnp.float32(sigma))))
+
+  score_fn = _dot_score
+  if score == "general":
+    if score_kernel is None:
+      raise ValueError("score='general' needs score_kernel (W); got None.")
+    score_fn = lambda q, k: _general_score(q, k, score_kernel)
+  return scored_attention(query, key, value, score_fn, bias, mask,
+                          reweight=lambda weights: weights * gaussian, **kwargs)
 
 
 _KERNEL_INIT = nn.initializers.lecun_normal(in_axis=-2, out_axis=-1, batch_axis=(0,))
@@ -252,6 +345,31 @@ class ConcatScore(AdditiveScore):
   concatenated: ClassVar[bool] = True
 
 
+class LocalScore(nn.Module):
+  """`luong_local`'s parameters per head: W `[H, D, D]` for the general score,
+  and W_p `[H, D, A]`, v_p `[H, A]` predicting the aligned position (local-p;
+  A = `position_dim`, the head dim when None)."""
+
+  mode: str = "predictive"
+  score: str = "general"
+  position_dim: Optional[int] = None
+
+  @nn.compact
+  def __call__(self, query, key, value, deterministic: bool = True) -> dict:
+    del value, deterministic
+    heads, head_dim = query.shape[2], query.shape[3]
+    arrays = {}
+    if self.score == "general":
+      arrays["score_kernel"] = self.param("score_kernel", _KERNEL_INIT,
+                                          (heads, head_dim, key.shape[3]))
+    if self.mode == "predictive":
+      width = common.check_size("position_dim", self.position_dim or head_dim)
+      arrays["position_kernel"] = self.param("position_kernel", _KERNEL_INIT,
+                                             (heads, head_dim, width))
+      arrays["position_vector"] = self.param("position_vector", _VECTOR_INIT, (heads, width))
+    return arrays
+
+
 class GeneralScore(nn.Module):
   """`luong_general`'s W `[H, Dq, Dk]`."""
 
@@ -277,6 +395,16 @@ registry.register(registry.VariantSpec(
 registry.register(registry.VariantSpec(
     name="luong_concat", fn=luong_concat_attention, paper="Luong et al. 2015",
     extras=ConcatScore, options=_WIDTH, **_SCORING))
+registry.register(registry.VariantSpec(
+    name="luong_local", fn=luong_local_attention, paper="Luong et al. 2015", extras=LocalScore,
+    options=dict(mode="'predictive' (local-p: p_t = S sigmoid(v^T tanh(W_p h_t))) or "
+                      "'monotonic' (local-m: p_t = t)",
+                 window="D, the window's half-width in keys",
+                 sigma="the Gaussian's standard deviation at p_t; D / 2 when None",
+                 score="'general' (q^T W k) or 'dot'",
+                 position_dim="A, the width of local-p's position predictor; the head dim "
+                              "when None"),
+    **_SCORING))
 registry.register(registry.VariantSpec(
     name="nadaraya_watson", fn=nadaraya_watson_attention, paper="Nadaraya 1964; Watson 1964",
     extras=NadarayaWatsonWidth,

@@ -97,7 +97,7 @@ def test_luong_general_is_q_w_k_and_with_the_identity_is_luong_dot():
 
 
 @pytest.mark.parametrize("name", ["additive", "luong_dot", "luong_general", "luong_concat",
-                                  "nadaraya_watson"])
+                                  "luong_local", "nadaraya_watson"])
 def test_the_layer_honours_padding_and_runs_under_jit(name):
   layer = attention_jax.MultiHeadAttention(num_heads=2, attention=name)
   x = jax.random.normal(jax.random.PRNGKey(0), (2, 9, 16))
@@ -139,6 +139,111 @@ def test_luong_dot_refuses_keys_of_another_size():
   key = jnp.zeros(query.shape[:3] + (4,))
   with pytest.raises(ValueError, match="query dim 8 and key dim 4"):
     scoring.luong_dot_attention(query, key, value)
+
+
+# ---------------------------------------------------------------------------- luong_local
+
+
+def _np_local(scores, value, centre, window, sigma, allowed):
+  """Luong's local weights in numpy: the softmax over the keys within `window`
+  of `centre` [B, H, Tq], times the Gaussian there (not renormalised)."""
+  distance = np.arange(scores.shape[-1])[None, None, None, :] - centre[..., None]
+  with np.errstate(invalid="ignore"):  # rows with no key in their window
+    _, weights = _np_attention(scores, value, allowed & (np.abs(distance) <= window))
+  weights = np.nan_to_num(weights) * np.exp(-distance ** 2 / (2 * sigma ** 2))
+  return np.einsum("bhqk,bkhv->bqhv", weights, _np(value)), weights
+
+
+@pytest.mark.property("luong_local")
+@pytest.mark.parametrize("mode", ["monotonic", "predictive"])
+def test_luong_local_with_an_infinite_window_and_flat_gaussian_is_global_attention(mode):
+  query, key, value = random_qkv(seed=8, num_heads=2, head_dim=4, kv_len=9)
+  p = _params(3, 2, 4, 4, 3)
+  kwargs = dict(key_value_seq_lengths=jnp.array([9, 5]))
+  local = lambda q, k, v: scoring.luong_local_attention(
+      q, k, v, mode=mode, window=10**6, sigma=float("inf"), score="dot",
+      position_kernel=p["query_kernel"], position_vector=p["score_vector"], **kwargs)
+  global_ = lambda q, k, v: scoring.luong_dot_attention(q, k, v, **kwargs)
+  assert_close(local(query, key, value), global_(query, key, value), rtol=1e-5, atol=1e-6)
+  loss = lambda f: lambda *a: jnp.sum(jnp.sin(f(*a)))
+  for got, want in zip(jax.grad(loss(local), argnums=(0, 1, 2))(query, key, value),
+                       jax.grad(loss(global_), argnums=(0, 1, 2))(query, key, value)):
+    assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.property("luong_local")
+def test_luong_local_monotonic_is_the_windowed_softmax_times_the_gaussian():
+  query, key, value = random_qkv(seed=9, num_heads=2, head_dim=4, q_len=6, kv_len=11)
+  p = _params(4, 2, 4, 4, 1)
+  positions = jnp.array([[0, 2, 4, 6, 8, 10], [1, 1, 3, 3, 9, 9]])
+  lengths = np.array([11, 7])
+  got = scoring.luong_local_attention(query, key, value, mode="monotonic", window=2,
+                                      score_kernel=p["score_kernel"], query_positions=positions,
+                                      key_value_seq_lengths=jnp.asarray(lengths))
+  scores = np.einsum("bqhd,hde,bkhe->bhqk", _np(query), _np(p["score_kernel"]), _np(key))
+  allowed = (np.arange(11)[None, :] < lengths[:, None])[:, None, None, :]
+  centre = np.broadcast_to(np.asarray(positions, np.float64)[:, None], (2, 2, 6))
+  expected, weights = _np_local(scores, value, centre, window=2, sigma=1.0, allowed=allowed)
+  assert_close(got, expected, rtol=1e-5, atol=1e-5)
+  # Row 1's queries at 9 see only keys 7..11, all padding: no weight, output 0.
+  assert np.all(weights[1, :, 4:] == 0) and np.all(np.asarray(got)[1, 4:] == 0)
+  # The weights are the Gaussian-scaled softmax: each row sums to less than 1.
+  assert np.all(weights[0].sum(-1) < 1.0) and np.all(weights[0].sum(-1) > 0.0)
+
+
+@pytest.mark.property("luong_local")
+def test_luong_local_predictive_centres_at_s_sigmoid_of_the_query():
+  query, key, value = random_qkv(seed=10, num_heads=2, head_dim=4, q_len=5, kv_len=12)
+  p = _params(5, 2, 4, 4, 3)
+  lengths = np.array([12, 8])
+  got = scoring.luong_local_attention(
+      query, key, value, window=3, sigma=1.5, score="dot", position_kernel=p["query_kernel"],
+      position_vector=p["score_vector"], key_value_seq_lengths=jnp.asarray(lengths))
+  hidden = np.tanh(np.einsum("bqhd,hda->bhqa", _np(query), _np(p["query_kernel"])))
+  logits = np.einsum("bhqa,ha->bhq", hidden, _np(p["score_vector"]))
+  centre = lengths[:, None, None] / (1 + np.exp(-logits))  # S sigmoid(v^T tanh(W_p h))
+  scores = np.einsum("bqhd,bkhd->bhqk", _np(query), _np(key))
+  allowed = (np.arange(12)[None, :] < lengths[:, None])[:, None, None, :]
+  expected, weights = _np_local(scores, value, centre, window=3, sigma=1.5, allowed=allowed)
+  assert_close(got, expected, rtol=1e-4, atol=1e-5)
+  assert np.all(weights[1, ..., 8:] == 0)  # padded keys get weight 0
+
+
+def test_luong_local_layer_places_decoded_queries_at_their_positions():
+  """While decoding one token at a time, local-m's p_t is the token's position
+  (the cache offset), so the last step equals the full pass's last row."""
+  layer = attention_jax.MultiHeadAttention(
+      num_heads=2, attention="luong_local", attention_options=dict(mode="monotonic", window=2))
+  x = jax.random.normal(jax.random.PRNGKey(0), (1, 6, 8))
+  variables = layer.init(jax.random.PRNGKey(1), x)
+  full = layer.apply(variables, x, is_causal=True)
+  decoder = attention_jax.MultiHeadAttention(
+      num_heads=2, attention="luong_local", decode=True,
+      attention_options=dict(mode="monotonic", window=2))
+  cache = decoder.init(jax.random.PRNGKey(1), x)["cache"]
+  for t in range(6):
+    out, updated = decoder.apply({"params": variables["params"], "cache": cache}, x[:, t:t + 1],
+                                 mutable=["cache"])
+    cache = updated["cache"]
+    assert_close(out[:, 0], full[:, t], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(mode="local-x"), "mode must be one of"),
+    (dict(score="concat"), "score must be one of"),
+    (dict(window=-1, mode="monotonic", score="dot"), "window"),
+    (dict(sigma=0.0, mode="monotonic", score="dot"), "sigma must be > 0"),
+    (dict(score="dot"), "mode='predictive' needs position_kernel"),
+    (dict(mode="monotonic"), "score='general' needs score_kernel"),
+    (dict(mode="monotonic", score="dot", query_positions=jnp.zeros((3,))),
+     r"query_positions must be \[Tq\] or \[B, Tq\] = \[7\] or \[2, 7\], got \[3\]"),
+    (dict(score="dot", position_kernel=jnp.zeros((2, 8, 3)), position_vector=jnp.zeros((2, 4))),
+     r"position_vector must have shape \[2, 3\], got \[2, 4\]"),
+])
+def test_luong_local_rejects_bad_arguments(options, message):
+  query, key, value = random_qkv(num_heads=2, head_dim=8)
+  with pytest.raises(ValueError, match=message):
+    scoring.luong_local_attention(query, key, value, **options)
 
 
 # ---------------------------------------------------------------------------- nadaraya_watson
