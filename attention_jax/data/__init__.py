@@ -1,4 +1,4 @@
-"""The Long-Range-Arena tasks, by name.
+"""The Long-Range-Arena tasks and the generated sequence-to-sequence ones, by name.
 
   task = attention_jax.data.get_task("listops")
   task.prepare(data_dir)                 # generate / convert, once
@@ -28,6 +28,9 @@ _TASKS: Dict[str, Tuple[str, Dict[str, Any]]] = {
     "text": ("attention_jax.data.text", {}),
     "image": ("attention_jax.data.image", {}),
     "retrieval": ("attention_jax.data.retrieval", {}),
+    # Generated sequence-to-sequence tasks (not LRA): for the RNN encoder-decoder.
+    "reverse": ("attention_jax.data.seq2seq", {"kind": "reverse"}),
+    "sort": ("attention_jax.data.seq2seq", {"kind": "sort"}),
 }
 
 

@@ -32,6 +32,8 @@ class TaskInfo:
     seq_len: length of every `inputs` row (padded with `pad_id`).
     pad_id: the padding token; the model's padding mask is `inputs != pad_id`.
     dual: two sequences per example (`inputs` and `inputs2`), as in retrieval.
+    target_len: for a sequence-to-sequence task, the length of every `targets`
+      row (tokens over the same vocabulary); 0 for a classification task.
     split_sizes: the number of examples of each split at the release's size.
   """
 
@@ -41,6 +43,7 @@ class TaskInfo:
   seq_len: int
   pad_id: int = 0
   dual: bool = False
+  target_len: int = 0
   split_sizes: Mapping[str, int] = dataclasses.field(default_factory=dict)
 
 
@@ -54,7 +57,8 @@ class ExampleSource(abc.ABC):
   @abc.abstractmethod
   def gather(self, indices: np.ndarray) -> Dict[str, np.ndarray]:
     """The examples at `indices` `[N]`, batched: `inputs [N, T]` int32, `label [N]`
-    int32 (and `inputs2 [N, T]` for dual tasks)."""
+    int32 (and `inputs2 [N, T]` for dual tasks; `targets [N, T']` instead of
+    `label` for sequence-to-sequence tasks)."""
 
 
 class ArraySource(ExampleSource):

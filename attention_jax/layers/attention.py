@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import math
 from typing import Any, Callable, Mapping, Optional, Tuple
@@ -42,6 +43,18 @@ def unused_projections(spec: "registry.VariantSpec", options: Mapping[str, Any])
                      f"{sorted(unknown)}; only {_PROJECTIONS} can be left out.")
   return unused
 
+
+
+def attention_weights(attend: Callable[[Array], Array], value: Array) -> Array:
+  """The weights `[B, H, Tq, Tk]` that `attend(value) -> [B, Tq, H, Dv]` applies
+  to the values: `attend` of one-hot values, whose output row j is the weight
+  of key j. Exact for every registered variant (each is linear in its values,
+  whatever it does to the queries and keys); it costs a pass with Dv = Tk.
+  """
+  batch, kv_len, kv_heads = value.shape[:3]
+  one_hot = jnp.broadcast_to(jnp.eye(kv_len, dtype=value.dtype)[None, :, None, :],
+                             (batch, kv_len, kv_heads, kv_len))
+  return jnp.swapaxes(attend(one_hot), 1, 2)
 
 
 class MultiHeadAttention(nn.Module):
@@ -212,10 +225,13 @@ class MultiHeadAttention(nn.Module):
       # Variants that place each query (Luong's local-m) see its position,
       # offset while decoding.
       options["query_positions"] = q_positions
-    out = spec.fn(query, key, value, bias, mask, is_causal=is_causal,
-                  query_seq_lengths=query_seq_lengths,
-                  key_value_seq_lengths=key_value_seq_lengths,
-                  segment_ids=segment_ids, **options)
+    attend = functools.partial(spec.fn, query, key, bias=bias, mask=mask, is_causal=is_causal,
+                               query_seq_lengths=query_seq_lengths,
+                               key_value_seq_lengths=key_value_seq_lengths,
+                               segment_ids=segment_ids, **options)
+    out = attend(value)
+    if self.is_mutable_collection("intermediates") and not spec.carries:
+      self.sow("intermediates", "attention_weights", attention_weights(attend, value))
     if spec.carries:
       out, updates = out
       carry = None if carry is None else {**carry, **updates}

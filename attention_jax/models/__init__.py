@@ -12,12 +12,13 @@ from attention_jax.models.config import (MODEL_KINDS, POOLINGS, REMAT_POLICIES, 
                                          default_model_config)
 from attention_jax.models.encoder import Encoder
 from attention_jax.models.language_model import LanguageModel
+from attention_jax.models.seq2seq import RNNEncoderDecoder
 from attention_jax.models.stack import LayerStack, initial_carry, run_layers
 
-Model = Union[SequenceClassifier, DualEncoderClassifier, LanguageModel]
+Model = Union[SequenceClassifier, DualEncoderClassifier, LanguageModel, RNNEncoderDecoder]
 
 _MODELS = {"classifier": SequenceClassifier, "dual_classifier": DualEncoderClassifier,
-           "language_model": LanguageModel}
+           "language_model": LanguageModel, "rnn_seq2seq": RNNEncoderDecoder}
 
 
 def build_model(config: Union[Mapping[str, Any], ModelConfig]) -> Model:
@@ -27,7 +28,9 @@ def build_model(config: Union[Mapping[str, Any], ModelConfig]) -> Model:
 
   "classifier" is a `SequenceClassifier`, "dual_classifier" a
   `DualEncoderClassifier`, "language_model" a `LanguageModel` (which ignores
-  the classifier keys `num_classes`, `pooling` and `head_mlp_dim`).
+  the classifier keys `num_classes`, `pooling` and `head_mlp_dim`),
+  "rnn_seq2seq" an `RNNEncoderDecoder` (which reads only the keys its
+  docstring lists).
 
   Raises:
     ValueError: on an unknown key, name or option (with the closest valid
@@ -40,5 +43,5 @@ def build_model(config: Union[Mapping[str, Any], ModelConfig]) -> Model:
 
 __all__ = ["Block", "DualEncoderClassifier", "Encoder", "LanguageModel", "LayerStack",
            "MODEL_KINDS", "ModelConfig", "POOLINGS", "REMAT_POLICIES", "RESIDUALS",
-           "SequenceClassifier", "attention_options_config", "build_model",
+           "RNNEncoderDecoder", "SequenceClassifier", "attention_options_config", "build_model",
            "default_model_config", "initial_carry", "make_mixer", "run_layers"]

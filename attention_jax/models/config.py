@@ -27,8 +27,9 @@ from attention_jax.layers.feedforward import ACTIVATIONS
 from attention_jax.layers.norms import NORMS
 
 # What `build_model` makes: a classifier of one sequence, of a pair of sequences
-# (retrieval), or a causal language model.
-MODEL_KINDS = ("classifier", "dual_classifier", "language_model")
+# (retrieval), a causal language model, or an RNN encoder-decoder with attention.
+MODEL_KINDS = ("classifier", "dual_classifier", "language_model", "rnn_seq2seq")
+RNN_CELLS = ("gru", "lstm")
 POOLINGS = ("cls", "mean", "max")
 # How a block combines a sub-layer f with its input: pre-LN (Xiong et al. 2020),
 # x + f(norm(x)); post-LN (Vaswani et al. 2017), norm(x + f(x)).
@@ -83,6 +84,11 @@ class ModelConfig:
       parameters) instead of unrolled; the schedule's period is scanned.
     remat_policy: rematerialise each block in the backward pass, one of
       `REMAT_POLICIES` ("none": keep every activation).
+    rnn_cell: the RNN encoder-decoder's cell, one of `RNN_CELLS`.
+    decoder_attention: the RNN decoder attends to the encoder's annotations
+      with `attention`; False: the final encoder states are its only context.
+    beam_size: the RNN encoder-decoder's decoding in evaluation: 1 greedy,
+      more a beam search of that many hypotheses.
   """
 
   kind: str = "classifier"
@@ -111,6 +117,9 @@ class ModelConfig:
   dtype: str = "float32"
   scan_layers: bool = False
   remat_policy: str = "none"
+  rnn_cell: str = "gru"
+  decoder_attention: bool = True
+  beam_size: int = 1
 
   def __post_init__(self):
     # Every ModelConfig is checked and hashable (Flax hashes module fields),
@@ -184,8 +193,13 @@ class ModelConfig:
     _one_of("activation", self.activation, ACTIVATIONS)
     _one_of("pooling", self.pooling, POOLINGS)
     _one_of("remat_policy", self.remat_policy, tuple(REMAT_POLICIES))
+    _one_of("rnn_cell", self.rnn_cell, RNN_CELLS)
+    if self.kind == "rnn_seq2seq" and self.decoder_attention and not registry.get_variant(
+        self.attention).cross:
+      raise ValueError(f"the RNN decoder attends to the encoder (cross-attention); attention "
+                       f"{self.attention!r} has no cross-attention form.")
     for name in ("vocab_size", "num_classes", "num_layers", "embed_dim", "num_heads", "mlp_dim",
-                 "max_length"):
+                 "max_length", "beam_size"):
       value = getattr(self, name)
       if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"model.{name} must be a positive integer, got {value!r}.")

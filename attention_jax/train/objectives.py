@@ -12,7 +12,7 @@ weighted cross-entropy scores a label per sequence and a label per token alike.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Dict, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import flax.linen as nn
 import jax
@@ -24,6 +24,8 @@ PAD_ID = 0
 Batch = Dict[str, jax.Array]
 ModelCall = Callable[[nn.Module, Batch, bool], jax.Array]
 Targets = Callable[[Batch], Tuple[jax.Array, jax.Array]]
+# (model, variables, batch) -> {name: sum over the batch}, computed in evaluation.
+EvalSums = Callable[[nn.Module, Any, Batch], Dict[str, jax.Array]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,12 +38,16 @@ class Objective:
     targets: `batch -> (labels [B, ...] int, weights [B, ...] float)`.
     sequence_keys: the batch arrays that are token sequences (the model reads
       all of their tokens; the trainer counts them for tokens/s).
+    eval_sums: what evaluation adds up besides the teacher-forced loss and
+      accuracy: `{"<metric>_correct": ..., "<metric>_count": ...}` pairs,
+      which `summarize_eval` reports as "<metric>_accuracy" (e.g. decoding).
   """
 
   name: str
   model_call: ModelCall
   targets: Targets
   sequence_keys: Tuple[str, ...] = ("inputs",)
+  eval_sums: Optional[EvalSums] = None
 
 
 def _classify(module: nn.Module, batch: Batch, deterministic: bool) -> jax.Array:
@@ -78,11 +84,41 @@ def _next_tokens(batch: Batch) -> Tuple[jax.Array, jax.Array]:
   return labels, weights
 
 
+def _teacher_forced(module: nn.Module, batch: Batch, deterministic: bool) -> jax.Array:
+  """`[B, Ts]` inputs and `[B, Tt]` targets -> `[B, Tt, V]` logits of each
+  target token given the ones before it."""
+  return module(batch["inputs"], batch["targets"], deterministic=deterministic)
+
+
+def _target_tokens(batch: Batch) -> Tuple[jax.Array, jax.Array]:
+  """Labels: the target tokens (EOS included); weight 0 on padding."""
+  labels = batch["targets"]
+  return labels, (labels != PAD_ID).astype(jnp.float32) * batch["weight"][:, None]
+
+
+def _decoded(model: nn.Module, variables: Any, batch: Batch) -> Dict[str, jax.Array]:
+  """Sums of decoding (greedy or beam search, `model.config.beam_size`) without
+  the targets: "sequence" (every target token and EOS right) and "decoded_token"."""
+  from attention_jax.models import decoding  # pylint: disable=import-outside-toplevel
+  targets = batch["targets"]
+  tokens = decoding.decode(model, variables, batch["inputs"], max_length=targets.shape[1],
+                           beam_size=model.config.beam_size)
+  scored = targets != PAD_ID  # what follows EOS is not scored
+  right = (tokens == targets) | ~scored
+  weight = batch["weight"]
+  return dict(sequence_correct=jnp.sum(jnp.all(right, axis=1) * weight),
+              sequence_count=jnp.sum(weight),
+              decoded_token_correct=jnp.sum((right & scored) * weight[:, None]),
+              decoded_token_count=jnp.sum(scored * weight[:, None]))
+
+
 OBJECTIVES: Dict[str, Objective] = {
     "classifier": Objective("classifier", _classify, _example_labels),
     "dual_classifier": Objective("dual_classifier", _classify_pair, _example_labels,
                                  sequence_keys=("inputs", "inputs2")),
     "language_model": Objective("language_model", _next_token_logits, _next_tokens),
+    "rnn_seq2seq": Objective("rnn_seq2seq", _teacher_forced, _target_tokens,
+                             sequence_keys=("inputs", "targets"), eval_sums=_decoded),
 }
 CLASSIFY = OBJECTIVES["classifier"]
 

@@ -120,14 +120,18 @@ def make_eval_step(model: nn.Module, mesh: Mesh, state_shardings: TrainState, *,
   """`step(state, batch) -> sums` without dropout, for adding up over a split.
 
   The sums are "loss_sum" (weighted cross-entropy), "correct" and "count" (sum of
-  the weights); `summarize_eval` turns their totals into means.
+  the weights), and the objective's `eval_sums`; `summarize_eval` turns their
+  totals into means.
   """
 
   def eval_step(state: TrainState, batch: Batch) -> Metrics:
-    logits = model.apply({"params": state.params, **state.collections}, batch, True,
-                         method=objective.model_call)
+    variables = {"params": state.params, **state.collections}
+    logits = model.apply(variables, batch, True, method=objective.model_call)
     loss_sum, correct, count = weighted_cross_entropy(logits, *objective.targets(batch))
-    return dict(loss_sum=loss_sum, correct=correct, count=count)
+    sums = dict(loss_sum=loss_sum, correct=correct, count=count)
+    if objective.eval_sums is not None:
+      sums.update(objective.eval_sums(model, variables, batch))
+    return sums
 
   jitted = jax.jit(eval_step,
                    in_shardings=(state_shardings, partitioning.batch_sharding(mesh)),
@@ -136,7 +140,14 @@ def make_eval_step(model: nn.Module, mesh: Mesh, state_shardings: TrainState, *,
 
 
 def summarize_eval(sums: Metrics) -> Dict[str, float]:
-  """{"loss", "accuracy", "count"} from eval-step sums added over batches."""
+  """{"loss", "accuracy", "count"} from eval-step sums added over batches, and
+  "<metric>_accuracy" for each "<metric>_correct" / "<metric>_count" pair."""
   count = float(sums["count"])
-  return dict(loss=float(sums["loss_sum"]) / max(count, 1e-8),
-              accuracy=float(sums["correct"]) / max(count, 1e-8), count=count)
+  summary = dict(loss=float(sums["loss_sum"]) / max(count, 1e-8),
+                 accuracy=float(sums["correct"]) / max(count, 1e-8), count=count)
+  for name in sums:
+    if name.endswith("_correct") and name[:-len("correct")] + "count" in sums:
+      metric = name[:-len("_correct")]
+      summary[f"{metric}_accuracy"] = float(sums[name]) / max(
+          float(sums[f"{metric}_count"]), 1e-8)
+  return summary

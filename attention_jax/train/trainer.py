@@ -386,10 +386,11 @@ def _completed(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   config = ml_collections.ConfigDict(config.to_dict())  # unlocked copy, references resolved
   apply_attention_preset(config)
   info = lra_data.get_task(config.task, **task_options(config)).info
-  if info.dual != (config.model.kind == "dual_classifier"):
-    expected = "dual_classifier" if info.dual else "classifier' or 'language_model"
-    raise ValueError(f"task {config.task!r} needs model.kind '{expected}', got "
-                     f"{config.model.kind!r}.")
+  kinds = (("dual_classifier",) if info.dual else ("rnn_seq2seq",) if info.target_len
+           else ("classifier", "language_model"))
+  if config.model.kind not in kinds:
+    raise ValueError(f"task {config.task!r} needs model.kind {' or '.join(map(repr, kinds))}, "
+                     f"got {config.model.kind!r}.")
   filled = dict(vocab_size=info.vocab_size, num_classes=info.num_classes,
                 max_length=info.seq_len)
   for key, value in filled.items():
