@@ -9,6 +9,13 @@ paper's method; `lra_release`, what the LRA release ran: see
 (default: method only). The table gives test accuracy as mean ± std over seeds,
 one column per preset, beside the LRA paper's number, then best validation
 accuracy, steps/s and peak memory.
+
+Optional keys: `metric`, the evaluation metric shown (default "accuracy";
+e.g. "sequence_accuracy" of a sequence-to-sequence task); `paper=False`
+for a table with no LRA paper numbers; `baselines`, rows that are not a
+registered variant, `{label: {"variant": name, "overrides": {...}}}` (the
+variant's config with the overrides, e.g. the encoder-decoder without
+attention), listed in `variants` by their label.
 """
 
 from __future__ import annotations
@@ -72,28 +79,43 @@ def expand(table: Any, runs: pathlib.Path, *, data_dir: str = "data",
   from attention_jax.registry import variant_presets  # pylint: disable=g-import-not-at-top
   del batch_size
   overrides = plain(table.get("cell_overrides", {})) or {}
+  baselines = plain(table.get("baselines", {})) or {}
   presets = tuple(table.get("presets", ()))
   cells = []
   for seed in table.seeds:
     for task, config_file in table.tasks.items():
-      for variant in table.variants:
+      for label in table.variants:
+        baseline = baselines.get(label, {})
+        variant = baseline.get("variant", label)
+        cell_overrides = _merged(baseline.get("overrides", {}),
+                                 overrides.get(task, {}).get(label, {}))
         for preset in attention_presets(table):
           if preset not in variant_presets(variant):
             continue  # the table shows "-" for a preset the variant does not have
-          workdir = runs / task / variant / preset / f"seed{seed}"
+          workdir = runs / task / label / preset / f"seed{seed}"
           flags = (f"--config.seed={seed}", f"--config.data_dir={data_dir}",
                    "--config.progress=False", *table.get("flags", ()))
           cells.append(Cell(
-              key=dict(task=task, variant=variant, preset=preset, seed=seed), workdir=workdir,
+              key=dict(task=task, variant=label, preset=preset, seed=seed), workdir=workdir,
               command=training_command(config_file, variant, (*presets, preset), workdir, flags,
-                                       overrides.get(task, {}).get(variant))))
+                                       cell_overrides)))
   return cells
+
+
+def _merged(base: Mapping[str, Any], update: Mapping[str, Any]) -> Dict[str, Any]:
+  """Nested dicts `base` updated by `update`, key by key."""
+  merged = dict(base)
+  for key, value in update.items():
+    merged[key] = (_merged(merged[key], value) if isinstance(value, Mapping)
+                   and isinstance(merged.get(key), Mapping) else value)
+  return merged
 
 
 def summarize(table: Any, cells: Sequence[Cell]) -> List[Dict[str, Any]]:
   """One row per (task, variant, preset): spreads of test accuracy (%), best
-  validation accuracy (%), steps/s and peak memory (MiB), and the paper's number."""
-  del table
+  validation accuracy (%) (the table's `metric`), steps/s and peak memory
+  (MiB), and the paper's number."""
+  metric = table.get("metric", "accuracy")
   groups: Dict[Tuple[str, str, str], List[Dict[str, Any]]] = {}
   for cell in cells:
     group = (cell.key["task"], cell.key["variant"], cell.key["preset"])
@@ -106,15 +128,15 @@ def summarize(table: Any, cells: Sequence[Cell]) -> List[Dict[str, Any]]:
     metrics = [r["metrics"] for r in runs]
     rows.append(dict(
         task=task, variant=variant, preset=preset,
-        test=report.spread([100 * m["test"]["accuracy"] for m in metrics if "test" in m]),
-        validation=report.spread([100 * m["best_validation"]["accuracy"] for m in metrics
+        test=report.spread([100 * m["test"][metric] for m in metrics if "test" in m]),
+        validation=report.spread([100 * m["best_validation"][metric] for m in metrics
                                   if "best_validation" in m]),
         steps_per_s=report.spread([m.get("steps_per_s") for m in metrics]),
         memory_mib=report.spread([m["peak_memory_bytes"] / 2**20 for m in metrics
                                   if m.get("peak_memory_bytes")]),
         memory_source=next((m.get("memory_source") for m in metrics), None),
         seeds=[r["config"]["seed"] for r in runs],
-        paper=lra_paper.accuracy(variant, task)))
+        paper=lra_paper.accuracy(variant, task) if table.get("paper", True) else None))
   return rows
 
 
@@ -165,12 +187,16 @@ def markdown(table: Any, rows: Sequence[Dict[str, Any]], data_dir: str = "data")
     return "-" if paper is None else f"{paper:.2f}"
 
   # Per task: one column per preset, then the paper's number.
-  columns = [(task, preset) for task in tasks for preset in (*presets, None)]
+  paper = table.get("paper", True)
+  columns = [(task, preset) for task in tasks
+             for preset in ((*presets, None) if paper else presets)]
   names = [f"{task} {preset or 'paper'}" for task, preset in columns]
-  lines += ["## Test accuracy (%): measured mean ± std (n seeds) per preset, and the LRA paper",
+  metric = table.get("metric", "accuracy").replace("_", " ")
+  lines += [f"## Test {metric} (%): measured mean ± std (n seeds) per preset"
+            + (", and the LRA paper" if paper else ""),
             "", *report.markdown_head(["variant", *names]),
             *report.variant_rows(table.variants, columns, test_cell)]
-  lines += ["", "## Best validation accuracy (%), train steps/s and peak memory (MiB)", "",
+  lines += ["", f"## Best validation {metric} (%), train steps/s and peak memory (MiB)", "",
             *report.markdown_head(["task", "variant", "preset", "best validation (%)",
                                    "steps/s", "peak memory (MiB)"])]
   for task in tasks:
@@ -213,7 +239,7 @@ def plot(table: Any, rows: Sequence[Dict[str, Any]], out: pathlib.Path) -> List[
                  if i == 0 else None)
   ax.set_xticks(range(len(variants)))
   ax.set_xticklabels(variants, rotation=45, ha="right")
-  ax.set_ylabel("test accuracy (%)")
+  ax.set_ylabel(f"test {table.get('metric', 'accuracy').replace('_', ' ')} (%)")
   ax.set_title(table.get("description", table.name))
   ax.legend(fontsize=8)
   return [report.save_figure(fig, out, "accuracy.png")]

@@ -185,7 +185,8 @@ def write_outputs(table: Any, kind: Any, cells: Sequence[Cell], results_dir: pat
   """
   rows = kind.summarize(table, cells)
   results_dir.mkdir(parents=True, exist_ok=True)
-  text = "\n".join(header(table, cells, command, kind.PAPER)
+  paper = kind.PAPER and table.get("paper", True)  # a table off LRA says paper=False
+  text = "\n".join(header(table, cells, command, paper)
                    + kind.markdown(table, rows, data_dir)) + "\n"
   (results_dir / "table.md").write_text(text)
   write_csv(results_dir / "table.csv", rows)

@@ -171,3 +171,25 @@ def test_a_classification_task_refuses_the_seq2seq_model_and_back(tmp_path):
   config.model.kind = "classifier"
   with pytest.raises(ValueError, match="task 'reverse' needs model.kind 'rnn_seq2seq'"):
     train_and_evaluate(config, tmp_path / "b", handle_signals=False)
+
+
+def test_the_heatmap_of_a_trained_run_and_its_restored_model(tmp_path):
+  from attention_jax.train.restore import restore_run
+  from experiments import attention_heatmap
+  config = _tiny_config()
+  config.data_dir = str(tmp_path / "data")
+  workdir = tmp_path / "run"
+  results = train_and_evaluate(config, workdir, handle_signals=False)
+  run = restore_run(workdir)
+  assert run.step == results["metrics"]["best_validation"]["step"]
+  example = run.splits["test"].gather(np.arange(4))
+  logits = run.model.apply(run.variables, jnp.asarray(example["inputs"]),
+                           jnp.asarray(example["targets"]))
+  assert logits.shape == example["targets"].shape + (run.config.model.vocab_size,)
+  out = tmp_path / "heatmap.png"
+  attention_heatmap.FLAGS([  # absl flags: parse them as the command line would
+      "attention_heatmap", f"--workdir={workdir}", f"--out={out}", "--example=1"])
+  assert attention_heatmap.main([]) == 0
+  assert out.stat().st_size > 1000
+  with pytest.raises(FileNotFoundError, match="config.json"):
+    restore_run(tmp_path / "nowhere")
