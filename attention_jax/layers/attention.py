@@ -141,6 +141,7 @@ class MultiHeadAttention(nn.Module):
       positions: Optional[Array] = None,
       deterministic: bool = True,
       carry: Optional[Mapping[str, Any]] = None,
+      attention_arguments: Optional[Mapping[str, Any]] = None,
   ):
     """Attends from `x` to `context` (self-attention when `context` is None).
 
@@ -157,6 +158,11 @@ class MultiHeadAttention(nn.Module):
       deterministic: disables dropout.
       carry: what the previous layer handed on (the layer stack passes it);
         a variant that `carries` keys reads and replaces them.
+      attention_arguments: arrays for this call of the variant's function, by
+        the keywords it takes (the graph variant's `senders` and `receivers`
+        edge lists); unlike `attention_options`, fixed when the layer is
+        built, they may change with every batch. A keyword the function does
+        not take, or that the layer sets itself, is refused.
 
     Returns:
       `[B, Tq, out_features]`, or `(that, carry)` when called with a carry (the
@@ -225,6 +231,8 @@ class MultiHeadAttention(nn.Module):
       # Variants that place each query (Luong's local-m) see its position,
       # offset while decoding.
       options["query_positions"] = q_positions
+    if attention_arguments:
+      options.update(_call_arguments(spec, attention_arguments, options))
     attend = functools.partial(spec.fn, query, key, bias=bias, mask=mask, is_causal=is_causal,
                                query_seq_lengths=query_seq_lengths,
                                key_value_seq_lengths=key_value_seq_lengths,
@@ -339,6 +347,29 @@ class HeadProjection(nn.Module):
     contract = tuple(range(x.ndim - self.merge_input, x.ndim))
     y = jax.lax.dot_general(x, kernel, ((contract, tuple(range(self.merge_input))), ((), ())))
     return y if bias is None else y + bias
+
+
+# What MultiHeadAttention passes to every variant's function itself.
+_LAYER_ARGUMENTS = frozenset({"query", "key", "value", "bias", "mask", "is_causal",
+                              "query_seq_lengths", "key_value_seq_lengths", "segment_ids",
+                              "dropout_rate", "dropout_rng", "carry", "query_positions"})
+
+
+def _call_arguments(spec: "registry.VariantSpec", arguments: Mapping[str, Any],
+                    options: Mapping[str, Any]) -> dict:
+  """`attention_arguments`, checked: each a keyword of `spec.fn` that neither
+  the layer nor the options (or the variant's extras) already give."""
+  takes = [name for name, p in inspect.signature(spec.fn).parameters.items()
+           if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD) and name not in _LAYER_ARGUMENTS]
+  for name in arguments:
+    if name in options:
+      raise ValueError(f"attention_arguments sets {name!r}, which attention_options or the "
+                       f"variant's own arrays already set for {spec.name!r}.")
+    if name not in takes:
+      raise ValueError(f"attention variant {spec.name!r} takes no attention argument {name!r}; "
+                       f"its function takes: {', '.join(takes) or 'none'} (masks, dropout "
+                       f"and the carry are the layer's own arguments).")
+  return dict(arguments)
 
 
 def _is_unused(x) -> bool:

@@ -16,6 +16,7 @@ keys (`[B|1, 1, 1, Tk]`, what `Encoder` passes for padding anywhere).
 
 from __future__ import annotations
 
+import inspect
 import zlib
 from typing import Callable, Optional
 
@@ -159,6 +160,41 @@ def check_size(name: str, value: int, *, length: Optional[int] = None, divides: 
   if length is not None and not divides and value > length:
     raise ValueError(f"{name}={value} must be at most the sequence length {length}.")
   return value
+
+
+def check_per_head(name: str, array: Array, expected: tuple) -> None:
+  """A variant's own array `name` must have shape `expected` (None: any size
+  there), e.g. `check_per_head("transition", t, (num_heads, 2, 2))`."""
+  shape = tuple(jnp.shape(array))
+  if len(shape) != len(expected) or any(e is not None and s != e
+                                        for s, e in zip(shape, expected)):
+    wanted = "[" + ", ".join("*" if e is None else str(e) for e in expected) + "]"
+    raise ValueError(f"{name} must have shape {wanted}, got {list(shape)}.")
+
+
+def check_query_key_sizes(variant: str, query: Array, key: Array) -> None:
+  """For variants whose score is a function of q - k or q . k: one head size."""
+  if query.shape[-1] != key.shape[-1]:
+    raise ValueError(f"{variant} needs queries and keys of one size, got query dim "
+                     f"{query.shape[-1]} and key dim {key.shape[-1]}.")
+
+
+# The keyword arguments a variant built on `scoring.scored_attention` passes on
+# to it (the masks of `dot_product_attention` and dropout); `passes_on_masks`
+# writes them into the variant's signature, which MultiHeadAttention and the
+# registry read (e.g. whether a variant takes attention dropout).
+PASSED_ON = tuple(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default)
+                  for name, default in (("is_causal", False), ("query_seq_lengths", None),
+                                        ("key_value_seq_lengths", None), ("segment_ids", None),
+                                        ("dropout_rate", 0.0), ("dropout_rng", None)))
+
+
+def passes_on_masks(fn):
+  """Replaces `fn`'s `**kwargs` in its signature by the arguments it passes on."""
+  signature = inspect.signature(fn)
+  own = [p for p in signature.parameters.values() if p.kind != inspect.Parameter.VAR_KEYWORD]
+  fn.__signature__ = signature.replace(parameters=own + list(PASSED_ON))
+  return fn
 
 
 def repeat_kv_heads(key: Array, num_heads: int) -> Array:

@@ -21,7 +21,6 @@ per head and made by the variant's extras module inside `MultiHeadAttention`.
 
 from __future__ import annotations
 
-import inspect
 from typing import Callable, ClassVar, Optional
 
 import flax.linen as nn
@@ -38,22 +37,14 @@ Array = jnp.ndarray
 ScoreFn = Callable[[Array, Array], Array]
 
 
-def _check_per_head(name: str, array: Array, expected: tuple) -> None:
-  """`array` must have shape `expected` (None: any size there)."""
-  shape = tuple(jnp.shape(array))
-  if len(shape) != len(expected) or any(e is not None and s != e
-                                        for s, e in zip(shape, expected)):
-    wanted = "[" + ", ".join("*" if e is None else str(e) for e in expected) + "]"
-    raise ValueError(f"{name} must have shape {wanted}, got {list(shape)}.")
-
-
 def _general_score(query: Array, key: Array, score_kernel: Array) -> Array:
   """q^T W k per head: `[B, H, Tq, Tk]`; W `[H, Dq, Dk]`."""
-  _check_per_head("score_kernel", score_kernel, (query.shape[2], query.shape[3], key.shape[3]))
+  common.check_per_head("score_kernel", score_kernel,
+                        (query.shape[2], query.shape[3], key.shape[3]))
   return jnp.einsum("bqhd,hde,bkhe->bhqk", query, score_kernel, key)
 
 
-def _dot_score(query: Array, key: Array) -> Array:
+def dot_score(query: Array, key: Array) -> Array:
   """q . k per head, unscaled: `[B, H, Tq, Tk]` float32."""
   return jnp.einsum("bqhd,bkhd->bhqk", query, key, preferred_element_type=jnp.float32)
 
@@ -63,13 +54,16 @@ def scored_attention(query: Array, key: Array, value: Array, score: ScoreFn,
                      is_causal: bool = False, query_seq_lengths: Optional[Array] = None,
                      key_value_seq_lengths: Optional[Array] = None, segment_ids=None,
                      dropout_rate: float = 0.0, dropout_rng: Optional[jax.Array] = None,
-                     reweight: Optional[Callable[[Array], Array]] = None) -> Array:
+                     weighting: Callable[[Array, Optional[Array]], Array] = masked_softmax
+                     ) -> Array:
   """softmax(score(q, k) + bias, masked) v: `[B, Tq, H, Dv]` in the query dtype.
 
   Queries and keys may differ in their last size (the score decides what it
-  accepts); grouped K/V heads are repeated to the query heads. `reweight`
-  maps the softmax weights `[B, H, Tq, Tk]` to the weights applied (Luong's
-  local attention multiplies them by a Gaussian without renormalising).
+  accepts); grouped K/V heads are repeated to the query heads.
+  `weighting(scores [B, H, Tq, Tk] float32, mask [B|1, H|1, Tq, Tk] bool or
+  None)` replaces the softmax (structured attention's CRF marginals, a graph's
+  adjacency, Luong's local softmax times a Gaussian); masked entries must get
+  weight 0.
   """
   if jnp.ndim(query) != 4 or jnp.ndim(key) != 4 or jnp.ndim(value) != 4:
     raise ValueError(f"query, key and value must be [B, T, H, D], got shapes "
@@ -86,31 +80,12 @@ def scored_attention(query: Array, key: Array, value: Array, score: ScoreFn,
   scores = score(query, common.repeat_kv_heads(key, num_heads)).astype(jnp.float32)
   if inputs.bias is not None:
     scores = scores + inputs.bias.astype(jnp.float32)
-  weights = masked_softmax(scores, inputs.dense_mask())
-  if reweight is not None:
-    weights = reweight(weights)
+  weights = weighting(scores, inputs.dense_mask())
   weights = common.dropout_weights(weights, dropout_rate, dropout_rng)
   return common.weighted_values(weights, inputs.value).astype(query.dtype)
 
 
-# The keyword arguments every score function passes on to `scored_attention`;
-# they are written into each function's signature, which MultiHeadAttention
-# and the registry read (e.g. whether a variant takes attention dropout).
-_PASSED_ON = tuple(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default)
-                   for name, default in (("is_causal", False), ("query_seq_lengths", None),
-                                         ("key_value_seq_lengths", None), ("segment_ids", None),
-                                         ("dropout_rate", 0.0), ("dropout_rng", None)))
-
-
-def _passes_on_masks(fn):
-  """Replaces `fn`'s `**kwargs` in its signature by the arguments it passes on."""
-  signature = inspect.signature(fn)
-  own = [p for p in signature.parameters.values() if p.kind != inspect.Parameter.VAR_KEYWORD]
-  fn.__signature__ = signature.replace(parameters=own + list(_PASSED_ON))
-  return fn
-
-
-@_passes_on_masks
+@common.passes_on_masks
 def additive_attention(query: Array, key: Array, value: Array, bias: Optional[Array] = None,
                        mask: Optional[Array] = None, *, query_kernel: Array, key_kernel: Array,
                        score_vector: Array, **kwargs) -> Array:
@@ -124,10 +99,10 @@ def additive_attention(query: Array, key: Array, value: Array, bias: Optional[Ar
       query_seq_lengths, key_value_seq_lengths, segment_ids) and dropout.
   """
   num_heads, q_dim, k_dim = query.shape[2], query.shape[3], key.shape[3]
-  _check_per_head("query_kernel", query_kernel, (num_heads, q_dim, None))
+  common.check_per_head("query_kernel", query_kernel, (num_heads, q_dim, None))
   attention_dim = query_kernel.shape[-1]
-  _check_per_head("key_kernel", key_kernel, (num_heads, k_dim, attention_dim))
-  _check_per_head("score_vector", score_vector, (num_heads, attention_dim))
+  common.check_per_head("key_kernel", key_kernel, (num_heads, k_dim, attention_dim))
+  common.check_per_head("score_vector", score_vector, (num_heads, attention_dim))
 
   def score(q, k):
     projected_q = jnp.einsum("bqhd,hda->bhqa", q, query_kernel)
@@ -138,17 +113,15 @@ def additive_attention(query: Array, key: Array, value: Array, bias: Optional[Ar
   return scored_attention(query, key, value, score, bias, mask, **kwargs)
 
 
-@_passes_on_masks
+@common.passes_on_masks
 def luong_dot_attention(query: Array, key: Array, value: Array, bias: Optional[Array] = None,
                         mask: Optional[Array] = None, **kwargs) -> Array:
   """Luong's dot score: score(q, k) = q . k (no 1/sqrt(D) scale)."""
-  if query.shape[-1] != key.shape[-1]:
-    raise ValueError(f"luong_dot needs queries and keys of one size, got query dim "
-                     f"{query.shape[-1]} and key dim {key.shape[-1]}.")
-  return scored_attention(query, key, value, _dot_score, bias, mask, **kwargs)
+  common.check_query_key_sizes("luong_dot", query, key)
+  return scored_attention(query, key, value, dot_score, bias, mask, **kwargs)
 
 
-@_passes_on_masks
+@common.passes_on_masks
 def luong_general_attention(query: Array, key: Array, value: Array,
                             bias: Optional[Array] = None, mask: Optional[Array] = None, *,
                             score_kernel: Array, **kwargs) -> Array:
@@ -157,7 +130,7 @@ def luong_general_attention(query: Array, key: Array, value: Array,
   return scored_attention(query, key, value, score, bias, mask, **kwargs)
 
 
-@_passes_on_masks
+@common.passes_on_masks
 def luong_concat_attention(query: Array, key: Array, value: Array,
                            bias: Optional[Array] = None, mask: Optional[Array] = None, *,
                            concat_kernel: Array, score_vector: Array, **kwargs) -> Array:
@@ -167,7 +140,7 @@ def luong_concat_attention(query: Array, key: Array, value: Array,
   kernel split in two.
   """
   q_dim = query.shape[3]
-  _check_per_head("concat_kernel", concat_kernel,
+  common.check_per_head("concat_kernel", concat_kernel,
                   (query.shape[2], q_dim + key.shape[3], None))
   return additive_attention(query, key, value, bias, mask,
                             query_kernel=concat_kernel[:, :q_dim],
@@ -179,7 +152,7 @@ LUONG_LOCAL_MODES = ("predictive", "monotonic")
 LUONG_LOCAL_SCORES = ("general", "dot")
 
 
-@_passes_on_masks
+@common.passes_on_masks
 def luong_local_attention(query: Array, key: Array, value: Array, bias: Optional[Array] = None,
                           mask: Optional[Array] = None, *, mode: str = "predictive",
                           window: int = 10, sigma: Optional[float] = None,
@@ -218,9 +191,7 @@ def luong_local_attention(query: Array, key: Array, value: Array, bias: Optional
   sigma = window / 2 if sigma is None else sigma
   if not sigma > 0:
     raise ValueError(f"sigma must be > 0 (or None for window / 2), got {sigma!r}.")
-  if query.shape[-1] != key.shape[-1]:
-    raise ValueError(f"luong_local needs queries and keys of one size, got query dim "
-                     f"{query.shape[-1]} and key dim {key.shape[-1]}.")
+  common.check_query_key_sizes("luong_local", query, key)
   batch, q_len, num_heads, head_dim = query.shape
   kv_len = key.shape[1]
   if mode == "predictive":
@@ -228,8 +199,9 @@ def luong_local_attention(query: Array, key: Array, value: Array, bias: Optional
                         ("position_vector", position_vector)):
       if array is None:
         raise ValueError(f"mode='predictive' needs {name} (W_p and v_p); got None.")
-    _check_per_head("position_kernel", position_kernel, (num_heads, head_dim, None))
-    _check_per_head("position_vector", position_vector, (num_heads, position_kernel.shape[-1]))
+    common.check_per_head("position_kernel", position_kernel, (num_heads, head_dim, None))
+    common.check_per_head("position_vector", position_vector,
+                          (num_heads, position_kernel.shape[-1]))
     lengths = kwargs.get("key_value_seq_lengths")
     num_keys = (jnp.full((batch,), kv_len, jnp.float32) if lengths is None
                 else jnp.asarray(lengths, jnp.float32))
@@ -247,13 +219,14 @@ def luong_local_attention(query: Array, key: Array, value: Array, bias: Optional
   mask = in_window if mask is None else jnp.logical_and(mask, in_window)
   gaussian = jnp.exp(-jnp.square(distance) / (2.0 * jnp.square(jnp.float32(sigma))))
 
-  score_fn = _dot_score
+  score_fn = dot_score
   if score == "general":
     if score_kernel is None:
       raise ValueError("score='general' needs score_kernel (W); got None.")
     score_fn = lambda q, k: _general_score(q, k, score_kernel)
-  return scored_attention(query, key, value, score_fn, bias, mask,
-                          reweight=lambda weights: weights * gaussian, **kwargs)
+  local_weights = lambda scores, allowed: masked_softmax(scores, allowed) * gaussian
+  return scored_attention(query, key, value, score_fn, bias, mask, weighting=local_weights,
+                          **kwargs)
 
 
 _KERNEL_INIT = nn.initializers.lecun_normal(in_axis=-2, out_axis=-1, batch_axis=(0,))
@@ -263,7 +236,7 @@ _VECTOR_INIT = nn.initializers.lecun_normal(in_axis=-1, out_axis=-1, batch_axis=
 NADARAYA_WATSON_KERNELS = ("gaussian", "average")
 
 
-@_passes_on_masks
+@common.passes_on_masks
 def nadaraya_watson_attention(query: Array, key: Array, value: Array,
                               bias: Optional[Array] = None, mask: Optional[Array] = None, *,
                               kernel: str = "gaussian", width: float = 1.0,
@@ -281,11 +254,9 @@ def nadaraya_watson_attention(query: Array, key: Array, value: Array,
     raise ValueError(f"kernel must be one of {NADARAYA_WATSON_KERNELS}, got {kernel!r}.")
   if not width > 0:
     raise ValueError(f"width must be > 0, got {width!r}.")
-  if query.shape[-1] != key.shape[-1]:
-    raise ValueError(f"nadaraya_watson needs queries and keys of one size, got query dim "
-                     f"{query.shape[-1]} and key dim {key.shape[-1]}.")
+  common.check_query_key_sizes("nadaraya_watson", query, key)
   if log_width is not None:
-    _check_per_head("log_width", log_width, (query.shape[2],))
+    common.check_per_head("log_width", log_width, (query.shape[2],))
 
   def score(q, k):
     if kernel == "average":

@@ -97,7 +97,7 @@ def test_luong_general_is_q_w_k_and_with_the_identity_is_luong_dot():
 
 
 @pytest.mark.parametrize("name", ["additive", "luong_dot", "luong_general", "luong_concat",
-                                  "luong_local", "nadaraya_watson"])
+                                  "luong_local", "nadaraya_watson", "structured_crf", "graph"])
 def test_the_layer_honours_padding_and_runs_under_jit(name):
   layer = attention_jax.MultiHeadAttention(num_heads=2, attention=name)
   x = jax.random.normal(jax.random.PRNGKey(0), (2, 9, 16))
