@@ -40,7 +40,7 @@ def make_mixer(config: ModelConfig, variant: str, **module_kwargs) -> nn.Module:
   `attention_options`; a mixer that is not Q/K/V attention (Perceiver,
   inducing points, ...) gets its declared options as module fields.
   """
-  spec = registry.get_variant(variant)
+  spec = registry.get_mixer(variant)
   kwargs = dict(num_heads=config.num_heads, dropout_rate=config.attention_dropout_rate,
                 dtype=config.jnp_dtype)
   # Only what is set: a None must not override a variant's preset (multi_query
