@@ -238,8 +238,10 @@ def get_mixer(name: str) -> VariantSpec:
   alignment module cannot run in a block)."""
   spec = get_variant(name)
   if spec.role != "mixer":
-    raise ValueError(f"{name!r} is a {spec.role} module, not a token mixer: {ROLES[spec.role]}. "
-                     f"registry.list_variants('mixer') lists the token mixers.")
+    article = "an" if spec.role[0] in "aeiou" else "a"
+    raise ValueError(f"{name!r} is {article} {spec.role} module, not a token mixer: "
+                     f"{ROLES[spec.role]}. registry.list_variants('mixer') lists the token "
+                     f"mixers.")
   return spec
 
 

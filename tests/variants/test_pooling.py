@@ -411,8 +411,7 @@ def test_pooling_options_are_checked_against_the_pooling():
 
 @pytest.mark.parametrize("name", ["attention_pooling", "cross_alignment"])
 def test_a_pooling_or_alignment_module_is_refused_as_a_token_mixer(name):
-  role = registry.get_variant(name).role
-  message = rf"'{name}' is a {role} module, not a token mixer"
+  message = rf"'{name}' is an? {registry.get_variant(name).role} module, not a token mixer"
   with pytest.raises(ValueError, match=message):
     ModelConfig(**SMALL, attention=name)
   with pytest.raises(ValueError, match=message):
