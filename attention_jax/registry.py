@@ -23,6 +23,16 @@ from typing import Any, Callable, Dict, Iterable, Mapping, Optional, Tuple, Unio
 
 FAMILIES = ("dense", "scoring", "heads", "sparse", "hashing", "linear", "low_rank",
             "prior", "memory", "mixing", "kernels")
+# What a variant's module does, and the call it answers (`VariantSpec.role`).
+# Only a "mixer" can be a block's token mixer (`get_mixer`); the others are
+# section A mechanisms that attend but map no sequence to a sequence.
+ROLES = {
+    "mixer": "a token mixer: mixer(x [B, T, E], context=None, *, mask=None, ...) -> [B, T, E]",
+    "pooling": "pool(x [B, T, E], *, mask=None [B, T]) -> [B, F]; a classifier pools with it "
+               "(model.pooling='attention')",
+    "alignment": "align(a [B, Ta, E], b [B, Tb, E], *, a_mask=None, b_mask=None) -> "
+                 "(m_a [B, Ta, F], m_b [B, Tb, F]); call it on two encoded sequences",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +69,12 @@ class VariantSpec:
       the carry before the first layer, for variants with `carries`.
     presets: named option sets, `{preset name: Preset}` (see `PRESETS`);
       "method" (the paper's method with our defaults) needs no entry.
+    role: what the module is, one of `ROLES`: "mixer" (every variant a
+      block can run), or "pooling" / "alignment" for mechanisms that are
+      not token mixers (attention pooling, ESIM's cross alignment). Those
+      have `qkv=False`, their module in `mixer`, and are refused as a
+      block's mixer (`get_mixer`); for pooling, `subquadratic` means that it
+      never builds a T x T array, as for a mixer.
   """
 
   name: str
@@ -78,6 +94,7 @@ class VariantSpec:
   carries: Tuple[str, ...] = ()
   initial_carry: Optional[Callable[..., Dict[str, Any]]] = None
   presets: Mapping[str, "Preset"] = dataclasses.field(default_factory=dict)
+  role: str = "mixer"
 
   @property
   def mixer_class(self) -> Callable[..., Any]:
@@ -163,6 +180,12 @@ def register(spec: VariantSpec) -> VariantSpec:
     raise ValueError(f"variant {spec.name!r} is already registered.")
   if spec.family not in FAMILIES:
     raise ValueError(f"family must be one of {FAMILIES}, got {spec.family!r} for {spec.name!r}.")
+  if spec.role not in ROLES:
+    raise unknown_name_error(f"role of variant {spec.name!r}:", spec.role, ROLES)
+  if spec.role != "mixer" and spec.qkv:
+    raise ValueError(f"variant {spec.name!r} has role {spec.role!r}, so it is not Q/K/V "
+                     f"attention that MultiHeadAttention runs: register it with qkv=False and "
+                     f"its module as `mixer`.")
   if not spec.qkv and spec.mixer is None:
     raise ValueError(f"variant {spec.name!r} is not Q/K/V attention, so it needs a mixer module.")
   for preset in spec.presets:
@@ -177,10 +200,14 @@ def _load_variants() -> None:
   import attention_jax.variants  # pylint: disable=unused-import,import-outside-toplevel
 
 
-def list_variants() -> Tuple[str, ...]:
-  """All registered names, sorted by family (VARIANTS.md order) then name."""
+def list_variants(role: Optional[str] = None) -> Tuple[str, ...]:
+  """All registered names (of `role` only, when given), sorted by family
+  (VARIANTS.md order) then name."""
   _load_variants()
-  return tuple(sorted(_REGISTRY, key=lambda n: (FAMILIES.index(_REGISTRY[n].family), n)))
+  if role is not None and role not in ROLES:
+    raise unknown_name_error("role", role, ROLES)
+  names = [n for n in _REGISTRY if role is None or _REGISTRY[n].role == role]
+  return tuple(sorted(names, key=lambda n: (FAMILIES.index(_REGISTRY[n].family), n)))
 
 
 def did_you_mean(name: str, valid: Iterable[str]) -> str:
@@ -203,6 +230,19 @@ def get_variant(name: str) -> VariantSpec:
   if name not in _REGISTRY:
     raise unknown_name_error("attention variant", name, list_variants())
   return _REGISTRY[name]
+
+
+def get_mixer(name: str) -> VariantSpec:
+  """The spec of token mixer `name`: `get_variant(name)`, and a ValueError
+  saying what it is instead when its role is not "mixer" (a pooling or an
+  alignment module cannot run in a block)."""
+  spec = get_variant(name)
+  if spec.role != "mixer":
+    article = "an" if spec.role[0] in "aeiou" else "a"
+    raise ValueError(f"{name!r} is {article} {spec.role} module, not a token mixer: "
+                     f"{ROLES[spec.role]}. registry.list_variants('mixer') lists the token "
+                     f"mixers.")
+  return spec
 
 
 # Annotation strings (the family files use `from __future__ import annotations`)
@@ -354,7 +394,9 @@ def variant_table_markdown() -> str:
   yes_no = lambda flag: "yes" if flag else "no"
   for name in list_variants():
     spec = _REGISTRY[name]
-    rows.append(f"| `{name}` | {spec.family} | {spec.complexity} | {yes_no(spec.causal)} | "
+    # A module that is not a token mixer says so next to its family.
+    family = spec.family if spec.role == "mixer" else f"{spec.family} ({spec.role})"
+    rows.append(f"| `{name}` | {family} | {spec.complexity} | {yes_no(spec.causal)} | "
                 f"{yes_no(spec.cross)} | {'exact' if spec.exact else 'approximate'} | "
                 f"{spec.paper} |")
   return "\n".join(rows) + "\n"

@@ -18,13 +18,19 @@ import sys
 from typing import Sequence
 
 import numpy as np
-from absl import app, flags, logging
+from absl import flags, logging
 
-FLAGS = flags.FLAGS
-flags.DEFINE_string("workdir", None, "a finished rnn_seq2seq run")
-flags.DEFINE_string("out", None, "the PNG to write")
-flags.DEFINE_integer("example", 0, "the index of the test example")
-flags.mark_flags_as_required(["workdir", "out"])
+from experiments import cli
+
+
+def define_flags(flag_values: flags.FlagValues, argv: Sequence[str]) -> None:
+  """This script's flags (see `experiments.cli`)."""
+  del argv
+  flags.DEFINE_string("workdir", None, "a finished rnn_seq2seq run", flag_values=flag_values)
+  flags.DEFINE_string("out", None, "the PNG to write", flag_values=flag_values)
+  flags.DEFINE_integer("example", 0, "the index of the test example", lower_bound=0,
+                       flag_values=flag_values)
+  flags.mark_flags_as_required(["workdir", "out"], flag_values=flag_values)
 
 
 def symbols(tokens: np.ndarray) -> list:
@@ -38,19 +44,19 @@ def symbols(tokens: np.ndarray) -> list:
   return labels
 
 
-def main(argv: Sequence[str]) -> int:
-  del argv
+def heatmap(args: cli.Args) -> int:
+  """Draws the heatmap; 0 on success, 2 when the run is not an attentive seq2seq one."""
   logging.set_verbosity(logging.WARNING)  # orbax logs every step of a restore
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   from attention_jax.models import decoding  # pylint: disable=import-outside-toplevel
   from attention_jax.train.restore import restore_run  # pylint: disable=import-outside-toplevel
   from experiments.tables import report  # pylint: disable=import-outside-toplevel
 
-  run = restore_run(FLAGS.workdir)
+  run = restore_run(args.workdir)
   if run.config.model.kind != "rnn_seq2seq" or not run.config.model.decoder_attention:
-    print(f"error: {FLAGS.workdir} is not an rnn_seq2seq run with attention.", file=sys.stderr)
+    print(f"error: {args.workdir} is not an rnn_seq2seq run with attention.", file=sys.stderr)
     return 2
-  example = run.splits["test"].gather(np.array([FLAGS.example]))
+  example = run.splits["test"].gather(np.array([args.example]))
   inputs, targets = jnp.asarray(example["inputs"]), jnp.asarray(example["targets"])
   tokens = decoding.decode(run.model, run.variables, inputs, max_length=targets.shape[1])
   _, state = run.model.apply(run.variables, inputs, tokens, mutable=["intermediates"])
@@ -67,15 +73,20 @@ def main(argv: Sequence[str]) -> int:
   ax.set_ylabel("decoded output (greedy)")
   model = run.config.model
   right = output == symbols(np.asarray(targets[0]))
-  ax.set_title(f"{model.attention} attention, {run.config.task} test example {FLAGS.example} "
+  ax.set_title(f"{model.attention} attention, {run.config.task} test example {args.example} "
                f"({'right' if right else 'wrong'})", fontsize=9)
   fig.colorbar(image, ax=ax, fraction=0.04)
-  out = pathlib.Path(FLAGS.out)
+  out = pathlib.Path(args.out)
   out.parent.mkdir(parents=True, exist_ok=True)
   report.save_figure(fig, out.parent, out.name)
-  print(f"wrote {out} (step {run.step} of {FLAGS.workdir})")
+  print(f"wrote {out} (step {run.step} of {args.workdir})")
   return 0
 
 
+def main(argv: Sequence[str] | None = None) -> int:
+  """This script from Python: `argv` and errors as in `cli.parse`."""
+  return heatmap(cli.parse(define_flags, argv, __name__))
+
+
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(define_flags, heatmap)

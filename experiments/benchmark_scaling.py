@@ -54,7 +54,7 @@ def define_flags(flag_values: flags.FlagValues, argv: Sequence[str]) -> None:
   """This script's flags (see `experiments.cli`)."""
   del argv  # only config flags read it
   common.define_sweep_flags(flag_values, cell_timeout=1800.0)
-  flags.DEFINE_list("variants", None, "registered names, comma-separated (default: all; "
+  flags.DEFINE_list("variants", None, "registered token mixers, comma-separated (default: all; "
                     "dot_product is always added)", flag_values=flag_values)
   cli.DEFINE_list_of(flags.IntegerParser(lower_bound=1), "lengths",
                      [1024, 2048, 4096, 8192, 16384], "sequence lengths T", flag_values)
@@ -69,7 +69,7 @@ def define_flags(flag_values: flags.FlagValues, argv: Sequence[str]) -> None:
   def known_variants(names: Sequence[str] | None) -> bool:
     for name in names or ():
       try:
-        registry.get_variant(name)
+        registry.get_mixer(name)
       except ValueError as e:  # its message lists the valid names
         raise flags.ValidationError(str(e)) from e
     return True
@@ -94,7 +94,7 @@ ACCELERATOR_ONLY = ("flash",)
 def selected_variants(requested: list[str] | None, backend: str = "cpu") -> list[str]:
   """The variants to measure, dense first (every ratio is against it)."""
   if requested is None:
-    names = [name for name in registry.list_variants()
+    names = [name for name in registry.list_variants("mixer")
              if backend != "cpu" or name not in ACCELERATOR_ONLY]
   else:
     names = list(requested)
@@ -126,7 +126,7 @@ def module_of(variant: str, num_heads: int, seq_len: int):
   reference must be the materialised T x T softmax. Variants whose parameters
   are sized by a `max_length` (the Synthesizers) get `max_length = seq_len`.
   """
-  spec = registry.get_variant(variant)
+  spec = registry.get_mixer(variant)
   if variant == DENSE or spec.family == "heads":
     return spec.module(num_heads=num_heads, attention_options={"implementation": "xla"})
   if spec.extras is not None and "max_length" in {f.name for f in dataclasses.fields(spec.extras)}:

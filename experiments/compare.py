@@ -52,10 +52,10 @@ def define_flags(flag_values: flags.FlagValues, argv: Sequence[str]) -> None:
                        "--variants, the presets are --preset.")
 
   def known_variants(names: Sequence[str]) -> bool:
-    from attention_jax.registry import get_variant  # pylint: disable=g-import-not-at-top
+    from attention_jax.registry import get_mixer  # pylint: disable=g-import-not-at-top
     for name in names:
       try:
-        get_variant(name)
+        get_mixer(name)
       except ValueError as e:  # its message lists the valid names
         raise flags.ValidationError(str(e)) from e
     return True

@@ -22,17 +22,23 @@ from __future__ import annotations
 
 import json
 import pathlib
-import sys
 from typing import Dict, Sequence
 
 import numpy as np
-from absl import app, flags
+from absl import flags
 
-FLAGS = flags.FLAGS
-flags.DEFINE_string("out", None, "the folder of nadaraya_watson.png and table.md")
-flags.DEFINE_integer("seed", 0, "the data's seed")
-flags.DEFINE_integer("steps", 200, "Adam steps on the learned width")
-flags.mark_flags_as_required(["out"])
+from experiments import cli
+
+
+def define_flags(flag_values: flags.FlagValues, argv: Sequence[str]) -> None:
+  """This script's flags (see `experiments.cli`)."""
+  del argv
+  flags.DEFINE_string("out", None, "the folder of nadaraya_watson.png and table.md",
+                      flag_values=flag_values)
+  flags.DEFINE_integer("seed", 0, "the data's seed", flag_values=flag_values)
+  flags.DEFINE_integer("steps", 200, "Adam steps on the learned width", lower_bound=1,
+                       flag_values=flag_values)
+  flags.mark_flags_as_required(["out"], flag_values=flag_values)
 
 NUM_TRAIN = 50
 
@@ -86,15 +92,15 @@ def learn_log_width(x_train, y_train, steps: int) -> float:
   return float(log_width[0])
 
 
-def main(argv: Sequence[str]) -> int:
-  del argv
+def experiment(args: cli.Args) -> int:
+  """Fits the three estimators and writes the figure and the tables."""
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   from attention_jax.variants import scoring  # pylint: disable=import-outside-toplevel
   from experiments.tables import report  # pylint: disable=import-outside-toplevel
-  out = pathlib.Path(FLAGS.out)
+  out = pathlib.Path(args.out)
   out.mkdir(parents=True, exist_ok=True)
-  x_train, y_train, x_grid = make_data(FLAGS.seed)
-  log_width = learn_log_width(x_train, y_train, FLAGS.steps)
+  x_train, y_train, x_grid = make_data(args.seed)
+  log_width = learn_log_width(x_train, y_train, args.steps)
   estimates: Dict[str, np.ndarray] = {
       "average pooling": regress(x_grid, x_train, y_train, kernel="average"),
       "Gaussian, width 1": regress(x_grid, x_train, y_train, kernel="gaussian"),
@@ -129,17 +135,17 @@ def main(argv: Sequence[str]) -> int:
   fig.colorbar(image, ax=right, fraction=0.04)
   report.save_figure(fig, out, "nadaraya_watson.png")
 
-  command = "python -m experiments.nadaraya_watson " + " ".join(sys.argv[1:])
+  command = "python -m experiments.nadaraya_watson " + " ".join(args.argv[1:])
   lines = ["# Nadaraya-Watson kernel regression as attention pooling", "",
            f"- command: `{command}`", f"- git revision: {_revision()}",
-           f"- data: {NUM_TRAIN} noisy training points (seed {FLAGS.seed}), queries on "
-           f"a 0.1 grid of [0, 5); the learned width by {FLAGS.steps} Adam steps on the "
+           f"- data: {NUM_TRAIN} noisy training points (seed {args.seed}), queries on "
+           f"a 0.1 grid of [0, 5); the learned width by {args.steps} Adam steps on the "
            f"leave-one-out error", "",
            *report.markdown_head(["estimator", "MSE against the noiseless function"]),
            *[report.markdown_row([name, f"{error:.4f}"]) for name, error in errors.items()], ""]
   (out / "table.md").write_text("\n".join(lines))
   (out / "results.json").write_text(json.dumps(
-      dict(errors=errors, learned_width=float(np.exp(log_width)), seed=FLAGS.seed,
+      dict(errors=errors, learned_width=float(np.exp(log_width)), seed=args.seed,
            git_revision=_revision()), indent=1) + "\n")
   print("\n".join(lines))
   return 0
@@ -150,5 +156,10 @@ def _revision() -> str:
   return git_revision() or "unknown"
 
 
+def main(argv: Sequence[str] | None = None) -> int:
+  """This script from Python: `argv` and errors as in `cli.parse`."""
+  return experiment(cli.parse(define_flags, argv, __name__))
+
+
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(define_flags, experiment)

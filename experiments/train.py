@@ -233,9 +233,10 @@ def _unknown_override_message(argv: Sequence[str], config_argument: str) -> Opti
     except (AttributeError, KeyError, IndexError, ValueError):
       pass
     message = cli.unknown_override_message("config", key, config)
-    if key.startswith("model.attention_options."):
+    if key.startswith(("model.attention_options.", "model.pooling_options.")):
       message += (" A variant's options are those it declares: "
-                  "attention_jax.variant_options(name) and docs/variants.md list them.")
+                  "attention_jax.variant_options(name) and docs/variants.md list them "
+                  "(the pooling's: variant_options('attention_pooling')).")
     elif key.startswith(("task_options.", "model.position_options.")):
       message += (" New keys of a free-form option dict cannot be added by a flag: set them in "
                   "a config file (see configs/tables/cell.py).")

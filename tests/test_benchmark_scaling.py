@@ -74,11 +74,11 @@ def test_unknown_variant_is_a_bad_flag_listing_the_valid_names():
     benchmark_scaling.main(["--variants=nope"])
 
 
-def test_default_selection_is_every_variant_but_the_interpreted_kernel_on_cpu():
+def test_default_selection_is_every_mixer_but_the_interpreted_kernel_on_cpu():
   from attention_jax import registry  # pylint: disable=import-outside-toplevel
   on_cpu = benchmark_scaling.selected_variants(None, "cpu")
   assert on_cpu[0] == "dot_product"
-  assert set(on_cpu) == set(registry.list_variants()) - {"flash"}
+  assert set(on_cpu) == set(registry.list_variants("mixer")) - {"flash"}
   assert "flash" in benchmark_scaling.selected_variants(None, "gpu")
 
 

@@ -23,8 +23,7 @@ def test_the_learned_width_lowers_the_leave_one_out_error():
 
 
 def test_the_script_writes_the_figure_and_the_table(tmp_path):
-  nadaraya_watson.FLAGS(["nadaraya_watson", f"--out={tmp_path}", "--steps=20"])
-  assert nadaraya_watson.main([]) == 0
+  assert nadaraya_watson.main([f"--out={tmp_path}", "--steps=20"]) == 0
   assert (tmp_path / "nadaraya_watson.png").stat().st_size > 1000
   results = json.loads((tmp_path / "results.json").read_text())
   assert set(results["errors"]) >= {"average pooling", "Gaussian, width 1"}

@@ -134,6 +134,8 @@ def test_a_config_file_that_does_not_exist_is_refused(tmp_path):
     ("--config.zzz=1", ["--config.zzz", "no key 'zzz'", "get_config() returns"]),
     ("--config.model.attention_options.window=3", [
         "no key 'model.attention_options.window'", "variant_options"]),
+    ("--config.model.pooling_options.queries=3", [
+        "no key 'model.pooling_options.queries'", "variant_options('attention_pooling')"]),
 ])
 def test_an_override_of_a_key_that_does_not_exist_is_refused(tmp_path, override, words):
   result = _run(tmp_path, f"--config={TINY}", f"--workdir={tmp_path / 'w'}", override)

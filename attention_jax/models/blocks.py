@@ -38,9 +38,11 @@ def make_mixer(config: ModelConfig, variant: str, **module_kwargs) -> nn.Module:
 
   A Q/K/V variant is `MultiHeadAttention` running it, with its options in
   `attention_options`; a mixer that is not Q/K/V attention (Perceiver,
-  inducing points, ...) gets its declared options as module fields.
+  inducing points, ...) gets its declared options as module fields. A
+  registered module that is not a token mixer (a pooling or alignment
+  module, `registry.ROLES`) is refused with a ValueError saying what it is.
   """
-  spec = registry.get_variant(variant)
+  spec = registry.get_mixer(variant)
   kwargs = dict(num_heads=config.num_heads, dropout_rate=config.attention_dropout_rate,
                 dtype=config.jnp_dtype)
   # Only what is set: a None must not override a variant's preset (multi_query

@@ -8,8 +8,8 @@ from typing import Optional
 import flax.linen as nn
 import jax.numpy as jnp
 
-from attention_jax import axes
-from attention_jax.models.config import POOLINGS, ModelConfig
+from attention_jax import axes, registry
+from attention_jax.models.config import POOLING_VARIANTS, ModelConfig
 from attention_jax.models.encoder import Encoder
 
 Array = jnp.ndarray
@@ -53,11 +53,26 @@ def _cls_prefix(module: nn.Module, config: ModelConfig) -> Optional[Array]:
       (1, 1, config.embed_dim), jnp.float32)
 
 
+def _pooling_module(config: ModelConfig, name: str) -> Optional[nn.Module]:
+  """The registered pooling module of `config.pooling` ("attention":
+  `AttentionPooling`) with `config.pooling_options`, else None. Built inside
+  the calling module's compact method, so its parameters are the caller's
+  (submodule `name`); both towers of a dual classifier share it."""
+  if config.pooling not in POOLING_VARIANTS:
+    return None
+  spec = registry.get_variant(POOLING_VARIANTS[config.pooling])
+  return spec.module(**config.pooling_options, dtype=config.jnp_dtype, name=name)
+
+
 def _encode_pooled(encoder: Encoder, tokens: Array, padding_mask: Optional[Array],
-                   prefix: Optional[Array], deterministic: bool) -> Array:
-  """Runs the (bound) encoder and pools its outputs: `[B, T]` ids -> `[B, E]`."""
+                   prefix: Optional[Array], pooling: Optional[nn.Module],
+                   deterministic: bool) -> Array:
+  """Runs the (bound) encoder and pools its outputs: `[B, T]` ids -> `[B, F]`
+  (F = E, or the pooling module's width)."""
   x = encoder(tokens, padding_mask=padding_mask, deterministic=deterministic,
               prefix=prefix)  # [B, P + T, E]
+  if pooling is not None:
+    return pooling(x, mask=padding_mask)
   if encoder.config.pooling == "cls":
     return x[:, 0]
   if encoder.config.pooling == "mean":
@@ -94,7 +109,9 @@ class SequenceClassifier(nn.Module):
   pooling of its outputs, a head.
 
   `config.pooling` "cls" prepends a learned [CLS] embedding and reads its
-  output; "mean" and "max" pool the token outputs, ignoring padded tokens.
+  output; "mean" and "max" pool the token outputs, ignoring padded tokens;
+  "attention" pools them with learned queries (`AttentionPooling`, submodule
+  "pooling", with `config.pooling_options`), padded tokens getting weight 0.
   `config.head_mlp_dim`, if set, makes the head Dense -> ReLU -> Dense as in
   the Long Range Arena classifiers. Dropout on the pooled features is
   `config.dropout_rate`.
@@ -115,14 +132,15 @@ class SequenceClassifier(nn.Module):
     """
     encoder = Encoder(self.config, name="encoder")
     prefix = _cls_prefix(self, self.config)
-    pooled = _encode_pooled(encoder, tokens, padding_mask, prefix, deterministic)
+    pooling = _pooling_module(self.config, "pooling")
+    pooled = _encode_pooled(encoder, tokens, padding_mask, prefix, pooling, deterministic)
     return _classifier_head(pooled, self.config, deterministic)
 
 
 class DualEncoderClassifier(nn.Module):
   """Logits of one label per pair of sequences (LRA retrieval, "two towers").
 
-  Both sequences go through the same encoder (shared weights) and pooling; the
+  Both sequences go through the same encoder and pooling (shared weights); the
   head sees `[u, v, u * v, u - v]` of the pooled vectors u, v, as in the Long
   Range Arena matching model. As `SequenceClassifier` otherwise.
 
@@ -143,7 +161,8 @@ class DualEncoderClassifier(nn.Module):
     """
     encoder = Encoder(self.config, name="encoder")
     prefix = _cls_prefix(self, self.config)
-    u = _encode_pooled(encoder, tokens, padding_mask, prefix, deterministic)
-    v = _encode_pooled(encoder, tokens2, padding_mask2, prefix, deterministic)
-    features = jnp.concatenate([u, v, u * v, u - v], axis=-1)  # [B, 4E]
+    pooling = _pooling_module(self.config, "pooling")
+    u = _encode_pooled(encoder, tokens, padding_mask, prefix, pooling, deterministic)
+    v = _encode_pooled(encoder, tokens2, padding_mask2, prefix, pooling, deterministic)
+    features = jnp.concatenate([u, v, u * v, u - v], axis=-1)  # [B, 4F]
     return _classifier_head(features, self.config, deterministic)

@@ -30,7 +30,10 @@ from attention_jax.layers.norms import NORMS
 # (retrieval), a causal language model, or an RNN encoder-decoder with attention.
 MODEL_KINDS = ("classifier", "dual_classifier", "language_model", "rnn_seq2seq")
 RNN_CELLS = ("gru", "lstm")
-POOLINGS = ("cls", "mean", "max")
+POOLINGS = ("cls", "mean", "max", "attention")
+# The registered pooling module (role "pooling") of each pooling that has one;
+# `pooling_options` are its declared options.
+POOLING_VARIANTS = {"attention": "attention_pooling"}
 # How a block combines a sub-layer f with its input: pre-LN (Xiong et al. 2020),
 # x + f(norm(x)); post-LN (Vaswani et al. 2017), norm(x + f(x)).
 RESIDUALS = ("pre_norm", "post_norm")
@@ -75,7 +78,13 @@ class ModelConfig:
     norm: one of `NORMS`.
     feed_forward: one of `FEED_FORWARDS`.
     activation: the feed-forward activation, one of `ACTIVATIONS`.
-    pooling: how a classifier pools the encoder's outputs, one of `POOLINGS`.
+    pooling: how a classifier pools the encoder's outputs, one of `POOLINGS`:
+      "cls" reads a prepended [CLS] token, "mean" and "max" reduce over the
+      real tokens, "attention" is `AttentionPooling` (learned queries; HAN's
+      two levels with `pooling_options.sentence_length`).
+    pooling_options: the declared options of the pooling's registered module
+      (`POOLING_VARIANTS`; e.g. `num_queries`), set only for a pooling that
+      has one.
     head_mlp_dim: a hidden layer of this size in the classifier head; None: linear.
     dropout_rate: on embeddings, sub-layer outputs and feed-forward activations.
     attention_dropout_rate: on the attention weights.
@@ -111,6 +120,7 @@ class ModelConfig:
   feed_forward: str = "mlp"
   activation: str = "gelu"
   pooling: str = "cls"
+  pooling_options: Mapping[str, Any] = FrozenDict()
   head_mlp_dim: Optional[int] = None
   dropout_rate: float = 0.1
   attention_dropout_rate: float = 0.0
@@ -129,11 +139,15 @@ class ModelConfig:
     # Options left unset (None) or at their declared default are dropped:
     # configs list every option of their variant so that each can be
     # overridden from the command line, and only what differs is passed on.
-    registry.get_variant(self.attention)
+    registry.get_mixer(self.attention)
     for name in self.layer_attention:
-      registry.get_variant(name)
+      registry.get_mixer(name)
     object.__setattr__(self, "attention_options", FrozenDict(_set_options(
-        self.attention_options, self.attention, self.layer_attention)))
+        self.attention_options, tuple(self.layer_attention) or (self.attention,))))
+    # The default config lists every pooling option (so that each can be set
+    # from the command line) whatever the pooling; those left unset are dropped.
+    object.__setattr__(self, "pooling_options", FrozenDict(_set_options(
+        self.pooling_options, tuple(POOLING_VARIANTS.values()))))
     self.check()
 
   @classmethod
@@ -178,12 +192,12 @@ class ModelConfig:
     """Raises ValueError naming the first field that is out of range."""
     _one_of("model kind", self.kind, MODEL_KINDS)
     for name in set(self.schedule_period) | {self.attention}:
-      registry.get_variant(name)
+      registry.get_mixer(name)
     _check_options(self.attention_options, self.schedule_period)
     if self.kind == "language_model":
       for name in self.schedule_period:
         if not registry.get_variant(name).causal:
-          causal = [n for n in registry.list_variants() if registry.get_variant(n).causal]
+          causal = [n for n in registry.list_variants("mixer") if registry.get_variant(n).causal]
           raise ValueError(f"a language model needs causal attention; attention {name!r} has "
                            f"no causal form. Causal variants: {', '.join(causal)}.")
     positional.check_position_encoding(self.position)
@@ -192,6 +206,12 @@ class ModelConfig:
     _one_of("feed_forward", self.feed_forward, FEED_FORWARDS)
     _one_of("activation", self.activation, ACTIVATIONS)
     _one_of("pooling", self.pooling, POOLINGS)
+    if self.pooling in POOLING_VARIANTS:
+      registry.check_options(POOLING_VARIANTS[self.pooling], self.pooling_options)
+    elif self.pooling_options:
+      raise ValueError(f"model.pooling_options {dict(self.pooling_options)} are set, but pooling "
+                       f"{self.pooling!r} takes no options; only {', '.join(POOLING_VARIANTS)} "
+                       f"pooling does.")
     _one_of("remat_policy", self.remat_policy, tuple(REMAT_POLICIES))
     _one_of("rnn_cell", self.rnn_cell, RNN_CELLS)
     if self.kind == "rnn_seq2seq" and self.decoder_attention and not registry.get_variant(
@@ -230,7 +250,8 @@ def default_model_config() -> ml_collections.ConfigDict:
 
   Fields whose default is None become typed placeholders, so that
   `--config.model.num_kv_heads=2` is accepted; `attention_options` lists the
-  default variant's options (see `attention_options_config`).
+  default variant's options (see `attention_options_config`), `pooling_options`
+  those of every pooling module.
   """
   config = ml_collections.ConfigDict()
   hints = typing.get_type_hints(ModelConfig)
@@ -243,13 +264,15 @@ def default_model_config() -> ml_collections.ConfigDict:
     else:
       config[field.name] = field.default
   config.attention_options = attention_options_config(config.attention)
+  config.pooling_options = attention_options_config(*POOLING_VARIANTS.values())
   return config
 
 
 def attention_options_config(*variants: str) -> ml_collections.ConfigDict:
   """The declared options of `variants` at their defaults, as a ConfigDict:
   what `config.model.attention_options` holds so that each option can be set
-  with `--config.model.attention_options.<name>=<value>`."""
+  with `--config.model.attention_options.<name>=<value>` (and
+  `config.model.pooling_options`, for the pooling modules)."""
   options = ml_collections.ConfigDict()
   for variant in variants:
     for option in registry.variant_options(variant):
@@ -272,11 +295,9 @@ def _frozen(value: Any) -> Any:
   return value
 
 
-def _set_options(options: Mapping[str, Any], attention: str,
-                 layer_attention: Tuple[str, ...]) -> dict:
+def _set_options(options: Mapping[str, Any], variants: Tuple[str, ...]) -> dict:
   """`options` without the unset (None) ones and those at the declared default
-  of every variant using them."""
-  variants = tuple(layer_attention) or (attention,)
+  of every one of `variants` using them."""
   defaults = {}
   for variant in variants:
     registry.get_variant(variant)

@@ -224,9 +224,9 @@ def parse_config_arg(arg: str, presets: Iterable[str]) -> Tuple[str, Tuple[str, 
     ValueError: on an unknown variant or preset.
   """
   # pylint: disable-next=g-import-not-at-top
-  from attention_jax.registry import PRESETS, get_variant, variant_presets
+  from attention_jax.registry import PRESETS, get_mixer, variant_presets
   variant, *chosen = [part.strip() for part in (arg or "dot_product").split(",")]
-  get_variant(variant)
+  get_mixer(variant)
   for preset in chosen:
     if preset in PRESETS and preset not in variant_presets(variant):
       raise ValueError(f"attention variant {variant!r} has no preset {preset!r} (config "

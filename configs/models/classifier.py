@@ -8,17 +8,18 @@ config embeds (`config.model`), with the variant filled in.
 import ml_collections
 
 from attention_jax.models import attention_options_config, default_model_config
-from attention_jax.registry import get_variant
+from attention_jax.registry import get_mixer
 
 
 def get_config(variant: str = "dot_product") -> ml_collections.ConfigDict:
   """The model config of `build_model` with `attention=variant`.
 
   Args:
-    variant: a registered attention variant name; an unknown one raises a
-      ValueError that lists the valid names.
+    variant: a registered token mixer's name; an unknown one raises a
+      ValueError that lists the valid names, a pooling or alignment module one
+      that says what it is.
   """
-  get_variant(variant)
+  get_mixer(variant)
   config = ml_collections.ConfigDict()
   config.model = default_model_config()
   config.model.attention = variant

@@ -237,7 +237,7 @@ def test_mean_pooling_equals_the_masked_mean_of_encoder_outputs():
 
 def test_unknown_pooling_raises():
   # Raised when the config is checked, before any module is built or traced.
-  message = r"unknown pooling 'first'\..* Valid names are: cls, mean, max\.$"
+  message = r"unknown pooling 'first'\..* Valid names are: cls, mean, max, attention\.$"
   with pytest.raises(ValueError, match=message):
     _classifier("first")
   with pytest.raises(ValueError, match=message):

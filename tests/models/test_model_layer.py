@@ -16,6 +16,7 @@ import attention_jax as aj
 from attention_jax import registry
 from attention_jax.models import (Block, LayerStack, ModelConfig, build_model,
                                   default_model_config)
+from attention_jax.models.config import POOLING_VARIANTS
 from attention_jax.models.stack import unstack_scanned
 from attention_jax.variants.prior import SCORES
 
@@ -313,21 +314,40 @@ def _override_text(option):
   return "xla"
 
 
-@pytest.mark.parametrize("variant", registry.list_variants())
+def _parse_override(variant, key, option):
+  """The tiny config of `variant` with `--config.model.<key>.<option>=` set to a
+  value of the option's type: `(value, its model config as a dict)`."""
+  from ml_collections import config_flags  # pylint: disable=import-outside-toplevel
+  from experiments import cli  # pylint: disable=import-outside-toplevel
+
+  def define(flag_values, argv):
+    config_flags.DEFINE_config_file("config", None, "", flag_values=flag_values,
+                                    sys_argv=list(argv))
+
+  text = _override_text(option)
+  args = cli.parse(define, [f"--config={REPO / 'tests/train/tiny_config.py'}:{variant}",
+                            f"--config.model.{key}.{option.name}={text}"])
+  value = args.config.model[key][option.name]
+  assert isinstance(value, option.type) and value != option.default, (option, value)
+  return value, dict(args.config.model, vocab_size=11, num_classes=10, max_length=40)
+
+
+@pytest.mark.parametrize("variant", registry.list_variants("mixer"))
 def test_every_declared_option_is_a_command_line_override(variant):
   """`--config.model.attention_options.<name>=<value>` parses for every declared
   option (ml_collections can only override keys the config has, typed), and the
   model config accepts the result."""
-  from ml_collections import config_flags  # pylint: disable=import-outside-toplevel
-  from experiments import cli  # pylint: disable=import-outside-toplevel
   for option in aj.variant_options(variant):
-    def define(flag_values, argv):
-      config_flags.DEFINE_config_file("config", None, "", flag_values=flag_values,
-                                      sys_argv=list(argv))
-    text = _override_text(option)
-    args = cli.parse(define, [f"--config={REPO / 'tests/train/tiny_config.py'}:{variant}",
-                              f"--config.model.attention_options.{option.name}={text}"])
-    value = args.config.model.attention_options[option.name]
-    assert isinstance(value, option.type) and value != option.default, (option, value)
-    model = dict(args.config.model, vocab_size=11, num_classes=10, max_length=40)
+    value, model = _parse_override(variant, "attention_options", option)
     assert ModelConfig.from_config(model).attention_options[option.name] == value
+
+
+@pytest.mark.parametrize("pooling", sorted(POOLING_VARIANTS))
+def test_every_pooling_option_is_a_command_line_override(pooling):
+  """The same for `--config.model.pooling_options.<name>=`, with the pooling set."""
+  for option in aj.variant_options(POOLING_VARIANTS[pooling]):
+    value, model = _parse_override("dot_product", "pooling_options", option)
+    with pytest.raises(ValueError, match=f"pooling {model['pooling']!r} takes no options"):
+      ModelConfig.from_config(model)
+    config = ModelConfig.from_config(dict(model, pooling=pooling))
+    assert config.pooling_options[option.name] == value

@@ -187,9 +187,7 @@ def test_the_heatmap_of_a_trained_run_and_its_restored_model(tmp_path):
                            jnp.asarray(example["targets"]))
   assert logits.shape == example["targets"].shape + (run.config.model.vocab_size,)
   out = tmp_path / "heatmap.png"
-  attention_heatmap.FLAGS([  # absl flags: parse them as the command line would
-      "attention_heatmap", f"--workdir={workdir}", f"--out={out}", "--example=1"])
-  assert attention_heatmap.main([]) == 0
+  assert attention_heatmap.main([f"--workdir={workdir}", f"--out={out}", "--example=1"]) == 0
   assert out.stat().st_size > 1000
   with pytest.raises(FileNotFoundError, match="config.json"):
     restore_run(tmp_path / "nowhere")

@@ -1,9 +1,10 @@
 """Properties every registered variant must have, walked from the registry.
 
-* it is reachable by name and runs as a model block's mixer (the mixer
-  contract), forward and backward under `jax.jit`, with finite outputs and
-  gradients (a variant with no test of its own here would still fail
-  `tests/test_registry.py`);
+* a token mixer (role "mixer") is reachable by name and runs as a model
+  block's mixer (the mixer contract), forward and backward under `jax.jit`,
+  with finite outputs and gradients (a variant with no test of its own here
+  would still fail `tests/test_registry.py`); a pooling or alignment module
+  is reachable by name and runs its own call (`registry.ROLES`) the same way;
 * a variant registered as sub-quadratic never builds a T x T array, in the
   forward or the backward pass (checked on the traced program at T = 4096).
 """
@@ -16,12 +17,13 @@ import pytest
 
 from attention_jax import registry
 from attention_jax.models import Block, ModelConfig
-from attention_testing import largest_intermediate
+from attention_testing import largest_intermediate, perturbed
 
 EMBED, HEADS = 32, 2
-# Variants that are exact dot-product attention or its head layouts; the rest
-# of this file is about everything else.
-SUBQUADRATIC = [n for n in registry.list_variants() if registry.get_variant(n).subquadratic]
+MIXERS = registry.list_variants("mixer")
+NOT_MIXERS = [n for n in registry.list_variants() if n not in MIXERS]
+SUBQUADRATIC = [n for n in MIXERS if registry.get_variant(n).subquadratic]
+SUBQUADRATIC_NOT_MIXERS = [n for n in NOT_MIXERS if registry.get_variant(n).subquadratic]
 
 
 def _module(name):
@@ -42,7 +44,7 @@ def _loss_of_params(module, x):
   return jax.grad(loss, argnums=(0, 1)), zeros["params"]
 
 
-@pytest.mark.parametrize("name", registry.list_variants())
+@pytest.mark.parametrize("name", MIXERS)
 def test_runs_by_name_in_a_block_under_jit_forward_and_backward(name):
   """Every registered mixer through the same model block (the mixer contract),
   built from the model config by name, with finite outputs and gradients."""
@@ -78,5 +80,71 @@ def test_subquadratic_variant_never_builds_a_length_squared_array(name):
   largest = largest_intermediate(grad_fn, params, jnp.zeros(x.shape, x.dtype))
   # A quarter of T^2 leaves room for bands and blocks (e.g. [H, T, 2w] windows)
   # while catching any T x T (or T x T/2) score matrix.
+  assert largest < length * length // 4, (
+      f"{name} builds an array of {largest} elements at T={length} (T^2 = {length ** 2})")
+
+
+
+# The arguments a module of each role other than "mixer" is called with
+# (`registry.ROLES`), from x [B, T, E] and its padding mask [B, T]: an
+# alignment module aligns x with its every other token (Ta = T, Tb = T / 2).
+CALLS_BY_ROLE = {
+    "pooling": lambda x, mask: ((x,), dict(mask=mask)),
+    "alignment": lambda x, mask: ((x, x[:, ::2]), dict(a_mask=mask, b_mask=mask[:, ::2])),
+}
+
+
+def test_every_role_is_walked_by_this_file():
+  # A new role needs its call in CALLS_BY_ROLE before its variants can be tested.
+  assert set(registry.ROLES) == {"mixer", *CALLS_BY_ROLE}
+
+
+def _init_and_call(name, x, mask):
+  """The module of `name` built by name with its defaults, its parameters
+  (zeros; only their shapes are traced) and `call(params, x) -> outputs`."""
+  spec = registry.get_variant(name)
+  module = spec.module()
+
+  def call(params, x, method=None):
+    args, kwargs = CALLS_BY_ROLE[spec.role](x, mask)
+    if method == "init":
+      return module.init(jax.random.PRNGKey(0), *args, **kwargs)
+    return module.apply({"params": params}, *args, **kwargs)
+
+  shapes = jax.eval_shape(lambda x: call(None, x, "init"), x)
+  params = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes.get("params", {}))
+  return module, params, call
+
+
+@pytest.mark.parametrize("name", NOT_MIXERS)
+def test_a_pooling_or_alignment_module_runs_by_name_under_jit_forward_and_backward(name):
+  """Built by name (`spec.module()`, its defaults) and called as its role says,
+  padding in the batch, with finite outputs and gradients."""
+  length = 64
+  x = jax.random.normal(jax.random.PRNGKey(2), (2, length, EMBED))
+  mask = jnp.arange(length)[None, :] < jnp.array([[length], [length // 3]])
+  _, params, call = _init_and_call(name, x, mask)
+  params = perturbed(params)  # random, not the initialisers' zero biases
+
+  def loss(params, x):
+    out = call(params, x)
+    return sum(jnp.sum(leaf ** 2) for leaf in jax.tree.leaves(out)), out
+
+  (value, out), (grad_params, grad_x) = jax.jit(
+      jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(params, x)
+  assert np.isfinite(value)
+  assert all(np.isfinite(np.asarray(leaf)).all() for leaf in jax.tree.leaves(out))
+  assert np.isfinite(np.asarray(grad_x)).all() and np.abs(np.asarray(grad_x)).max() > 0
+  assert all(np.isfinite(np.asarray(leaf)).all() for leaf in jax.tree.leaves(grad_params))
+
+
+@pytest.mark.parametrize("name", SUBQUADRATIC_NOT_MIXERS)
+def test_subquadratic_pooling_never_builds_a_length_squared_array(name):
+  """The test above for modules that are not mixers, through their own call."""
+  length = 4096
+  x = jnp.zeros((1, length, EMBED))
+  _, params, call = _init_and_call(name, x, jnp.ones((1, length), bool))
+  loss = lambda params, x: sum(jnp.sum(leaf ** 2) for leaf in jax.tree.leaves(call(params, x)))
+  largest = largest_intermediate(jax.grad(loss, argnums=(0, 1)), params, x)
   assert largest < length * length // 4, (
       f"{name} builds an array of {largest} elements at T={length} (T^2 = {length ** 2})")
