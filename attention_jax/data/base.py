@@ -125,6 +125,23 @@ class Task(abc.ABC):
     """The prepared splits; raises FileNotFoundError naming the missing path."""
 
 
+def load_splits(data_dir: pathlib.Path, task: str,
+                names: Tuple[str, ...] = ("inputs", "label")) -> Dict[str, ArraySource]:
+  """Every split of `task` prepared under `data_dir/<task>/`, memory-mapped.
+
+  Raises:
+    FileNotFoundError: naming the missing folder, its files and the command
+      that prepares them.
+  """
+  root = pathlib.Path(data_dir) / task
+  if not root.is_dir():
+    files = " and ".join(f"{name}.npy" for name in names)
+    raise FileNotFoundError(f"expected the {task} data directory {root} (with "
+                            f"{'/'.join(SPLITS)}/{files}); prepare it with "
+                            f"`python -m experiments.make_data --task {task}`.")
+  return {split: ArraySource.load(root / split, names=names) for split in SPLITS}
+
+
 def batches(source: ExampleSource, *, batch_size: int, seed: int, start_step: int = 0,
             shuffle: bool = True, num_steps: Optional[int] = None,
             process_index: int = 0, process_count: int = 1) -> Iterator[Dict[str, np.ndarray]]:

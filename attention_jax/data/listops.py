@@ -61,7 +61,8 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
-from attention_jax.data.base import SPLITS, ArraySource, ExampleSource, Task, TaskInfo
+from attention_jax.data.base import (SPLITS, ArraySource, ExampleSource, Task, TaskInfo,
+                                     load_splits)
 
 OPERATORS = ("[MIN", "[MAX", "[MED", "[SM")  # The LRA generator's order.
 CLOSE, OPEN_PAREN, CLOSE_PAREN = "]", "(", ")"
@@ -544,12 +545,7 @@ class ListOpsTask(Task):
     return written
 
   def splits(self, data_dir: pathlib.Path) -> Dict[str, ExampleSource]:
-    root = pathlib.Path(data_dir) / self.info.name
-    if not root.is_dir():
-      raise FileNotFoundError(f"expected the ListOps data directory {root} (with "
-                              f"{'/'.join(SPLITS)}/inputs.npy and label.npy); prepare it with "
-                              f"`python -m experiments.make_data --task listops`.")
-    return {split: ArraySource.load(self._folder(data_dir, split)) for split in SPLITS}
+    return load_splits(data_dir, self.info.name)
 
 
 def make_task(train_size: int = RELEASE_SIZES["train"],

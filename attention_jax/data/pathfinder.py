@@ -59,7 +59,8 @@ from typing import Dict, Mapping, Optional, Tuple
 
 import numpy as np
 
-from attention_jax.data.base import SPLITS, ArraySource, ExampleSource, Task, TaskInfo
+from attention_jax.data.base import (SPLITS, ArraySource, ExampleSource, Task, TaskInfo,
+                                     load_splits)
 
 RESOLUTIONS = (32, 64, 128, 256)
 VOCAB_SIZE = 257  # pixel values 0..255 shifted by one; 0 is padding.
@@ -598,12 +599,8 @@ class PathfinderTask(Task):
       bar.update(len(chunk_labels))
 
   def splits(self, data_dir: pathlib.Path) -> Dict[str, ExampleSource]:
-    root = pathlib.Path(data_dir) / self.info.name
-    if not root.is_dir():
-      raise FileNotFoundError(f"expected the prepared Pathfinder folder {root} (with "
-                              f"<split>/inputs.npy and <split>/label.npy); prepare it with "
-                              f"`python -m experiments.make_data --task {self.info.name}`.")
-    return {split: PixelTokens(ArraySource.load(root / split)) for split in SPLITS}
+    return {split: PixelTokens(source)
+            for split, source in load_splits(data_dir, self.info.name).items()}
 
 
 def _progress_bar(total: int, description: str, enabled: bool):

@@ -25,7 +25,8 @@ from typing import Dict
 
 import numpy as np
 
-from attention_jax.data.base import SPLITS, ArraySource, ExampleSource, Task, TaskInfo
+from attention_jax.data.base import (SPLITS, ArraySource, ExampleSource, Task, TaskInfo,
+                                     load_splits)
 
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
 FIRST_SYMBOL = 3  # symbol s is token FIRST_SYMBOL + s
@@ -106,13 +107,7 @@ class Seq2SeqTask(Task):
     return written
 
   def splits(self, data_dir: pathlib.Path) -> Dict[str, ExampleSource]:
-    root = pathlib.Path(data_dir) / self.info.name
-    if not root.is_dir():
-      raise FileNotFoundError(f"expected the {self.info.name} data directory {root}; prepare "
-                              f"it with `python -m experiments.make_data --task "
-                              f"{self.info.name}`.")
-    return {split: ArraySource.load(self._folder(data_dir, split), names=ARRAYS)
-            for split in SPLITS}
+    return load_splits(data_dir, self.info.name, ARRAYS)
 
 
 def make_task(kind: str = "reverse", train_size: int = 20_000, validation_size: int = 1_000,

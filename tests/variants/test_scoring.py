@@ -9,7 +9,7 @@ import pytest
 import attention_jax
 from attention_jax.core import reference_attention
 from attention_jax.variants import scoring
-from attention_testing import assert_close, random_qkv
+from attention_testing import assert_close, assert_same_outputs_and_grads, random_qkv
 
 
 def _np(x):
@@ -77,11 +77,7 @@ def test_luong_dot_is_unscaled_dot_product_attention(kwargs):
   ours = lambda q, k, v: scoring.luong_dot_attention(q, k, v, **kwargs)
   dense = lambda q, k, v: attention_jax.dot_product_attention(q, k, v, scale=1.0,
                                                               implementation="xla", **kwargs)
-  assert_close(ours(query, key, value), dense(query, key, value), rtol=1e-5, atol=1e-5)
-  loss = lambda f: lambda *a: jnp.sum(jnp.sin(f(*a)))
-  for got, want in zip(jax.grad(loss(ours), argnums=(0, 1, 2))(query, key, value),
-                       jax.grad(loss(dense), argnums=(0, 1, 2))(query, key, value)):
-    assert_close(got, want, rtol=1e-4, atol=1e-5)
+  assert_same_outputs_and_grads(ours, dense, query, key, value, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.property("luong_general")
@@ -164,11 +160,7 @@ def test_luong_local_with_an_infinite_window_and_flat_gaussian_is_global_attenti
       q, k, v, mode=mode, window=10**6, sigma=float("inf"), score="dot",
       position_kernel=p["query_kernel"], position_vector=p["score_vector"], **kwargs)
   global_ = lambda q, k, v: scoring.luong_dot_attention(q, k, v, **kwargs)
-  assert_close(local(query, key, value), global_(query, key, value), rtol=1e-5, atol=1e-6)
-  loss = lambda f: lambda *a: jnp.sum(jnp.sin(f(*a)))
-  for got, want in zip(jax.grad(loss(local), argnums=(0, 1, 2))(query, key, value),
-                       jax.grad(loss(global_), argnums=(0, 1, 2))(query, key, value)):
-    assert_close(got, want, rtol=1e-4, atol=1e-5)
+  assert_same_outputs_and_grads(local, global_, query, key, value, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.property("luong_local")
