@@ -191,3 +191,19 @@ def test_the_heatmap_of_a_trained_run_and_its_restored_model(tmp_path):
   assert out.stat().st_size > 1000
   with pytest.raises(FileNotFoundError, match="config.json"):
     restore_run(tmp_path / "nowhere")
+
+
+@pytest.mark.parametrize("arg", ["additive", "luong_local,smoke", "nadaraya_watson,smoke"])
+def test_the_reverse_config_builds_its_model(arg):
+  from attention_jax.data import get_task
+  from attention_jax.train.config import load_config_module
+  config = load_config_module("configs/seq2seq/reverse.py").get_config(arg)
+  info = get_task(config.task, **config.task_options).info
+  config.model.update(vocab_size=info.vocab_size, num_classes=info.num_classes,
+                      max_length=info.seq_len)
+  model = build_model(config.model)
+  assert model.config.kind == "rnn_seq2seq" and model.config.attention == arg.split(",")[0]
+  inputs, targets = _batch()
+  logits = jax.eval_shape(lambda: model.init_with_output(
+      jax.random.PRNGKey(0), inputs, targets)[0])
+  assert logits.shape == targets.shape + (info.vocab_size,)
