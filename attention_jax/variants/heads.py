@@ -1,17 +1,26 @@
-"""Multi-head mechanisms: MHA, multi-query and grouped-query attention.
+"""Multi-head mechanisms: MHA, multi-query and grouped-query attention, and
+what is done across heads (section B of VARIANTS.md).
 
 The pure function takes the projection kernels as arrays; the Flax module is
 `attention_jax.MultiHeadAttention`, which owns them (named in the registry by
 its path, so this file imports no layer).
+
+* `talking_heads` (Shazeer et al. 2020): learned `[H, H]` mixing of the
+  logits across heads before the softmax and of the weights after it; a
+  scoring-family function (`scoring.scored_attention` with its own
+  weighting) whose two matrices `TalkingHeadsMixing` makes.
 """
 
 from __future__ import annotations
 
 from typing import Callable, Optional
 
+import flax.linen as nn
 import jax.numpy as jnp
 
 from attention_jax import registry
+from attention_jax.core.softmax import masked_softmax
+from attention_jax.variants import common, scoring
 from attention_jax.variants.dense import dot_product_attention
 
 Array = jnp.ndarray
@@ -57,6 +66,80 @@ def multi_head_attention(
   return concatenated @ out_kernel.reshape(num_heads * head_dim, -1)
 
 
+def _mix_heads(mixing: Array, x: Array) -> Array:
+  """`x'[h] = sum_g mixing[h, g] x[g]` over the head axis of `x` `[B, H, Tq, Tk]`."""
+  return jnp.einsum("hg,bgqk->bhqk", mixing.astype(jnp.float32), x)
+
+
+@common.passes_on_masks
+def talking_heads_attention(query: Array, key: Array, value: Array, bias: Optional[Array] = None,
+                            mask: Optional[Array] = None, *, logits_mixing: Array,
+                            weights_mixing: Array, scale: Optional[float] = None,
+                            **kwargs) -> Array:
+  """Talking-heads attention: out = (P_w softmax(P_l (q . k * scale + bias))) v.
+
+  The products P x mix the head axis: logits'[h] = sum_g P_l[h, g] logits[g]
+  (every head's logits a learned combination of all heads' logits), and
+  likewise the weights after the softmax with P_w. With P_l = P_w = I it is
+  `dot_product_attention`.
+
+  Masks: the softmax sees the mixed logits under the mask, so no masked key
+  gets weight there. After P_w a head's weights are a combination of every
+  head's, so a key masked in this head but allowed in another would get
+  weight; the mixed weights are therefore masked again. For the masks that are
+  the same in every head (causal, padding, segments, a `[B, 1, Tq, Tk]` mask)
+  that changes nothing: a key masked in every head has weight 0 in every
+  head, and stays 0 after the mix. Mixed weights need not sum to 1 (P_w is
+  any matrix), as in the paper.
+
+  Args:
+    query: `[B, Tq, H, D]`; key: `[B, Tk, Hkv, D]`; value: `[B, Tk, Hkv, Dv]`.
+    bias: added to the logits before the mix, broadcastable to `[B, H, Tq, Tk]`.
+    logits_mixing: P_l `[H, H]`, applied before the softmax.
+    weights_mixing: P_w `[H, H]`, applied after it.
+    scale: multiplies q . k; 1/sqrt(D) when None.
+    **kwargs: the masks of `dot_product_attention` (is_causal,
+      query_seq_lengths, key_value_seq_lengths, segment_ids) and dropout
+      (on the mixed weights).
+
+  Returns:
+    `[B, Tq, H, Dv]` in the query dtype.
+  """
+  common.check_query_key_sizes("talking_heads", query, key)
+  num_heads = query.shape[2]
+  common.check_per_head("logits_mixing", logits_mixing, (num_heads, num_heads))
+  common.check_per_head("weights_mixing", weights_mixing, (num_heads, num_heads))
+  scale = query.shape[-1] ** -0.5 if scale is None else scale
+
+  def score(q, k):
+    return scoring.dot_score(q, k) * jnp.float32(scale)
+
+  def talking_weights(scores, allowed):
+    weights = _mix_heads(weights_mixing, masked_softmax(_mix_heads(logits_mixing, scores),
+                                                        allowed))
+    return weights if allowed is None else jnp.where(allowed, weights, 0.0)
+
+  return scoring.scored_attention(query, key, value, score, bias, mask,
+                                  weighting=talking_weights, **kwargs)
+
+
+def _identity(rng, shape, dtype=jnp.float32):
+  del rng
+  return jnp.eye(shape[0], shape[1], dtype=dtype)
+
+
+class TalkingHeadsMixing(nn.Module):
+  """`talking_heads`' P_l and P_w `[H, H]`, initialised to the identity, so a
+  new layer starts as multi-head attention."""
+
+  @nn.compact
+  def __call__(self, query, key, value, deterministic: bool = True) -> dict:
+    del key, value, deterministic
+    shape = (query.shape[2], query.shape[2])
+    return {"logits_mixing": self.param("logits_mixing", _identity, shape),
+            "weights_mixing": self.param("weights_mixing", _identity, shape)}
+
+
 # The heads run dot-product attention, so they take its options.
 _HEADS = dict(fn=multi_head_attention, family="heads", complexity="O(T^2)", subquadratic=False,
               exact=True, causal=True, cross=True, qkv=False, mixer=registry.ATTENTION_MIXER,
@@ -75,3 +158,8 @@ registry.register(registry.VariantSpec(name="multi_query", paper="Shazeer 2019",
 # Grouped-query attention: pass num_kv_heads (a divisor of num_heads) to the module.
 registry.register(registry.VariantSpec(name="grouped_query", paper="Ainslie et al. 2023",
                                        **_HEADS))
+registry.register(registry.VariantSpec(
+    name="talking_heads", fn=talking_heads_attention, paper="Shazeer et al. 2020",
+    family="heads", complexity="O(T^2)", subquadratic=False, exact=False, causal=True,
+    cross=True, extras=TalkingHeadsMixing,
+    options=dict(scale="multiplies the logits q . k; 1/sqrt(D) when None")))

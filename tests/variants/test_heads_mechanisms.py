@@ -1,0 +1,126 @@
+"""Mechanisms across heads (section B): talking heads against dot-product
+attention and numpy, fixed head size's projections, multi-scale heads against
+local attention per head."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import attention_jax
+from attention_jax.variants import heads
+from attention_testing import assert_close, assert_same_outputs_and_grads, random_qkv
+
+
+def _np(x):
+  return np.asarray(x, np.float64)
+
+
+# ----------------------------------------------------------------------------
+# talking_heads
+
+
+def _np_talking_heads(query, key, value, logits_mixing, weights_mixing, allowed):
+  """Shazeer et al.'s equations in numpy: mix logits over heads, softmax over
+  the allowed keys, mix weights over heads, weights @ values."""
+  query, key, value = _np(query), _np(key), _np(value)
+  logits = np.einsum("bqhd,bkhd->bhqk", query, key) / np.sqrt(query.shape[-1])
+  logits = np.einsum("hg,bgqk->bhqk", _np(logits_mixing), logits)
+  logits = np.where(allowed, logits, -np.inf)
+  weights = np.exp(logits - logits.max(-1, keepdims=True))
+  weights = weights / weights.sum(-1, keepdims=True)
+  weights = np.einsum("hg,bgqk->bhqk", _np(weights_mixing), weights)
+  return np.einsum("bhqk,bkhv->bqhv", weights, value)
+
+
+def _mixing(seed, num_heads):
+  keys = jax.random.split(jax.random.PRNGKey(seed))
+  return tuple(jnp.eye(num_heads) + 0.5 * jax.random.normal(k, (num_heads, num_heads))
+               for k in keys)
+
+
+@pytest.mark.parity("talking_heads")
+@pytest.mark.parametrize("masks", [{}, dict(is_causal=True),
+                                   dict(key_value_seq_lengths=jnp.array([3, 7]))])
+def test_talking_heads_with_identity_mixing_is_dot_product_attention(masks):
+  query, key, value = random_qkv(seed=3, q_len=7, num_heads=4, num_kv_heads=2)
+  identity = jnp.eye(4)
+  ours = lambda q, k, v: heads.talking_heads_attention(
+      q, k, v, logits_mixing=identity, weights_mixing=identity, **masks)
+  theirs = lambda q, k, v: attention_jax.dot_product_attention(q, k, v, **masks)
+  assert_same_outputs_and_grads(ours, theirs, query, key, value)
+
+
+@pytest.mark.property("talking_heads")
+def test_talking_heads_mixes_logits_and_weights_as_the_paper_writes_them():
+  batch, length, num_heads = 2, 6, 3
+  query, key, value = random_qkv(seed=4, batch=batch, q_len=length, num_heads=num_heads)
+  logits_mixing, weights_mixing = _mixing(5, num_heads)
+  lengths = np.array([6, 4])
+  out = heads.talking_heads_attention(query, key, value, logits_mixing=logits_mixing,
+                                      weights_mixing=weights_mixing, is_causal=True,
+                                      key_value_seq_lengths=jnp.array(lengths))
+  causal = np.tril(np.ones((length, length), bool))
+  allowed = causal[None, None] & (np.arange(length) < lengths[:, None])[:, None, None, :]
+  want = _np_talking_heads(query, key, value, logits_mixing, weights_mixing, allowed)
+  assert_close(out, want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.property("talking_heads")
+def test_talking_heads_padded_keys_contribute_nothing():
+  """Changing the values (and keys) of padded keys changes no output: a key
+  masked in every head has weight 0 in every head, before and after the mix."""
+  query, key, value = random_qkv(seed=6, batch=2, q_len=5, kv_len=8, num_heads=4)
+  logits_mixing, weights_mixing = _mixing(7, 4)
+  lengths = jnp.array([5, 3])
+  padded = (jnp.arange(8)[None, :] >= lengths[:, None])[:, :, None, None]
+  attend = lambda k, v: heads.talking_heads_attention(
+      query, k, v, logits_mixing=logits_mixing, weights_mixing=weights_mixing,
+      key_value_seq_lengths=lengths)
+  changed = attend(jnp.where(padded, 100.0, key), jnp.where(padded, -50.0, value))
+  assert_close(changed, attend(key, value))
+  # The same padding as a key mask [B, 1, 1, Tk].
+  mask = ~padded[:, :, 0, 0][:, None, None, :]
+  by_mask = heads.talking_heads_attention(query, key, value, mask=mask,
+                                          logits_mixing=logits_mixing,
+                                          weights_mixing=weights_mixing)
+  assert_close(by_mask, attend(key, value))
+
+
+@pytest.mark.property("talking_heads")
+def test_talking_heads_masks_the_mixed_weights_of_a_per_head_mask():
+  """A key masked in one head only gets no weight there after the mix either."""
+  num_heads, length = 2, 4
+  query, key, value = random_qkv(seed=8, batch=1, q_len=length, num_heads=num_heads)
+  mask = jnp.ones((1, num_heads, length, length), bool).at[0, 0, :, 0].set(False)
+  one_hot = jnp.broadcast_to(jnp.eye(length)[None, :, None, :], (1, length, num_heads, length))
+  weights = heads.talking_heads_attention(query, key, one_hot, mask=mask,
+                                          logits_mixing=jnp.ones((2, 2)),
+                                          weights_mixing=jnp.ones((2, 2)))
+  # weights[b, q, h, j]: the weight head h gives key j.
+  assert np.all(np.asarray(weights)[0, :, 0, 0] == 0.0)
+  assert np.all(np.asarray(weights)[0, :, 1, 0] > 0.0)
+
+
+@pytest.mark.property("talking_heads")
+@pytest.mark.parametrize("argument", ["logits_mixing", "weights_mixing"])
+def test_talking_heads_refuses_a_mixing_matrix_of_the_wrong_shape(argument):
+  query, key, value = random_qkv(num_heads=4)
+  mixing = dict(logits_mixing=jnp.eye(4), weights_mixing=jnp.eye(4))
+  mixing[argument] = jnp.eye(3)
+  with pytest.raises(ValueError, match=rf"{argument} must have shape \[4, 4\], got \[3, 3\]"):
+    heads.talking_heads_attention(query, key, value, **mixing)
+
+
+@pytest.mark.property("talking_heads")
+def test_talking_heads_layer_starts_as_multi_head_attention():
+  x = jax.random.normal(jax.random.PRNGKey(0), (2, 6, 16))
+  talking = attention_jax.MultiHeadAttention(num_heads=4, attention="talking_heads")
+  variables = talking.init(jax.random.PRNGKey(1), x)
+  mixing = variables["params"]["variant"]
+  assert_close(mixing["logits_mixing"], np.eye(4))
+  assert_close(mixing["weights_mixing"], np.eye(4))
+  plain = attention_jax.MultiHeadAttention(num_heads=4)
+  params = {k: v for k, v in variables["params"].items() if k != "variant"}
+  assert_close(talking.apply(variables, x, is_causal=True),
+               plain.apply({"params": params}, x, is_causal=True))
