@@ -9,6 +9,10 @@ its path, so this file imports no layer).
   logits across heads before the softmax and of the weights after it; a
   scoring-family function (`scoring.scored_attention` with its own
   weighting) whose two matrices `TalkingHeadsMixing` makes.
+* `fixed_head_size` (Bhojanapalli et al. 2020): multi-head attention whose
+  head size D is an option, not width / H, so adding heads does not shrink
+  them (the low-rank bottleneck of D < T). The module's `head_dim` field does
+  it; the spec routes the option there (`module_options`).
 """
 
 from __future__ import annotations
@@ -155,6 +159,18 @@ _HEADS = dict(fn=multi_head_attention, family="heads", complexity="O(T^2)", subq
 registry.register(registry.VariantSpec(name="multi_head", paper="Vaswani et al. 2017", **_HEADS))
 registry.register(registry.VariantSpec(name="multi_query", paper="Shazeer 2019",
                                        module_defaults={"num_kv_heads": 1}, **_HEADS))
+# The head size is MultiHeadAttention's field, so the option sets the layer
+# (module_options), and its default is preset there (module_defaults): 64, the
+# head size of BERT-base, which the paper fixes while varying the heads.
+_FIXED_HEAD_DIM = 64
+registry.register(registry.VariantSpec(
+    name="fixed_head_size", paper="Bhojanapalli et al. 2020",
+    module_defaults={"head_dim": _FIXED_HEAD_DIM}, module_options=("head_dim",),
+    **{**_HEADS, "options": dict(
+        _HEADS["options"],
+        head_dim=registry.VariantOption(
+            "head_dim", int, _FIXED_HEAD_DIM,
+            "D, the size of every head, independent of the width and of num_heads"))}))
 # Grouped-query attention: pass num_kv_heads (a divisor of num_heads) to the module.
 registry.register(registry.VariantSpec(name="grouped_query", paper="Ainslie et al. 2023",
                                        **_HEADS))

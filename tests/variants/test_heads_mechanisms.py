@@ -2,6 +2,7 @@
 attention and numpy, fixed head size's projections, multi-scale heads against
 local attention per head."""
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,7 +10,8 @@ import pytest
 
 import attention_jax
 from attention_jax.variants import heads
-from attention_testing import assert_close, assert_same_outputs_and_grads, random_qkv
+from attention_testing import (assert_close, assert_same_outputs_and_grads, perturbed,
+                               random_qkv)
 
 
 def _np(x):
@@ -124,3 +126,76 @@ def test_talking_heads_layer_starts_as_multi_head_attention():
   params = {k: v for k, v in variables["params"].items() if k != "variant"}
   assert_close(talking.apply(variables, x, is_causal=True),
                plain.apply({"params": params}, x, is_causal=True))
+
+
+# ----------------------------------------------------------------------------
+# fixed_head_size
+
+
+def _block_params(attention, **options):
+  from attention_jax.models import Block, ModelConfig  # pylint: disable=import-outside-toplevel
+  config = ModelConfig(attention=attention, attention_options=options, num_layers=1,
+                       embed_dim=32, num_heads=8, mlp_dim=64, max_length=16, dropout_rate=0.0)
+  block = Block(config)
+  x = jax.random.normal(jax.random.PRNGKey(2), (2, 16, 32))
+  variables = nn.unbox(block.init(jax.random.PRNGKey(0), x, {}))
+  return block, variables, x
+
+
+def _count(tree):
+  return sum(np.size(leaf) for leaf in jax.tree.leaves(tree))
+
+
+@pytest.mark.parity("fixed_head_size")
+def test_fixed_head_size_shapes_and_parameter_count_follow_head_dim_not_width_over_heads():
+  _, variables, _ = _block_params("fixed_head_size", head_dim=16)
+  attention = variables["params"]["attention"]
+  for name in ("query", "key", "value"):
+    assert attention[name]["kernel"].shape == (32, 8, 16)
+    assert attention[name]["bias"].shape == (8, 16)
+  assert attention["out"]["kernel"].shape == (8, 16, 32)
+  # Three [E, H, D] kernels and [H, D] biases, the [H, D, E] output and its bias.
+  assert _count(attention) == 3 * (32 * 8 * 16 + 8 * 16) + 8 * 16 * 32 + 32
+  # Multi-head attention of the same width and heads has heads of 32 / 8 = 4.
+  _, plain, _ = _block_params("multi_head")
+  assert plain["params"]["attention"]["query"]["kernel"].shape == (32, 8, 4)
+  # The default head size (64) holds whatever the width and heads.
+  _, default, _ = _block_params("fixed_head_size")
+  assert default["params"]["attention"]["query"]["kernel"].shape == (32, 8, 64)
+
+
+@pytest.mark.parity("fixed_head_size")
+def test_fixed_head_size_is_dot_product_attention_through_its_own_projections():
+  block, variables, x = _block_params("fixed_head_size", head_dim=16)
+  mixer = attention_jax.registry.get_variant("fixed_head_size").module(num_heads=8, head_dim=16)
+  params = perturbed(variables["params"]["attention"])  # biases not zero
+  out = mixer.apply({"params": params}, x, is_causal=True)
+  project = lambda name: (np.einsum("bte,ehd->bthd", _np(x), _np(params[name]["kernel"]))
+                          + _np(params[name]["bias"]))
+  query, key, value = project("query"), project("key"), project("value")
+  logits = np.einsum("bqhd,bkhd->bhqk", query, key) / np.sqrt(16)
+  logits = np.where(np.tril(np.ones((16, 16), bool)), logits, -np.inf)
+  weights = np.exp(logits - logits.max(-1, keepdims=True))
+  weights /= weights.sum(-1, keepdims=True)
+  heads_out = np.einsum("bhqk,bkhd->bqhd", weights, value)
+  want = np.einsum("bqhd,hde->bqe", heads_out, _np(params["out"]["kernel"]))
+  assert_close(out, want + _np(params["out"]["bias"]), rtol=1e-4, atol=1e-5)
+  # And it runs as a block's mixer by name.
+  y, _ = block.apply(variables, x, {})
+  assert y.shape == x.shape
+
+
+@pytest.mark.parity("fixed_head_size")
+def test_fixed_head_size_refuses_a_bad_head_dim():
+  with pytest.raises(ValueError, match="head_dim must be an int >= 1, got 0"):
+    _block_params("fixed_head_size", head_dim=0)
+
+
+def test_a_module_option_must_be_declared():
+  from attention_jax import registry  # pylint: disable=import-outside-toplevel
+  spec = registry.get_variant("fixed_head_size")
+  with pytest.raises(ValueError, match="routes option 'head_size' to its module"):
+    registry.register(registry.VariantSpec(
+        name="fixed_head_size_typo", fn=spec.fn, family="heads", complexity="O(T^2)",
+        subquadratic=False, exact=True, causal=True, cross=True, paper="-", qkv=False,
+        mixer=registry.ATTENTION_MIXER, module_options=("head_size",), options={}))
