@@ -13,19 +13,27 @@ its path, so this file imports no layer).
   head size D is an option, not width / H, so adding heads does not shrink
   them (the low-rank bottleneck of D < T). The module's `head_dim` field does
   it; the spec routes the option there (`module_options`).
+* `multi_scale` (Guo et al. 2020): fixed windows of different sizes per head,
+  each head `local` attention with its own window. It is registered here, in
+  the heads family where VARIANTS.md lists it, because what it adds is the
+  assignment of windows to heads; the computation is `sparse.local_attention`
+  (blockwise, O(T w)) called once per distinct window, so none of sparse.py's
+  internals are needed.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence, Tuple
 
 import flax.linen as nn
 import jax.numpy as jnp
+import numpy as np
 
 from attention_jax import registry
 from attention_jax.core.softmax import masked_softmax
 from attention_jax.variants import common, scoring
 from attention_jax.variants.dense import dot_product_attention
+from attention_jax.variants.sparse import local_attention
 
 Array = jnp.ndarray
 
@@ -144,6 +152,62 @@ class TalkingHeadsMixing(nn.Module):
             "weights_mixing": self.param("weights_mixing", _identity, shape)}
 
 
+def head_windows(windows: Sequence[int], num_heads: int, length: int) -> Tuple[int, ...]:
+  """The window of each of `num_heads` heads: the heads split into
+  len(`windows`) contiguous groups, as even as possible (head h takes
+  windows[h * n // H]); one entry per head when n = H. Each window must fit
+  the sequence `length`."""
+  if not isinstance(windows, (tuple, list)) or not 1 <= len(windows) <= num_heads:
+    raise ValueError(f"windows must be a tuple of 1 to num_heads ({num_heads}) window sizes, "
+                     f"got {windows!r}.")
+  for index, window in enumerate(windows):
+    common.check_size(f"windows[{index}]", window, length=length)
+  return tuple(windows[head * len(windows) // num_heads] for head in range(num_heads))
+
+
+def multi_scale_attention(query: Array, key: Array, value: Array, bias: Optional[Array] = None,
+                          mask: Optional[Array] = None, *, is_causal: bool = False,
+                          query_seq_lengths: Optional[Array] = None,
+                          key_value_seq_lengths: Optional[Array] = None, segment_ids=None,
+                          windows: Tuple[int, ...] = (16, 64),
+                          scale: Optional[float] = None) -> Array:
+  """Multi-scale self-attention: head h is local attention with window w_h.
+
+  Query i of head h sees keys [i - w_h, i + w_h] ([i - w_h, i] when causal);
+  small windows capture local structure, large ones longer range, in the
+  same layer. Heads that share a window are computed together by
+  `sparse.local_attention` (blockwise, never a T x T array), so the cost is
+  O(T sum_h w_h). Masks, padding and segments as `local` takes them (self-
+  attention only; a key-padding mask, no dense bias).
+
+  Args:
+    query: `[B, T, H, D]`; key: `[B, T, Hkv, D]`; value: `[B, T, Hkv, Dv]`.
+    windows: the window sizes, one per head or one per contiguous group of
+      heads (`head_windows`), each at most T.
+    scale: multiplies the logits; 1/sqrt(D) when None.
+
+  Returns:
+    `[B, T, H, Dv]` in the query dtype.
+  """
+  common.reject_unsupported("multi_scale", bias=bias)
+  num_heads = query.shape[2]
+  per_head = head_windows(windows, num_heads, query.shape[1])
+  # Each group of heads takes its own K/V heads: repeated to H first (O(T)).
+  key = common.repeat_kv_heads(key, num_heads)
+  value = common.repeat_kv_heads(value, num_heads)
+  outputs, order = [], []
+  for window in sorted(set(per_head)):
+    heads = np.array([h for h, w in enumerate(per_head) if w == window])
+    outputs.append(local_attention(
+        query[:, :, heads], key[:, :, heads], value[:, :, heads], mask=mask,
+        is_causal=is_causal, query_seq_lengths=query_seq_lengths,
+        key_value_seq_lengths=key_value_seq_lengths, segment_ids=segment_ids,
+        window_size=window, scale=scale))
+    order.extend(heads)
+  # The groups' outputs back in head order.
+  return jnp.concatenate(outputs, axis=2)[:, :, np.argsort(order)]
+
+
 # The heads run dot-product attention, so they take its options.
 _HEADS = dict(fn=multi_head_attention, family="heads", complexity="O(T^2)", subquadratic=False,
               exact=True, causal=True, cross=True, qkv=False, mixer=registry.ATTENTION_MIXER,
@@ -179,3 +243,9 @@ registry.register(registry.VariantSpec(
     family="heads", complexity="O(T^2)", subquadratic=False, exact=False, causal=True,
     cross=True, extras=TalkingHeadsMixing,
     options=dict(scale="multiplies the logits q . k; 1/sqrt(D) when None")))
+registry.register(registry.VariantSpec(
+    name="multi_scale", fn=multi_scale_attention, paper="Guo et al. 2020", family="heads",
+    complexity="O(T w)", subquadratic=True, exact=True, causal=True, cross=False,
+    options=dict(windows="window sizes w (keys each side of the query): one per head, or one "
+                         "per contiguous group of heads",
+                 scale="multiplies the logits; 1/sqrt(D) when None")))

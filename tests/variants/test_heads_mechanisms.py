@@ -199,3 +199,65 @@ def test_a_module_option_must_be_declared():
         name="fixed_head_size_typo", fn=spec.fn, family="heads", complexity="O(T^2)",
         subquadratic=False, exact=True, causal=True, cross=True, paper="-", qkv=False,
         mixer=registry.ATTENTION_MIXER, module_options=("head_size",), options={}))
+
+
+# ----------------------------------------------------------------------------
+# multi_scale
+
+
+def _local_per_head(windows_per_head, query, key, value, **masks):
+  """Each head through `local` with its own window, one head at a time."""
+  group = query.shape[2] // key.shape[2]
+  return jnp.concatenate([
+      attention_jax.registry.get_variant("local").fn(
+          query[:, :, h:h + 1], key[:, :, h // group:h // group + 1],
+          value[:, :, h // group:h // group + 1], window_size=window, **masks)
+      for h, window in enumerate(windows_per_head)], axis=2)
+
+
+MULTI_SCALE_MASKS = {
+    "plain": {},
+    "causal": dict(is_causal=True),
+    "padded": dict(key_value_seq_lengths=jnp.array([11, 6]),
+                   query_seq_lengths=jnp.array([11, 6])),
+    "causal_padded": dict(is_causal=True, mask=(jnp.arange(11) < jnp.array([[9], [4]]))[
+        :, None, None, :]),
+}
+
+
+@pytest.mark.parity("multi_scale")
+@pytest.mark.parametrize("case", sorted(MULTI_SCALE_MASKS))
+@pytest.mark.parametrize("windows, per_head", [((1, 4, 2, 4), (1, 4, 2, 4)),
+                                               ((2, 5), (2, 2, 5, 5))])
+def test_multi_scale_heads_are_local_attention_with_their_own_windows(case, windows, per_head):
+  masks = MULTI_SCALE_MASKS[case]
+  query, key, value = random_qkv(seed=9, batch=2, q_len=11, num_heads=4, num_kv_heads=2)
+  ours = lambda q, k, v: heads.multi_scale_attention(q, k, v, windows=windows, **masks)
+  theirs = lambda q, k, v: _local_per_head(per_head, q, k, v, **masks)
+  assert_same_outputs_and_grads(ours, theirs, query, key, value)
+
+
+@pytest.mark.parity("multi_scale")
+def test_multi_scale_window_of_the_whole_sequence_is_full_attention():
+  """A head whose window spans the sequence is (causal) dot-product attention,
+  whatever the other heads' windows; fewer windows than heads are spread over
+  contiguous groups."""
+  query, key, value = random_qkv(seed=10, batch=1, q_len=6, num_heads=2)
+  out = heads.multi_scale_attention(query, key, value, windows=(6, 1), is_causal=True)
+  full = attention_jax.dot_product_attention(query[:, :, :1], key[:, :, :1], value[:, :, :1],
+                                             is_causal=True)
+  assert_close(out[:, :, :1], full)
+  assert heads.head_windows((1, 2, 3), 4, 16) == (1, 1, 2, 3)
+
+
+@pytest.mark.parity("multi_scale")
+@pytest.mark.parametrize("windows, message", [
+    ((0, 2), r"windows\[0\] must be an int >= 1, got 0"),
+    ((2, 7), r"windows\[1\]=7 must be at most the sequence length 6"),
+    ((1, 2, 3), r"windows must be a tuple of 1 to num_heads \(2\) window sizes, got \(1, 2, 3\)"),
+    ((), r"windows must be a tuple of 1 to num_heads \(2\) window sizes, got \(\)"),
+])
+def test_multi_scale_refuses_bad_windows(windows, message):
+  query, key, value = random_qkv(batch=1, q_len=6, num_heads=2)
+  with pytest.raises(ValueError, match=message):
+    heads.multi_scale_attention(query, key, value, windows=windows)
