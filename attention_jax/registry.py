@@ -54,6 +54,11 @@ class VariantSpec:
     qkv: True when it is Q/K/V attention that `MultiHeadAttention(attention=name)` runs.
     mixer: the Flax module class for variants that are not Q/K/V attention.
     module_defaults: fields preset on the module (e.g. `num_kv_heads=1` for MQA).
+    module_options: the declared options that set a field of the module
+      instead of being passed to `fn` (fixed_head_size's `head_dim`, a field
+      of `MultiHeadAttention`); `models.blocks.make_mixer` routes them. Named
+      explicitly, not matched by field name: an attention function's option
+      may share a name with a layer field (memory_compressed's `use_bias`).
     extras: for Q/K/V variants with arrays of their own (Linformer's
       projections, Performer's features, Synthesizer's scores): a Flax module
       class that `MultiHeadAttention` builds with the options that name its
@@ -89,6 +94,7 @@ class VariantSpec:
   qkv: bool = True
   mixer: Union[None, str, Callable[..., Any]] = None
   module_defaults: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+  module_options: Tuple[str, ...] = ()
   extras: Optional[Callable[..., Any]] = None
   options: Mapping[str, Union[str, "VariantOption"]] = dataclasses.field(default_factory=dict)
   carries: Tuple[str, ...] = ()
@@ -188,6 +194,11 @@ def register(spec: VariantSpec) -> VariantSpec:
                      f"its module as `mixer`.")
   if not spec.qkv and spec.mixer is None:
     raise ValueError(f"variant {spec.name!r} is not Q/K/V attention, so it needs a mixer module.")
+  for option in spec.module_options:
+    if option not in spec.options:
+      raise ValueError(f"variant {spec.name!r} routes option {option!r} to its module "
+                       f"(module_options) but does not declare it; declared: "
+                       f"{', '.join(spec.options) or 'none'}.")
   for preset in spec.presets:
     if preset not in PRESETS:
       raise unknown_name_error(f"preset of variant {spec.name!r}:", preset, PRESETS)

@@ -15,7 +15,7 @@ from flax.core import FrozenDict
 
 from attention_jax import axes, positional, registry
 from attention_jax.core.masks import make_attention_mask
-from attention_jax.variants.common import mixer_output
+from attention_jax.variants.common import check_size, mixer_output
 
 Array = jnp.ndarray
 Dtype = Any
@@ -109,7 +109,7 @@ class MultiHeadAttention(nn.Module):
                        f"({num_kv_heads}).")
     qkv_features = self.qkv_features or in_features
     if self.head_dim is not None:
-      head_dim = self.head_dim
+      head_dim = check_size("head_dim", self.head_dim)
     elif qkv_features % self.num_heads:
       raise ValueError(f"qkv_features ({qkv_features}) must be divisible by num_heads "
                        f"({self.num_heads}), or set head_dim.")

@@ -21,6 +21,7 @@ from typing import Any, Callable, Dict, Optional
 
 import flax.linen as nn
 import jax.numpy as jnp
+from flax.core import FrozenDict
 
 from attention_jax import axes, positional, registry
 from attention_jax.layers.feedforward import FeedForward
@@ -37,7 +38,8 @@ def make_mixer(config: ModelConfig, variant: str, **module_kwargs) -> nn.Module:
   """The token mixer of `variant`, configured from `config`.
 
   A Q/K/V variant is `MultiHeadAttention` running it, with its options in
-  `attention_options`; a mixer that is not Q/K/V attention (Perceiver,
+  `attention_options` (those in the spec's `module_options` set the layer's
+  field of that name instead); a mixer that is not Q/K/V attention (Perceiver,
   inducing points, ...) gets its declared options as module fields. A
   registered module that is not a token mixer (a pooling or alignment
   module, `registry.ROLES`) is refused with a ValueError saying what it is.
@@ -56,9 +58,12 @@ def make_mixer(config: ModelConfig, variant: str, **module_kwargs) -> nn.Module:
     kwargs["qkv_features"] = config.qkv_dim
   if config.position in positional.RELATIVE_POSITIONS:
     kwargs.update(position=config.position, position_options=config.position_options)
-  options = config.options_for(variant)
+  options = dict(config.options_for(variant))
   if spec.qkv or spec.mixer == registry.ATTENTION_MIXER:
-    kwargs["attention_options"] = options
+    # An option that sets a layer field (fixed_head_size's head_dim) goes to
+    # the layer; the others are the attention function's.
+    kwargs.update({name: options.pop(name) for name in spec.module_options if name in options})
+    kwargs["attention_options"] = FrozenDict(options)
   else:
     kwargs.update(options)
   return spec.module(**kwargs, **module_kwargs)

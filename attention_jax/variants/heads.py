@@ -1,18 +1,39 @@
-"""Multi-head mechanisms: MHA, multi-query and grouped-query attention.
+"""Multi-head mechanisms: MHA, multi-query and grouped-query attention, and
+what is done across heads (section B of VARIANTS.md).
 
 The pure function takes the projection kernels as arrays; the Flax module is
 `attention_jax.MultiHeadAttention`, which owns them (named in the registry by
 its path, so this file imports no layer).
+
+* `talking_heads` (Shazeer et al. 2020): learned `[H, H]` mixing of the
+  logits across heads before the softmax and of the weights after it; a
+  scoring-family function (`scoring.scored_attention` with its own
+  weighting) whose two matrices `TalkingHeadsMixing` makes.
+* `fixed_head_size` (Bhojanapalli et al. 2020): multi-head attention whose
+  head size D is an option, not width / H, so adding heads does not shrink
+  them (the low-rank bottleneck of D < T). The module's `head_dim` field does
+  it; the spec routes the option there (`module_options`).
+* `multi_scale` (Guo et al. 2020): fixed windows of different sizes per head,
+  each head `local` attention with its own window. It is registered here, in
+  the heads family where VARIANTS.md lists it, because what it adds is the
+  assignment of windows to heads; the computation is `sparse.local_attention`
+  (blockwise, O(T w)) called once per distinct window, so none of sparse.py's
+  internals are needed.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence, Tuple
 
+import flax.linen as nn
 import jax.numpy as jnp
+import numpy as np
 
 from attention_jax import registry
+from attention_jax.core.softmax import masked_softmax
+from attention_jax.variants import common, scoring
 from attention_jax.variants.dense import dot_product_attention
+from attention_jax.variants.sparse import local_attention
 
 Array = jnp.ndarray
 
@@ -57,6 +78,136 @@ def multi_head_attention(
   return concatenated @ out_kernel.reshape(num_heads * head_dim, -1)
 
 
+def _mix_heads(mixing: Array, x: Array) -> Array:
+  """`x'[h] = sum_g mixing[h, g] x[g]` over the head axis of `x` `[B, H, Tq, Tk]`."""
+  return jnp.einsum("hg,bgqk->bhqk", mixing.astype(jnp.float32), x)
+
+
+@common.passes_on_masks
+def talking_heads_attention(query: Array, key: Array, value: Array, bias: Optional[Array] = None,
+                            mask: Optional[Array] = None, *, logits_mixing: Array,
+                            weights_mixing: Array, scale: Optional[float] = None,
+                            **kwargs) -> Array:
+  """Talking-heads attention: out = (P_w softmax(P_l (q . k * scale + bias))) v.
+
+  The products P x mix the head axis: logits'[h] = sum_g P_l[h, g] logits[g]
+  (every head's logits a learned combination of all heads' logits), and
+  likewise the weights after the softmax with P_w. With P_l = P_w = I it is
+  `dot_product_attention`.
+
+  Masks: the softmax sees the mixed logits under the mask, so no masked key
+  gets weight there. After P_w a head's weights are a combination of every
+  head's, so a key masked in this head but allowed in another would get
+  weight; the mixed weights are therefore masked again. For the masks that are
+  the same in every head (causal, padding, segments, a `[B, 1, Tq, Tk]` mask)
+  that changes nothing: a key masked in every head has weight 0 in every
+  head, and stays 0 after the mix. Mixed weights need not sum to 1 (P_w is
+  any matrix), as in the paper.
+
+  Args:
+    query: `[B, Tq, H, D]`; key: `[B, Tk, Hkv, D]`; value: `[B, Tk, Hkv, Dv]`.
+    bias: added to the logits before the mix, broadcastable to `[B, H, Tq, Tk]`.
+    logits_mixing: P_l `[H, H]`, applied before the softmax.
+    weights_mixing: P_w `[H, H]`, applied after it.
+    scale: multiplies q . k; 1/sqrt(D) when None.
+    **kwargs: the masks of `dot_product_attention` (is_causal,
+      query_seq_lengths, key_value_seq_lengths, segment_ids) and dropout
+      (on the mixed weights).
+
+  Returns:
+    `[B, Tq, H, Dv]` in the query dtype.
+  """
+  common.check_query_key_sizes("talking_heads", query, key)
+  num_heads = query.shape[2]
+  common.check_per_head("logits_mixing", logits_mixing, (num_heads, num_heads))
+  common.check_per_head("weights_mixing", weights_mixing, (num_heads, num_heads))
+  scale = query.shape[-1] ** -0.5 if scale is None else scale
+
+  def score(q, k):
+    return scoring.dot_score(q, k) * jnp.float32(scale)
+
+  def talking_weights(scores, allowed):
+    weights = _mix_heads(weights_mixing, masked_softmax(_mix_heads(logits_mixing, scores),
+                                                        allowed))
+    return weights if allowed is None else jnp.where(allowed, weights, 0.0)
+
+  return scoring.scored_attention(query, key, value, score, bias, mask,
+                                  weighting=talking_weights, **kwargs)
+
+
+def _identity(rng, shape, dtype=jnp.float32):
+  del rng
+  return jnp.eye(shape[0], shape[1], dtype=dtype)
+
+
+class TalkingHeadsMixing(nn.Module):
+  """`talking_heads`' P_l and P_w `[H, H]`, initialised to the identity, so a
+  new layer starts as multi-head attention."""
+
+  @nn.compact
+  def __call__(self, query, key, value, deterministic: bool = True) -> dict:
+    del key, value, deterministic
+    shape = (query.shape[2], query.shape[2])
+    return {"logits_mixing": self.param("logits_mixing", _identity, shape),
+            "weights_mixing": self.param("weights_mixing", _identity, shape)}
+
+
+def head_windows(windows: Sequence[int], num_heads: int, length: int) -> Tuple[int, ...]:
+  """The window of each of `num_heads` heads: the heads split into
+  len(`windows`) contiguous groups, as even as possible (head h takes
+  windows[h * n // H]); one entry per head when n = H. Each window must fit
+  the sequence `length`."""
+  if not isinstance(windows, (tuple, list)) or not 1 <= len(windows) <= num_heads:
+    raise ValueError(f"windows must be a tuple of 1 to num_heads ({num_heads}) window sizes, "
+                     f"got {windows!r}.")
+  for index, window in enumerate(windows):
+    common.check_size(f"windows[{index}]", window, length=length)
+  return tuple(windows[head * len(windows) // num_heads] for head in range(num_heads))
+
+
+def multi_scale_attention(query: Array, key: Array, value: Array, bias: Optional[Array] = None,
+                          mask: Optional[Array] = None, *, is_causal: bool = False,
+                          query_seq_lengths: Optional[Array] = None,
+                          key_value_seq_lengths: Optional[Array] = None, segment_ids=None,
+                          windows: Tuple[int, ...] = (16, 64),
+                          scale: Optional[float] = None) -> Array:
+  """Multi-scale self-attention: head h is local attention with window w_h.
+
+  Query i of head h sees keys [i - w_h, i + w_h] ([i - w_h, i] when causal);
+  small windows capture local structure, large ones longer range, in the
+  same layer. Heads that share a window are computed together by
+  `sparse.local_attention` (blockwise, never a T x T array), so the cost is
+  O(T sum_h w_h). Masks, padding and segments as `local` takes them (self-
+  attention only; a key-padding mask, no dense bias).
+
+  Args:
+    query: `[B, T, H, D]`; key: `[B, T, Hkv, D]`; value: `[B, T, Hkv, Dv]`.
+    windows: the window sizes, one per head or one per contiguous group of
+      heads (`head_windows`), each at most T.
+    scale: multiplies the logits; 1/sqrt(D) when None.
+
+  Returns:
+    `[B, T, H, Dv]` in the query dtype.
+  """
+  common.reject_unsupported("multi_scale", bias=bias)
+  num_heads = query.shape[2]
+  per_head = head_windows(windows, num_heads, query.shape[1])
+  # Each group of heads takes its own K/V heads: repeated to H first (O(T)).
+  key = common.repeat_kv_heads(key, num_heads)
+  value = common.repeat_kv_heads(value, num_heads)
+  outputs, order = [], []
+  for window in sorted(set(per_head)):
+    heads = np.array([h for h, w in enumerate(per_head) if w == window])
+    outputs.append(local_attention(
+        query[:, :, heads], key[:, :, heads], value[:, :, heads], mask=mask,
+        is_causal=is_causal, query_seq_lengths=query_seq_lengths,
+        key_value_seq_lengths=key_value_seq_lengths, segment_ids=segment_ids,
+        window_size=window, scale=scale))
+    order.extend(heads)
+  # The groups' outputs back in head order.
+  return jnp.concatenate(outputs, axis=2)[:, :, np.argsort(order)]
+
+
 # The heads run dot-product attention, so they take its options.
 _HEADS = dict(fn=multi_head_attention, family="heads", complexity="O(T^2)", subquadratic=False,
               exact=True, causal=True, cross=True, qkv=False, mixer=registry.ATTENTION_MIXER,
@@ -72,6 +223,29 @@ _HEADS = dict(fn=multi_head_attention, family="heads", complexity="O(T^2)", subq
 registry.register(registry.VariantSpec(name="multi_head", paper="Vaswani et al. 2017", **_HEADS))
 registry.register(registry.VariantSpec(name="multi_query", paper="Shazeer 2019",
                                        module_defaults={"num_kv_heads": 1}, **_HEADS))
+# The head size is MultiHeadAttention's field, so the option sets the layer
+# (module_options), and its default is preset there (module_defaults): 64, the
+# head size of BERT-base, which the paper fixes while varying the heads.
+_FIXED_HEAD_DIM = 64
+registry.register(registry.VariantSpec(
+    name="fixed_head_size", paper="Bhojanapalli et al. 2020",
+    module_defaults={"head_dim": _FIXED_HEAD_DIM}, module_options=("head_dim",),
+    **{**_HEADS, "options": dict(
+        _HEADS["options"],
+        head_dim=registry.VariantOption(
+            "head_dim", int, _FIXED_HEAD_DIM,
+            "D, the size of every head, independent of the width and of num_heads"))}))
 # Grouped-query attention: pass num_kv_heads (a divisor of num_heads) to the module.
 registry.register(registry.VariantSpec(name="grouped_query", paper="Ainslie et al. 2023",
                                        **_HEADS))
+registry.register(registry.VariantSpec(
+    name="talking_heads", fn=talking_heads_attention, paper="Shazeer et al. 2020",
+    family="heads", complexity="O(T^2)", subquadratic=False, exact=False, causal=True,
+    cross=True, extras=TalkingHeadsMixing,
+    options=dict(scale="multiplies the logits q . k; 1/sqrt(D) when None")))
+registry.register(registry.VariantSpec(
+    name="multi_scale", fn=multi_scale_attention, paper="Guo et al. 2020", family="heads",
+    complexity="O(T w)", subquadratic=True, exact=True, causal=True, cross=False,
+    options=dict(windows="window sizes w (keys each side of the query): one per head, or one "
+                         "per contiguous group of heads",
+                 scale="multiplies the logits; 1/sqrt(D) when None")))
