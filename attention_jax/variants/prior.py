@@ -22,6 +22,10 @@ synthesizer_attention.py, `synthetic_attention` with its default
 `ignore_dot_product=False`), the paper's Random + Vanilla mixture without the
 paper's learned mixing weights (the release adds the logits as they are).
 
+Gaussian Transformer (Guo et al. 2019), `gaussian_transformer`: dot-product
+attention with the learned distance prior -|w (i - j)^2 + b| (w, b per head)
+added to the logits, O(T^2).
+
 RealFormer (He et al. 2020), `realformer`: residual attention, each layer's
 logits plus the previous layer's. The scores flow from block to block in the
 layer stack's carry (`carries=("attention_scores",)` in the registry).
@@ -39,7 +43,7 @@ from attention_jax import registry
 from attention_jax.core.masks import make_attention_mask, split_segment_ids
 from attention_jax.core.softmax import masked_softmax
 from attention_jax.variants import common
-from attention_jax.variants.dense import prepare_inputs
+from attention_jax.variants.dense import dot_product_attention, prepare_inputs
 
 Array = jnp.ndarray
 Dtype = Any
@@ -280,6 +284,104 @@ class FactorizedSyntheticLogits(_RandomLogits):
     left = self._random("query_factor", shape, stddev)[:, :query.shape[1]]
     right = self._random("key_factor", shape, stddev)[:, :key.shape[1]]
     return dict(synthetic_logits=jnp.einsum("hqr,hkr->hqk", left, right)[None])
+
+
+# --------------------------------------------------------------------------------------
+# Gaussian Transformer: a learned prior on the distance i - j.
+
+
+def gaussian_transformer_attention(
+    query: Array,
+    key: Array,
+    value: Array,
+    bias: Optional[Array] = None,
+    mask: Optional[Array] = None,
+    *,
+    is_causal: bool = False,
+    query_seq_lengths: Optional[Array] = None,
+    key_value_seq_lengths: Optional[Array] = None,
+    segment_ids=None,
+    distance_weight: Array,
+    distance_bias: Array,
+    query_positions: Optional[Array] = None,
+    scale: Optional[float] = None,
+    dropout_rate: float = 0.0,
+    dropout_rng: Optional[jax.Array] = None,
+) -> Array:
+  """The Gaussian Transformer's attention (Guo et al. 2019):
+
+      out = softmax(q k^T * scale - |w_h (i - j)^2 + b_h| + bias, masked) v,
+
+  a Gaussian-shaped prior on the distance between query position i and key
+  position j (w > 0, b = 0: exp(-w (i - j)^2) times the dot-product weights;
+  b < 0 moves the peak to |i - j| = sqrt(-b / w)). w = b = 0 is dot-product
+  attention. The prior is a bias for `dot_product_attention`, so masks,
+  padding and dropout are its.
+
+  Args:
+    query, key, value, bias, mask, is_causal, query_seq_lengths,
+      key_value_seq_lengths, segment_ids: as in `dot_product_attention`.
+    distance_weight: w `[H]`, one per query head.
+    distance_bias: b `[H]`.
+    query_positions: `[Tq]` or `[B, Tq]`, the positions i of the queries
+      (`arange(Tq)` when None; `MultiHeadAttention` passes its positions,
+      offset while decoding); key j is at position j.
+    scale: logit scale, 1/sqrt(D) when None.
+    dropout_rate, dropout_rng: dropout on the attention weights.
+
+  Returns:
+    `[B, Tq, H, Dv]`.
+  """
+  batch, q_len, num_heads = query.shape[:3]
+  common.check_per_head("distance_weight", distance_weight, (num_heads,))
+  common.check_per_head("distance_bias", distance_bias, (num_heads,))
+  positions = common.query_positions(query_positions, batch, q_len)
+  squared = jnp.square(positions[:, :, None] - jnp.arange(key.shape[1], dtype=jnp.float32))
+  weight = jnp.asarray(distance_weight, jnp.float32)[None, :, None, None]
+  offset = jnp.asarray(distance_bias, jnp.float32)[None, :, None, None]
+  prior = -jnp.abs(weight * squared[:, None] + offset)  # [B, H, Tq, Tk]
+  if bias is not None:
+    prior = prior + jnp.asarray(bias, jnp.float32)
+  return dot_product_attention(query, key, value, prior, mask, scale=scale, is_causal=is_causal,
+                               query_seq_lengths=query_seq_lengths,
+                               key_value_seq_lengths=key_value_seq_lengths,
+                               segment_ids=segment_ids, dropout_rate=dropout_rate,
+                               dropout_rng=dropout_rng)
+
+
+class GaussianDistancePrior(nn.Module):
+  """`gaussian_transformer`'s w and b, `[H]` each, learned.
+
+  They start at `initial_weight` and `initial_bias` rather than zero: the
+  gradient of |w d^2 + b| vanishes at w = b = 0 (d|x|/dx is taken as 0 there),
+  so a prior started at zero would never move.
+
+  Attributes:
+    initial_weight: w at initialisation (0.1: the weight of a key 3 positions
+      away is multiplied by exp(-0.9)).
+    initial_bias: b at initialisation.
+  """
+
+  initial_weight: float = 0.1
+  initial_bias: float = 0.0
+
+  @nn.compact
+  def __call__(self, query, key, value, deterministic: bool = True) -> dict:
+    del key, value, deterministic
+    heads = query.shape[2]
+    constant = lambda v: (lambda rng, shape: jnp.full(shape, v, jnp.float32))
+    return dict(distance_weight=self.param("distance_weight", constant(self.initial_weight),
+                                           (heads,)),
+                distance_bias=self.param("distance_bias", constant(self.initial_bias), (heads,)))
+
+
+registry.register(registry.VariantSpec(
+    name="gaussian_transformer", fn=gaussian_transformer_attention, family="prior",
+    complexity="O(T^2)", subquadratic=False, exact=False, causal=True, cross=True,
+    paper="Guo et al. 2019", extras=GaussianDistancePrior,
+    options=dict(initial_weight="w at initialisation, per head (the prior -|w (i-j)^2 + b|)",
+                 initial_bias="b at initialisation, per head",
+                 scale="multiplies the q . k logits; 1/sqrt(D) when None")))
 
 
 # --------------------------------------------------------------------------------------

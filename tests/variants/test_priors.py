@@ -1,0 +1,107 @@
+"""Prior family, section E of issue #17: the Gaussian Transformer's distance prior,
+hard-coded Gaussian attention and the Average Attention Network."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import attention_jax
+from attention_jax.variants import prior
+from attention_testing import (B, H, KV_LENGTHS, Q_LENGTHS, Q_SEGMENTS, KV_SEGMENTS, TK, TQ,
+                               as_float64, assert_close, assert_same_outputs_and_grads,
+                               loop_mask, np_softmax, random_qkv)
+
+# name -> (keyword arguments of the variant, arguments of loop_mask)
+MASK_CASES = {
+    "plain": ({}, {}),
+    "causal": (dict(is_causal=True), dict(is_causal=True)),
+    "lengths": (dict(query_seq_lengths=jnp.array(Q_LENGTHS),
+                     key_value_seq_lengths=jnp.array(KV_LENGTHS)),
+                dict(q_lengths=Q_LENGTHS, kv_lengths=KV_LENGTHS)),
+    "everything": (dict(is_causal=True, query_seq_lengths=jnp.array(Q_LENGTHS),
+                        key_value_seq_lengths=jnp.array(KV_LENGTHS),
+                        segment_ids=(jnp.array(Q_SEGMENTS), jnp.array(KV_SEGMENTS))),
+                   dict(is_causal=True, q_lengths=Q_LENGTHS, kv_lengths=KV_LENGTHS,
+                        q_segments=Q_SEGMENTS, kv_segments=KV_SEGMENTS)),
+}
+
+
+def np_masked_attention(logits, allowed, value, num_heads):
+  """softmax over the allowed keys, rows with none give zeros: logits [B, H, Tq, Tk],
+  allowed [B, 1, Tq, Tk], value [B, Tk, Hkv, Dv] -> [B, Tq, H, Dv] float64."""
+  logits = np.where(allowed, as_float64(logits), -np.inf)
+  row_max = np.max(logits, -1, keepdims=True)
+  weights = np.exp(logits - np.where(np.isfinite(row_max), row_max, 0.0))
+  total = weights.sum(-1, keepdims=True)
+  weights = weights / np.where(total == 0, 1.0, total)
+  value = np.repeat(as_float64(value), num_heads // value.shape[2], axis=2)
+  return np.einsum("bhqk,bkhd->bqhd", weights, value)
+
+
+# ----------------------------------------------------------------------------------
+# gaussian_transformer
+
+
+@pytest.mark.property("gaussian_transformer")
+@pytest.mark.parametrize("case", ["plain", "everything"])
+def test_gaussian_transformer_with_zero_prior_is_dot_product_attention(case):
+  query, key, value = random_qkv(seed=1, batch=B, q_len=TQ, kv_len=TK, num_heads=H,
+                                 num_kv_heads=2)
+  kwargs = MASK_CASES[case][0]
+  zeros = jnp.zeros((H,))
+  ours = lambda q, k, v: prior.gaussian_transformer_attention(
+      q, k, v, distance_weight=zeros, distance_bias=zeros, **kwargs)
+  theirs = lambda q, k, v: attention_jax.dot_product_attention(q, k, v, **kwargs)
+  rows = None if "query_seq_lengths" not in kwargs else (
+      np.arange(TQ)[None, :] < Q_LENGTHS[:, None])
+  assert_same_outputs_and_grads(ours, theirs, query, key, value, rows=rows)
+
+
+@pytest.mark.property("gaussian_transformer")
+@pytest.mark.parametrize("case", sorted(MASK_CASES))
+def test_gaussian_transformer_against_numpy(case):
+  query, key, value = random_qkv(seed=2, batch=B, q_len=TQ, kv_len=TK, num_heads=H,
+                                 num_kv_heads=2)
+  rng = np.random.default_rng(0)
+  weight = rng.normal(size=H).astype(np.float32)
+  offset = rng.normal(size=H).astype(np.float32) * 3
+  kwargs, mask_args = MASK_CASES[case]
+  out = prior.gaussian_transformer_attention(query, key, value, distance_weight=weight,
+                                             distance_bias=offset, **kwargs)
+  scores = np.einsum("bqhd,bkhd->bhqk", as_float64(query),
+                     np.repeat(as_float64(key), 2, axis=2)) / np.sqrt(query.shape[-1])
+  distance = np.arange(TQ)[:, None] - np.arange(TK)[None, :]
+  prior_bias = -np.abs(weight[:, None, None] * distance[None] ** 2 + offset[:, None, None])
+  allowed = loop_mask(B, TQ, TK, **mask_args)
+  want = np_masked_attention(scores + prior_bias[None], allowed, value, H)
+  assert_close(out, want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.property("gaussian_transformer")
+def test_gaussian_transformer_prior_follows_query_positions():
+  """While decoding, query i sits at its absolute position: the prior is that of
+  the full sequence's row."""
+  query, key, value = random_qkv(seed=3, batch=1, q_len=TK, num_heads=H)
+  weight, offset = jnp.full((H,), 0.3), jnp.full((H,), -1.0)
+  full = prior.gaussian_transformer_attention(query, key, value, distance_weight=weight,
+                                              distance_bias=offset)
+  last = prior.gaussian_transformer_attention(query[:, -1:], key, value, distance_weight=weight,
+                                              distance_bias=offset,
+                                              query_positions=jnp.array([TK - 1]))
+  assert_close(last, full[:, -1:])
+
+
+@pytest.mark.property("gaussian_transformer")
+@pytest.mark.parametrize("name,shape", [("distance_weight", (H + 1,)),
+                                        ("distance_bias", (1, H))])
+def test_gaussian_transformer_rejects_bad_shapes(name, shape):
+  query, key, value = random_qkv(num_heads=H)
+  arrays = dict(distance_weight=jnp.zeros((H,)), distance_bias=jnp.zeros((H,)))
+  arrays[name] = jnp.zeros(shape)
+  with pytest.raises(ValueError, match=name):
+    prior.gaussian_transformer_attention(query, key, value, **arrays)
+  with pytest.raises(ValueError, match="query_positions"):
+    prior.gaussian_transformer_attention(query, key, value, distance_weight=jnp.zeros((H,)),
+                                         distance_bias=jnp.zeros((H,)),
+                                         query_positions=jnp.arange(3))
