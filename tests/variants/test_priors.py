@@ -105,3 +105,91 @@ def test_gaussian_transformer_rejects_bad_shapes(name, shape):
     prior.gaussian_transformer_attention(query, key, value, distance_weight=jnp.zeros((H,)),
                                          distance_bias=jnp.zeros((H,)),
                                          query_positions=jnp.arange(3))
+
+
+# ----------------------------------------------------------------------------------
+# hard_coded_gaussian
+
+
+def np_hard_coded_gaussian(value, num_heads, allowed, *, offset, sigma, window):
+  """numpy weights exp(-(j - i - offset)^2 / 2 sigma^2) over the allowed keys
+  (within `window` of the centre unless None); returns (out, weights [B, H, Tq, Tk])."""
+  q_len, kv_len = allowed.shape[2:]
+  distance = np.arange(kv_len)[None, :] - np.arange(q_len)[:, None] - offset
+  allowed = allowed if window is None else allowed & (np.abs(distance) <= window)
+  logits = np.broadcast_to(-distance ** 2 / (2.0 * sigma ** 2),
+                           (allowed.shape[0], num_heads, q_len, kv_len))
+  weights = np.exp(logits) * allowed
+  total = weights.sum(-1, keepdims=True)
+  weights = weights / np.where(total == 0, 1.0, total)
+  out = np.einsum("bhqk,bkhd->bqhd", weights,
+                  np.repeat(as_float64(value), num_heads // value.shape[2], axis=2))
+  return out, weights
+
+
+@pytest.mark.property("hard_coded_gaussian")
+@pytest.mark.parametrize("case", sorted(MASK_CASES))
+@pytest.mark.parametrize("offset,sigma,window", [(0, 1.0, None), (-1, 1.5, None), (0, 1.0, 2),
+                                                 (1, 2.0, 1), (-1, 1.0, 3), (2, 1.0, 0)])
+def test_hard_coded_gaussian_against_numpy(case, offset, sigma, window):
+  """Windowed or not, against the formula truncated to the window, under every
+  mask; the weights over the allowed keys sum to one (zero where none is allowed)."""
+  length = TQ  # self-attention: the windowed band needs Tq == Tk
+  _, _, value = random_qkv(seed=4, batch=B, q_len=length, num_heads=H, num_kv_heads=2)
+  shape_only = jax.ShapeDtypeStruct((B, length, H, 8), jnp.float32)
+  kwargs, mask_args = MASK_CASES[case]
+  kwargs = dict(kwargs)
+  mask_args = dict(mask_args)
+  if "key_value_seq_lengths" in kwargs:
+    kwargs["key_value_seq_lengths"] = jnp.array([3, 7])
+    mask_args["kv_lengths"] = np.array([3, 7])
+  if "segment_ids" in kwargs:
+    kwargs["segment_ids"] = jnp.array(Q_SEGMENTS)
+    mask_args["kv_segments"] = Q_SEGMENTS
+  attend = lambda v: prior.hard_coded_gaussian_attention(
+      shape_only, shape_only, v, offset=offset, sigma=sigma, window=window, **kwargs)
+  out = attend(value)
+  allowed = loop_mask(B, length, length, **mask_args)
+  want, weights = np_hard_coded_gaussian(value, H, allowed, offset=offset, sigma=sigma,
+                                         window=window)
+  assert_close(out, want, rtol=1e-5, atol=1e-6)
+  # The weights themselves, read off one-hot values: rows sum to 1 over the allowed keys.
+  from attention_jax.layers.attention import attention_weights
+  got_weights = attention_weights(attend, jnp.zeros((B, length, 2, 1)))
+  assert_close(got_weights, weights, atol=1e-6)
+  sums = np.asarray(got_weights).sum(-1)
+  sees_something = (weights > 0).any(-1)
+  assert_close(sums[sees_something], 1.0)
+  assert_close(sums[~sees_something], 0.0)
+
+
+@pytest.mark.property("hard_coded_gaussian")
+def test_hard_coded_gaussian_window_covering_the_support_equals_the_untruncated():
+  _, _, value = random_qkv(seed=5, batch=1, q_len=40, num_heads=2)
+  shape_only = jax.ShapeDtypeStruct((1, 40, 2, 8), jnp.float32)
+  full = prior.hard_coded_gaussian_attention(shape_only, shape_only, value, window=None)
+  banded = prior.hard_coded_gaussian_attention(shape_only, shape_only, value, window=8)
+  assert_close(banded, full, atol=1e-6)
+
+
+@pytest.mark.property("hard_coded_gaussian")
+def test_hard_coded_gaussian_makes_no_query_or_key_projection():
+  from attention_jax.layers.attention import MultiHeadAttention
+  layer = MultiHeadAttention(num_heads=2, attention="hard_coded_gaussian")
+  x = jax.random.normal(jax.random.PRNGKey(0), (1, 16, 8))
+  params = layer.init(jax.random.PRNGKey(1), x)["params"]
+  assert "query" not in params and "key" not in params and "value" in params
+
+
+@pytest.mark.property("hard_coded_gaussian")
+@pytest.mark.parametrize("options,match", [(dict(offset=0.5), "offset"),
+                                           (dict(sigma=0.0), "sigma"),
+                                           (dict(window=-1), "window")])
+def test_hard_coded_gaussian_rejects_bad_options(options, match):
+  _, _, value = random_qkv(batch=1, num_heads=2)
+  shape_only = jax.ShapeDtypeStruct((1, value.shape[1], 2, 8), jnp.float32)
+  with pytest.raises(ValueError, match=match):
+    prior.hard_coded_gaussian_attention(shape_only, shape_only, value, **options)
+  with pytest.raises(ValueError, match="bias"):
+    prior.hard_coded_gaussian_attention(shape_only, shape_only, value,
+                                        bias=jnp.zeros((1, 1, value.shape[1], value.shape[1])))
