@@ -193,3 +193,114 @@ def test_hard_coded_gaussian_rejects_bad_options(options, match):
   with pytest.raises(ValueError, match="bias"):
     prior.hard_coded_gaussian_attention(shape_only, shape_only, value,
                                         bias=jnp.zeros((1, 1, value.shape[1], value.shape[1])))
+
+
+# ----------------------------------------------------------------------------------
+# average
+
+
+def _average_layer(features=8, mlp_dim=16, seed=0):
+  """An AverageAttention layer and random (not default-initialised) parameters."""
+  from attention_testing import perturbed
+  layer = prior.AverageAttention(mlp_dim=mlp_dim)
+  x = jnp.zeros((1, 3, features))
+  params = perturbed(layer.init(jax.random.PRNGKey(seed), x)["params"])
+  return layer, params
+
+
+def np_average_layer(x, params, valid=None, is_causal=True):
+  """The AAN's equations written out in numpy, position by position."""
+  p = {k: as_float64(v) for k, v in params.items()}
+  x = as_float64(x)
+  batch, length, features = x.shape
+  valid = np.ones((batch, length), bool) if valid is None else np.asarray(valid)
+  out = np.zeros_like(x)
+  sigmoid = lambda z: 1.0 / (1.0 + np.exp(-z))
+  for b in range(batch):
+    for t in range(length):
+      upto = range(t + 1) if is_causal else range(length)
+      seen = [x[b, k] for k in upto if valid[b, k]]
+      average = np.mean(seen, axis=0) if seen else np.zeros(features)
+      g = np.maximum(average @ p["ffn_in_kernel"] + p["ffn_in_bias"], 0) @ p["ffn_out_kernel"]
+      g = g + p["ffn_out_bias"]
+      gates = sigmoid(np.concatenate([x[b, t], g]) @ p["gate_kernel"] + p["gate_bias"])
+      out[b, t] = gates[:features] * x[b, t] + gates[features:] * g
+  return out
+
+
+@pytest.mark.property("average")
+@pytest.mark.parametrize("is_causal", [True, False])
+@pytest.mark.parametrize("padded", [False, True])
+def test_average_layer_against_numpy(is_causal, padded):
+  """Cumulative (or whole-sequence) average over the valid tokens, FFN and gates, by formula."""
+  layer, params = _average_layer()
+  x = jax.random.normal(jax.random.PRNGKey(1), (2, 7, 8))
+  lengths = np.array([4, 7])
+  kwargs = dict(key_value_seq_lengths=jnp.array(lengths)) if padded else {}
+  out = layer.apply({"params": params}, x, is_causal=is_causal, **kwargs)
+  valid = np.arange(7)[None, :] < lengths[:, None] if padded else None
+  assert_close(out, np_average_layer(x, params, valid, is_causal), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.property("average")
+def test_average_cumulative_average_and_gates_by_formula():
+  """Parameters that expose one piece at a time: an FFN that passes its input
+  through and gates (i, f) = (0, 1) leave the cumulative average a_t itself;
+  gates of 1/2 give (x_t + a_t) / 2."""
+  features, hidden = 4, 4
+  x = jax.random.normal(jax.random.PRNGKey(2), (1, 6, features))
+  # relu(a W_1 + b_1) W_2 + b_2 with W_1 = I, b_1 = 10 (relu passes), W_2 = I, b_2 = -10: a_t.
+  # Gates: a huge negative input-gate bias and positive forget-gate bias: out = g = a_t.
+  arrays = dict(ffn_in_kernel=jnp.eye(features), ffn_in_bias=jnp.full((hidden,), 10.0),
+                ffn_out_kernel=jnp.eye(features), ffn_out_bias=jnp.full((features,), -10.0),
+                gate_kernel=jnp.zeros((2 * features, 2 * features)),
+                gate_bias=jnp.concatenate([jnp.full((features,), -50.0),
+                                           jnp.full((features,), 50.0)]))
+  out = prior.average_attention(x, **arrays)
+  cumulative = np.cumsum(np.asarray(x), axis=1) / np.arange(1, 7)[None, :, None]
+  assert_close(out, cumulative, atol=1e-4)
+  # The gates alone: sigmoid(b_g) halves (b_g = 0) mix x and g equally.
+  arrays["gate_bias"] = jnp.zeros((2 * features,))
+  out = prior.average_attention(x, **arrays)
+  assert_close(out, 0.5 * np.asarray(x) + 0.5 * cumulative, atol=1e-4)
+
+
+@pytest.mark.property("average")
+def test_average_incremental_decoding_equals_the_full_pass():
+  layer, params = _average_layer(seed=3)
+  x = jax.random.normal(jax.random.PRNGKey(4), (2, 9, 8))
+  full = layer.apply({"params": params}, x, is_causal=True)
+  state = prior.initial_average_state(2, 8)
+  outs = []
+  for t in range(x.shape[1]):
+    state, out_t = prior.average_attention_step(state, x[:, t], **params)
+    outs.append(out_t)
+  assert_close(jnp.stack(outs, axis=1), full, rtol=1e-5, atol=1e-5)
+  assert [a.shape for a in state] == [(2, 8), (2,)]  # O(1) in T
+
+
+@pytest.mark.property("average")
+def test_average_is_linear_in_length():
+  """No T x T array at T = 4096, through the pure function and its gradient."""
+  from attention_testing import largest_intermediate
+  layer, params = _average_layer()
+  length = 4096
+  loss = lambda p, x: jnp.sum(layer.apply({"params": p}, x, is_causal=True) ** 2)
+  largest = largest_intermediate(jax.grad(loss, argnums=(0, 1)), params,
+                                 jnp.zeros((1, length, 8)))
+  assert largest < 64 * length
+
+
+@pytest.mark.property("average")
+def test_average_rejects_bad_arguments():
+  layer, params = _average_layer()
+  x = jnp.zeros((1, 5, 8))
+  bad = dict(params, gate_kernel=jnp.zeros((8, 16)))
+  with pytest.raises(ValueError, match="gate_kernel"):
+    prior.average_attention(x, **bad)
+  with pytest.raises(ValueError, match="valid"):
+    prior.average_attention(x, valid=jnp.ones((1, 4), bool), **params)
+  with pytest.raises(ValueError, match="segment_ids"):
+    layer.apply({"params": params}, x, segment_ids=jnp.zeros((1, 5), jnp.int32))
+  with pytest.raises(ValueError, match="x_t"):
+    prior.average_attention_step(prior.initial_average_state(1, 8), jnp.zeros((1, 4)), **params)
