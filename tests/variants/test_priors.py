@@ -7,24 +7,13 @@ import numpy as np
 import pytest
 
 import attention_jax
+from attention_jax.layers.attention import MultiHeadAttention, attention_weights
 from attention_jax.variants import prior
-from attention_testing import (B, H, KV_LENGTHS, Q_LENGTHS, Q_SEGMENTS, KV_SEGMENTS, TK, TQ,
+from attention_testing import (B, H, Q_LENGTHS, Q_SEGMENTS, TK, TQ, VARIANT_MASK_CASES,
                                as_float64, assert_close, assert_same_outputs_and_grads,
-                               loop_mask, np_softmax, random_qkv)
+                               largest_intermediate, loop_mask, perturbed, random_qkv)
 
-# name -> (keyword arguments of the variant, arguments of loop_mask)
-MASK_CASES = {
-    "plain": ({}, {}),
-    "causal": (dict(is_causal=True), dict(is_causal=True)),
-    "lengths": (dict(query_seq_lengths=jnp.array(Q_LENGTHS),
-                     key_value_seq_lengths=jnp.array(KV_LENGTHS)),
-                dict(q_lengths=Q_LENGTHS, kv_lengths=KV_LENGTHS)),
-    "everything": (dict(is_causal=True, query_seq_lengths=jnp.array(Q_LENGTHS),
-                        key_value_seq_lengths=jnp.array(KV_LENGTHS),
-                        segment_ids=(jnp.array(Q_SEGMENTS), jnp.array(KV_SEGMENTS))),
-                   dict(is_causal=True, q_lengths=Q_LENGTHS, kv_lengths=KV_LENGTHS,
-                        q_segments=Q_SEGMENTS, kv_segments=KV_SEGMENTS)),
-}
+MASK_CASES = VARIANT_MASK_CASES
 
 
 def np_masked_attention(logits, allowed, value, num_heads):
@@ -154,7 +143,6 @@ def test_hard_coded_gaussian_against_numpy(case, offset, sigma, window):
                                          window=window)
   assert_close(out, want, rtol=1e-5, atol=1e-6)
   # The weights themselves, read off one-hot values: rows sum to 1 over the allowed keys.
-  from attention_jax.layers.attention import attention_weights
   got_weights = attention_weights(attend, jnp.zeros((B, length, 2, 1)))
   assert_close(got_weights, weights, atol=1e-6)
   sums = np.asarray(got_weights).sum(-1)
@@ -174,7 +162,6 @@ def test_hard_coded_gaussian_window_covering_the_support_equals_the_untruncated(
 
 @pytest.mark.property("hard_coded_gaussian")
 def test_hard_coded_gaussian_makes_no_query_or_key_projection():
-  from attention_jax.layers.attention import MultiHeadAttention
   layer = MultiHeadAttention(num_heads=2, attention="hard_coded_gaussian")
   x = jax.random.normal(jax.random.PRNGKey(0), (1, 16, 8))
   params = layer.init(jax.random.PRNGKey(1), x)["params"]
@@ -201,7 +188,6 @@ def test_hard_coded_gaussian_rejects_bad_options(options, match):
 
 def _average_layer(features=8, mlp_dim=16, seed=0):
   """An AverageAttention layer and random (not default-initialised) parameters."""
-  from attention_testing import perturbed
   layer = prior.AverageAttention(mlp_dim=mlp_dim)
   x = jnp.zeros((1, 3, features))
   params = perturbed(layer.init(jax.random.PRNGKey(seed), x)["params"])
@@ -282,7 +268,6 @@ def test_average_incremental_decoding_equals_the_full_pass():
 @pytest.mark.property("average")
 def test_average_is_linear_in_length():
   """No T x T array at T = 4096, through the pure function and its gradient."""
-  from attention_testing import largest_intermediate
   layer, params = _average_layer()
   length = 4096
   loss = lambda p, x: jnp.sum(layer.apply({"params": p}, x, is_causal=True) ** 2)
