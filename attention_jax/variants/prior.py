@@ -532,9 +532,7 @@ def _average_gating(x: Array, average: Array, *, ffn_in_kernel: Array, ffn_in_bi
   """The AAN's layers after the average, position by position (eqs. 1, 3, 4):
   g = FFN(average), (i, f) = sigmoid(W [x; g] + b), i * x + f * g. `[..., E]`."""
   hidden = jax.nn.relu(average @ ffn_in_kernel + ffn_in_bias)
-  if dropout_rng is not None and dropout_rate > 0.0:
-    keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, hidden.shape)
-    hidden = jnp.where(keep, hidden / (1.0 - dropout_rate), 0.0)
+  hidden = common.dropout_weights(hidden, dropout_rate, dropout_rng)
   ffn = hidden @ ffn_out_kernel + ffn_out_bias
   gates = jax.nn.sigmoid(jnp.concatenate([x, ffn], axis=-1) @ gate_kernel + gate_bias)
   input_gate, forget_gate = jnp.split(gates, 2, axis=-1)
