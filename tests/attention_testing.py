@@ -81,6 +81,22 @@ MASK_CASES = {
 }
 
 
+# The masks of variants that take no window (Q/K/V arrays of the grid above):
+# name -> (keyword arguments of the variant, arguments of loop_mask)
+VARIANT_MASK_CASES = {
+    "plain": ({}, {}),
+    "causal": (dict(is_causal=True), dict(is_causal=True)),
+    "lengths": (dict(query_seq_lengths=jnp.array(Q_LENGTHS),
+                     key_value_seq_lengths=jnp.array(KV_LENGTHS)),
+                dict(q_lengths=Q_LENGTHS, kv_lengths=KV_LENGTHS)),
+    "everything": (dict(is_causal=True, query_seq_lengths=jnp.array(Q_LENGTHS),
+                        key_value_seq_lengths=jnp.array(KV_LENGTHS),
+                        segment_ids=(jnp.array(Q_SEGMENTS), jnp.array(KV_SEGMENTS))),
+                   dict(is_causal=True, q_lengths=Q_LENGTHS, kv_lengths=KV_LENGTHS,
+                        q_segments=Q_SEGMENTS, kv_segments=KV_SEGMENTS)),
+}
+
+
 def bias_and_mask(seed):
   """A random bias [1, H, Tq, Tk] and a random boolean mask [B, 1, Tq, Tk]."""
   rng = np.random.default_rng(seed)

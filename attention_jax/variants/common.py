@@ -172,6 +172,22 @@ def check_per_head(name: str, array: Array, expected: tuple) -> None:
     raise ValueError(f"{name} must have shape {wanted}, got {list(shape)}.")
 
 
+def query_positions(positions: Optional[Array], batch: int, q_len: int) -> Array:
+  """The queries' positions `[B, Tq]` float32, for variants placing each query
+  in the sequence (Luong's local-m, Gaussian priors on i - j).
+
+  Args:
+    positions: `[Tq]` or `[B, Tq]` (what `MultiHeadAttention` passes, offset
+      while decoding), or None for `arange(Tq)`.
+    batch, q_len: B and Tq.
+  """
+  positions = jnp.arange(q_len) if positions is None else jnp.asarray(positions)
+  if positions.shape not in ((q_len,), (batch, q_len)):
+    raise ValueError(f"query_positions must be [Tq] or [B, Tq] = [{q_len}] or "
+                     f"[{batch}, {q_len}], got {list(positions.shape)}.")
+  return jnp.broadcast_to(positions.astype(jnp.float32), (batch, q_len))
+
+
 def check_query_key_sizes(variant: str, query: Array, key: Array) -> None:
   """For variants whose score is a function of q - k or q . k: one head size."""
   if query.shape[-1] != key.shape[-1]:

@@ -22,6 +22,20 @@ synthesizer_attention.py, `synthetic_attention` with its default
 `ignore_dot_product=False`), the paper's Random + Vanilla mixture without the
 paper's learned mixing weights (the release adds the logits as they are).
 
+Gaussian Transformer (Guo et al. 2019), `gaussian_transformer`: dot-product
+attention with the learned distance prior -|w (i - j)^2 + b| (w, b per head)
+added to the logits, O(T^2).
+
+Hard-coded Gaussian attention (You et al. 2020), `hard_coded_gaussian`: fixed
+weights exp(-(j - (i + offset))^2 / (2 sigma^2)) normalised over the allowed
+keys, no queries or keys; within `window` keys of the centre it is `sparse`'s
+band with logits from the positions, O(T w).
+
+Average Attention Network (Zhang et al. 2018), `average`: not Q/K/V attention
+but a token mixer (`AverageAttention`): each position's cumulative average of
+the inputs, a feed-forward layer and input/forget gates, O(T), decodable one
+token at a time with O(1) state (`average_attention_step`).
+
 RealFormer (He et al. 2020), `realformer`: residual attention, each layer's
 logits plus the previous layer's. The scores flow from block to block in the
 layer stack's carry (`carries=("attention_scores",)` in the registry).
@@ -38,8 +52,8 @@ import jax.numpy as jnp
 from attention_jax import registry
 from attention_jax.core.masks import make_attention_mask, split_segment_ids
 from attention_jax.core.softmax import masked_softmax
-from attention_jax.variants import common
-from attention_jax.variants.dense import prepare_inputs
+from attention_jax.variants import common, sparse
+from attention_jax.variants.dense import dot_product_attention, prepare_inputs
 
 Array = jnp.ndarray
 Dtype = Any
@@ -280,6 +294,401 @@ class FactorizedSyntheticLogits(_RandomLogits):
     left = self._random("query_factor", shape, stddev)[:, :query.shape[1]]
     right = self._random("key_factor", shape, stddev)[:, :key.shape[1]]
     return dict(synthetic_logits=jnp.einsum("hqr,hkr->hqk", left, right)[None])
+
+
+# --------------------------------------------------------------------------------------
+# Gaussian Transformer: a learned prior on the distance i - j.
+
+
+def gaussian_transformer_attention(
+    query: Array,
+    key: Array,
+    value: Array,
+    bias: Optional[Array] = None,
+    mask: Optional[Array] = None,
+    *,
+    is_causal: bool = False,
+    query_seq_lengths: Optional[Array] = None,
+    key_value_seq_lengths: Optional[Array] = None,
+    segment_ids=None,
+    distance_weight: Array,
+    distance_bias: Array,
+    query_positions: Optional[Array] = None,
+    scale: Optional[float] = None,
+    dropout_rate: float = 0.0,
+    dropout_rng: Optional[jax.Array] = None,
+) -> Array:
+  """The Gaussian Transformer's attention (Guo et al. 2019):
+
+      out = softmax(q k^T * scale - |w_h (i - j)^2 + b_h| + bias, masked) v,
+
+  a Gaussian-shaped prior on the distance between query position i and key
+  position j (w > 0, b = 0: exp(-w (i - j)^2) times the dot-product weights;
+  b < 0 moves the peak to |i - j| = sqrt(-b / w)). w = b = 0 is dot-product
+  attention. The prior is a bias for `dot_product_attention`, so masks,
+  padding and dropout are its.
+
+  Args:
+    query, key, value, bias, mask, is_causal, query_seq_lengths,
+      key_value_seq_lengths, segment_ids: as in `dot_product_attention`.
+    distance_weight: w `[H]`, one per query head.
+    distance_bias: b `[H]`.
+    query_positions: `[Tq]` or `[B, Tq]`, the positions i of the queries
+      (`arange(Tq)` when None; `MultiHeadAttention` passes its positions,
+      offset while decoding); key j is at position j.
+    scale: logit scale, 1/sqrt(D) when None.
+    dropout_rate, dropout_rng: dropout on the attention weights.
+
+  Returns:
+    `[B, Tq, H, Dv]`.
+  """
+  batch, q_len, num_heads = query.shape[:3]
+  common.check_per_head("distance_weight", distance_weight, (num_heads,))
+  common.check_per_head("distance_bias", distance_bias, (num_heads,))
+  positions = common.query_positions(query_positions, batch, q_len)
+  squared = jnp.square(positions[:, :, None] - jnp.arange(key.shape[1], dtype=jnp.float32))
+  weight = jnp.asarray(distance_weight, jnp.float32)[None, :, None, None]
+  offset = jnp.asarray(distance_bias, jnp.float32)[None, :, None, None]
+  prior = -jnp.abs(weight * squared[:, None] + offset)  # [B, H, Tq, Tk]
+  if bias is not None:
+    prior = prior + jnp.asarray(bias, jnp.float32)
+  return dot_product_attention(query, key, value, prior, mask, scale=scale, is_causal=is_causal,
+                               query_seq_lengths=query_seq_lengths,
+                               key_value_seq_lengths=key_value_seq_lengths,
+                               segment_ids=segment_ids, dropout_rate=dropout_rate,
+                               dropout_rng=dropout_rng)
+
+
+class GaussianDistancePrior(nn.Module):
+  """`gaussian_transformer`'s w and b, `[H]` each, learned.
+
+  They start at `initial_weight` and `initial_bias` rather than zero: the
+  gradient of |w d^2 + b| vanishes at w = b = 0 (d|x|/dx is taken as 0 there),
+  so a prior started at zero would never move.
+
+  Attributes:
+    initial_weight: w at initialisation (0.1: the weight of a key 3 positions
+      away is multiplied by exp(-0.9)).
+    initial_bias: b at initialisation.
+  """
+
+  initial_weight: float = 0.1
+  initial_bias: float = 0.0
+
+  @nn.compact
+  def __call__(self, query, key, value, deterministic: bool = True) -> dict:
+    del key, value, deterministic
+    heads = query.shape[2]
+    constant = lambda v: (lambda rng, shape: jnp.full(shape, v, jnp.float32))
+    return dict(distance_weight=self.param("distance_weight", constant(self.initial_weight),
+                                           (heads,)),
+                distance_bias=self.param("distance_bias", constant(self.initial_bias), (heads,)))
+
+
+registry.register(registry.VariantSpec(
+    name="gaussian_transformer", fn=gaussian_transformer_attention, family="prior",
+    complexity="O(T^2)", subquadratic=False, exact=False, causal=True, cross=True,
+    paper="Guo et al. 2019", extras=GaussianDistancePrior,
+    options=dict(initial_weight="w at initialisation, per head (the prior -|w (i-j)^2 + b|)",
+                 initial_bias="b at initialisation, per head",
+                 scale="multiplies the q . k logits; 1/sqrt(D) when None")))
+
+
+# --------------------------------------------------------------------------------------
+# Hard-coded Gaussian attention: weights from the positions alone.
+
+
+def hard_coded_gaussian_attention(
+    query: Array,
+    key: Array,
+    value: Array,
+    bias: Optional[Array] = None,
+    mask: Optional[Array] = None,
+    *,
+    is_causal: bool = False,
+    query_seq_lengths: Optional[Array] = None,
+    key_value_seq_lengths: Optional[Array] = None,
+    segment_ids=None,
+    offset: int = 0,
+    sigma: float = 1.0,
+    window: Optional[int] = 8,
+) -> Array:
+  """Hard-coded Gaussian attention (You et al. 2020):
+
+      weights_ij = exp(-(j - c_i)^2 / (2 sigma^2)) / sum_{j' allowed} (same),
+      c_i = i + offset,   out_i = sum_j weights_ij v_j,
+
+  over the keys that the masks allow (and, with `window`, |j - c_i| <= w);
+  queries that see no key output zeros. The paper centres heads on the token
+  (offset 0) or its neighbours (-1, +1). Query and key contents are not read
+  (`MultiHeadAttention` makes neither projection): they only give the shapes.
+
+  Args:
+    query: `[B, T, H, D]` (shape only; a `jax.ShapeDtypeStruct` will do).
+    key: `[B, T, Hkv, D]` (shape only).
+    value: `[B, T, Hkv, Dv]`; query head h uses value head h // (H // Hkv).
+    bias: additive logits `[B|1, H|1, Tq, Tk]`; only with `window=None`.
+    mask: boolean, broadcastable to `[B, H, Tq, Tk]`; with a window only a key
+      padding mask `[B|1, 1, 1, Tk]`.
+    is_causal, query_seq_lengths, key_value_seq_lengths, segment_ids: as in
+      `dot_product_attention`.
+    offset: the centre's offset from the query position, an int.
+    sigma: the Gaussian's standard deviation, in positions, > 0.
+    window: w, keys farther than w from the centre get weight 0, computed as a
+      band, O(T w), self-attention only (Tq == Tk); the weights are those of
+      the untruncated Gaussian renormalised over the band (w = 8, sigma = 1:
+      the mass left out is below 1e-14). None: every key, O(T^2), a
+      `[Tq, Tk]` array of logits; Tq may differ from Tk.
+
+  Returns:
+    `[B, Tq, H, Dv]` in the value dtype.
+  """
+  if not isinstance(offset, int) or isinstance(offset, bool):
+    raise ValueError(f"offset must be an int (0: on the token, -1/+1: previous/next), got "
+                     f"{offset!r}.")
+  if not sigma > 0:
+    raise ValueError(f"sigma must be > 0, got {sigma!r}.")
+  num_heads = query.shape[2]
+  inverse_variance = 1.0 / (2.0 * float(sigma) ** 2)
+
+  def position_logits(q_pos, k_pos):
+    distance = (k_pos - (q_pos + offset)).astype(jnp.float32)
+    return -jnp.square(distance) * inverse_variance
+
+  if window is None:
+    q_len, kv_len = query.shape[1], value.shape[1]
+    logits = position_logits(jnp.arange(q_len)[:, None], jnp.arange(kv_len)[None, :])
+    return synthesizer_attention(
+        query, key, value, bias, mask, is_causal=is_causal, query_seq_lengths=query_seq_lengths,
+        key_value_seq_lengths=key_value_seq_lengths, segment_ids=segment_ids,
+        synthetic_logits=jnp.broadcast_to(logits, (1, num_heads, q_len, kv_len)))
+  common.check_size("window", window, minimum=0)
+  if key.shape[1] != query.shape[1]:
+    raise ValueError(f"hard_coded_gaussian with a window is self-attention only: the query "
+                     f"length ({query.shape[1]}) must equal the key length ({key.shape[1]}); "
+                     f"use window=None for cross-attention.")
+  # A dense bias is T x T, which the band exists to avoid.
+  common.reject_unsupported("hard_coded_gaussian (with a window)", bias=bias)
+  in_window = lambda q_pos, k_pos: jnp.abs(k_pos - (q_pos + offset)) <= window
+  # The band [i - left, i + right] holds [c_i - w, c_i + w]; `in_window` trims it.
+  return sparse.positional_band_attention(
+      "hard_coded_gaussian", value, num_heads, position_logits, left=max(window - offset, 0),
+      right=max(window + offset, 0), allowed=in_window, mask=mask, is_causal=is_causal,
+      query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
+      segment_ids=segment_ids)
+
+
+class NoQueryKey(nn.Module):
+  """The extras of a variant that reads neither queries nor keys
+  (`hard_coded_gaussian`): no arrays, only the projections to leave out."""
+
+  @staticmethod
+  def unused_projections(options: Mapping[str, Any]) -> frozenset:
+    del options
+    return frozenset({"query", "key"})
+
+  @nn.compact
+  def __call__(self, query, key, value, deterministic: bool = True) -> dict:
+    del query, key, value, deterministic
+    return {}
+
+
+registry.register(registry.VariantSpec(
+    name="hard_coded_gaussian", fn=hard_coded_gaussian_attention, family="prior",
+    complexity="O(T w)", subquadratic=True, exact=False, causal=True, cross=False,
+    paper="You et al. 2020", extras=NoQueryKey,
+    options=dict(offset="the Gaussian's centre relative to the query (0: the token, -1/+1: "
+                        "the previous/next one)",
+                 sigma="the Gaussian's standard deviation, in positions",
+                 window="w: only keys within w of the centre, O(T w); None: every key, "
+                        "O(T^2) (and cross-attention)")))
+
+
+# --------------------------------------------------------------------------------------
+# Average Attention Network: a cumulative average, a feed-forward layer and gates.
+
+AVERAGE_ARRAYS = ("ffn_in_kernel", "ffn_in_bias", "ffn_out_kernel", "ffn_out_bias",
+                  "gate_kernel", "gate_bias")
+
+
+def _check_average_arrays(features: int, arrays: Mapping[str, Array]) -> None:
+  missing = [name for name in AVERAGE_ARRAYS if name not in arrays]
+  unknown = sorted(set(arrays) - set(AVERAGE_ARRAYS))
+  if missing or unknown:
+    raise ValueError(f"average takes the arrays {AVERAGE_ARRAYS}; missing {missing}, "
+                     f"unknown {unknown}.")
+  hidden = arrays["ffn_in_kernel"].shape[-1]
+  for name, expected in (("ffn_in_kernel", (features, None)), ("ffn_in_bias", (hidden,)),
+                         ("ffn_out_kernel", (hidden, features)), ("ffn_out_bias", (features,)),
+                         ("gate_kernel", (2 * features, 2 * features)),
+                         ("gate_bias", (2 * features,))):
+    common.check_per_head(name, arrays[name], expected)
+
+
+def _average_gating(x: Array, average: Array, *, ffn_in_kernel: Array, ffn_in_bias: Array,
+                    ffn_out_kernel: Array, ffn_out_bias: Array, gate_kernel: Array,
+                    gate_bias: Array, dropout_rate: float = 0.0,
+                    dropout_rng: Optional[jax.Array] = None) -> Array:
+  """The AAN's layers after the average, position by position (eqs. 1, 3, 4):
+  g = FFN(average), (i, f) = sigmoid(W [x; g] + b), i * x + f * g. `[..., E]`."""
+  hidden = jax.nn.relu(average @ ffn_in_kernel + ffn_in_bias)
+  hidden = common.dropout_weights(hidden, dropout_rate, dropout_rng)
+  ffn = hidden @ ffn_out_kernel + ffn_out_bias
+  gates = jax.nn.sigmoid(jnp.concatenate([x, ffn], axis=-1) @ gate_kernel + gate_bias)
+  input_gate, forget_gate = jnp.split(gates, 2, axis=-1)
+  return input_gate * x + forget_gate * ffn
+
+
+def average_attention(x: Array, *, is_causal: bool = True, valid: Optional[Array] = None,
+                      dropout_rate: float = 0.0, dropout_rng: Optional[jax.Array] = None,
+                      **arrays: Array) -> Array:
+  """The Average Attention Network's layer (Zhang et al. 2018), without the
+  residual and norm that the model's block adds (eq. 5, h = LN(x + out)):
+
+      a_t = (1 / t) sum_{k <= t} x_k                       (eq. 1, the average)
+      g_t = FFN(a_t) = relu(a_t W_1 + b_1) W_2 + b_2        (eq. 1)
+      i_t, f_t = sigmoid([x_t; g_t] W_g + b_g)              (eq. 3, split in two)
+      out_t = i_t * x_t + f_t * g_t                         (eq. 4)
+
+  The average is a cumulative sum over the count: O(T), never T x T.
+  With `valid` it runs over the valid tokens only, a_t = sum_{k <= t, valid}
+  x_k / #{k <= t valid} (zero before the first valid one); without
+  `is_causal` every position gets the average of all the valid tokens (an
+  encoder's form, which the paper does not have: its AAN is the decoder's).
+
+  Args:
+    x: `[B, T, E]` the inputs y of the paper.
+    is_causal: the cumulative average (the paper's); False: the whole sequence's.
+    valid: `[B, T]` bool, the tokens to average (padding False); all when None.
+    dropout_rate, dropout_rng: dropout on the FFN's hidden activations.
+    **arrays: ffn_in_kernel W_1 `[E, F]`, ffn_in_bias b_1 `[F]`, ffn_out_kernel
+      W_2 `[F, E]`, ffn_out_bias b_2 `[E]`, gate_kernel W_g `[2E, 2E]` (the
+      first E outputs the input gate's), gate_bias b_g `[2E]`.
+
+  Returns:
+    `[B, T, E]` in x's dtype.
+  """
+  if jnp.ndim(x) != 3:
+    raise ValueError(f"x must be [B, T, E], got shape {list(jnp.shape(x))}.")
+  batch, length, features = x.shape
+  _check_average_arrays(features, arrays)
+  if valid is None:
+    weight = jnp.ones((batch, length), jnp.float32)
+  elif tuple(jnp.shape(valid)) != (batch, length):
+    raise ValueError(f"valid must be [B, T] = [{batch}, {length}], got shape "
+                     f"{list(jnp.shape(valid))}.")
+  else:
+    weight = jnp.asarray(valid, jnp.float32)
+  inputs = x.astype(jnp.float32)
+  weighted = inputs * weight[..., None]
+  if is_causal:
+    total, count = jnp.cumsum(weighted, axis=1), jnp.cumsum(weight, axis=1)
+  else:
+    total = jnp.sum(weighted, axis=1, keepdims=True)
+    count = jnp.sum(weight, axis=1, keepdims=True)
+  # A position with no valid token so far averages nothing: zero, not 0 / 0.
+  average = jnp.broadcast_to(total / jnp.maximum(count, 1.0)[..., None], inputs.shape)
+  out = _average_gating(inputs, average, dropout_rate=dropout_rate, dropout_rng=dropout_rng,
+                        **arrays)
+  return out.astype(x.dtype)
+
+
+def initial_average_state(batch: int, features: int) -> Tuple[Array, Array]:
+  """The incremental AAN's state before the first token: (sum `[B, E]`, count `[B]`)."""
+  return jnp.zeros((batch, features), jnp.float32), jnp.zeros((batch,), jnp.float32)
+
+
+def average_attention_step(state: Tuple[Array, Array], x_t: Array,
+                           **arrays: Array) -> Tuple[Tuple[Array, Array], Array]:
+  """One decoding step of `average_attention` (causal): O(1) state and work per token.
+
+  Args:
+    state: (running sum `[B, E]`, count `[B]`) of the tokens so far
+      (`initial_average_state`).
+    x_t: `[B, E]`, the new token.
+    **arrays: as in `average_attention`.
+
+  Returns:
+    (the new state, out_t `[B, E]` in x_t's dtype), out_t equal to
+    `average_attention(x)[:, t]`.
+  """
+  total, count = state
+  if jnp.ndim(x_t) != 2 or tuple(total.shape) != tuple(x_t.shape):
+    raise ValueError(f"x_t must be [B, E] like the state's sum {list(total.shape)}, got shape "
+                     f"{list(jnp.shape(x_t))}.")
+  _check_average_arrays(x_t.shape[-1], arrays)
+  inputs = x_t.astype(jnp.float32)
+  total, count = total + inputs, count + 1.0
+  out = _average_gating(inputs, total / count[:, None], **arrays)
+  return (total, count), out.astype(x_t.dtype)
+
+
+class AverageAttention(nn.Module):
+  """The Average Attention Network as a token mixer (the mixer contract):
+  `average_attention` with its parameters. Decode one token at a time with
+  `average_attention_step(state, x_t, **variables["params"])`.
+
+  Padding (`key_value_seq_lengths` or a key-padding mask) is left out of the
+  averages; queries past `query_seq_lengths` output zeros. Causal or not, the
+  layer is O(T); it takes no context, segments or relative positions.
+
+  Attributes:
+    num_heads: not used (an average has no heads); the model passes it to
+      every mixer.
+    mlp_dim: F, the hidden size of the FFN after the average; 4 E when None.
+    dropout_rate: dropout on the FFN's hidden activations.
+    dtype, param_dtype: computation and parameter dtypes.
+  """
+
+  num_heads: Optional[int] = None
+  mlp_dim: Optional[int] = None
+  dropout_rate: float = 0.0
+  dtype: Optional[Dtype] = None
+  param_dtype: Dtype = jnp.float32
+
+  @nn.compact
+  def __call__(self, x: Array, context: Optional[Array] = None, *, mask=None,
+               is_causal: bool = False, query_seq_lengths=None, key_value_seq_lengths=None,
+               segment_ids=None, positions=None, deterministic: bool = True, carry=None):
+    """The mixer contract. x: `[B, T, E]`; mask: key padding `[B|1, 1, 1, T]`;
+    query_seq_lengths / key_value_seq_lengths: `[B]`; positions: not needed
+    (an average is order-free up to t); carry: passed through. Returns
+    `[B, T, E]` (with the carry when given one)."""
+    del positions
+    # Averages within segments would need a segmented cumulative sum; refused.
+    common.reject_unsupported("average", context=context, segment_ids=segment_ids)
+    batch, length, features = x.shape
+    hidden = common.check_size("mlp_dim", self.mlp_dim or 4 * features)
+    dense_init = nn.initializers.xavier_uniform()
+    zeros = nn.initializers.zeros_init()
+    arrays = dict(
+        ffn_in_kernel=self.param("ffn_in_kernel", dense_init, (features, hidden),
+                                 self.param_dtype),
+        ffn_in_bias=self.param("ffn_in_bias", zeros, (hidden,), self.param_dtype),
+        ffn_out_kernel=self.param("ffn_out_kernel", dense_init, (hidden, features),
+                                  self.param_dtype),
+        ffn_out_bias=self.param("ffn_out_bias", zeros, (features,), self.param_dtype),
+        gate_kernel=self.param("gate_kernel", dense_init, (2 * features, 2 * features),
+                               self.param_dtype),
+        gate_bias=self.param("gate_bias", zeros, (2 * features,), self.param_dtype))
+    dtype = self.dtype or jnp.promote_types(x.dtype, self.param_dtype)
+    arrays = {name: array.astype(dtype) for name, array in arrays.items()}
+    valid = common.key_padding("average", mask, key_value_seq_lengths, batch, length)
+    dropout_rng = None
+    if self.dropout_rate > 0.0 and not deterministic:
+      dropout_rng = self.make_rng("dropout")
+    out = average_attention(x.astype(dtype), is_causal=is_causal, valid=valid,
+                            dropout_rate=self.dropout_rate, dropout_rng=dropout_rng, **arrays)
+    if query_seq_lengths is not None:
+      out = common.zero_padded_queries(out[:, :, None], query_seq_lengths)[:, :, 0]
+    return common.mixer_output(out, carry)
+
+
+registry.register(registry.VariantSpec(
+    name="average", fn=average_attention, family="prior", complexity="O(T)", subquadratic=True,
+    exact=False, causal=True, cross=False, paper="Zhang et al. 2018", qkv=False,
+    mixer=AverageAttention,
+    options=dict(mlp_dim="F, the hidden size of the FFN after the average; 4 E when None")))
 
 
 # --------------------------------------------------------------------------------------

@@ -209,11 +209,7 @@ def luong_local_attention(query: Array, key: Array, value: Array, bias: Optional
     centre = num_keys[:, None, None] * jax.nn.sigmoid(
         jnp.einsum("bhqa,ha->bhq", hidden, position_vector).astype(jnp.float32))
   else:
-    positions = jnp.arange(q_len) if query_positions is None else jnp.asarray(query_positions)
-    if positions.shape not in ((q_len,), (batch, q_len)):
-      raise ValueError(f"query_positions must be [Tq] or [B, Tq] = [{q_len}] or "
-                       f"[{batch}, {q_len}], got {list(positions.shape)}.")
-    centre = jnp.broadcast_to(positions.astype(jnp.float32), (batch, q_len))[:, None, :]
+    centre = common.query_positions(query_positions, batch, q_len)[:, None, :]
   distance = jnp.arange(kv_len, dtype=jnp.float32) - centre[..., None]  # [B, H|1, Tq, Tk]
   in_window = jnp.abs(distance) <= window
   mask = in_window if mask is None else jnp.logical_and(mask, in_window)

@@ -48,6 +48,8 @@ from attention_jax.variants import common
 Array = jnp.ndarray
 # A pattern: (query positions, key positions) -> may attend, broadcasting.
 Predicate = Callable[[Array, Array], Array]
+# Logits from positions alone: (query positions, key positions) -> float32, broadcasting.
+PositionLogits = Callable[[Array, Array], Array]
 
 
 # ----------------------------------------------------------------------------
@@ -146,7 +148,8 @@ def _finite(x: Array) -> Array:
 
 def _dense_part(query: Array, key: Array, value: Array, q_pos: Array, k_pos: Array,
                 key_ok: Array, q_seg: Optional[Array], k_seg: Optional[Array],
-                allowed: Optional[Predicate]) -> _Part:
+                allowed: Optional[Predicate],
+                position_logits: Optional[PositionLogits] = None) -> _Part:
   """Each query of a group attends to the allowed keys of the same group.
 
   Args:
@@ -155,11 +158,14 @@ def _dense_part(query: Array, key: Array, value: Array, q_pos: Array, k_pos: Arr
     key_ok: `[B, G, K]` keys that exist (not padding, inside the sequence).
     q_seg, k_seg: `[B, G, Q]`, `[B, G, K]` segment ids, or None.
     allowed: the pattern over positions, or None for every pair.
+    position_logits: logits that depend on the positions only, added to q . k.
 
   Returns:
     A `_Part` with leading dims `[B, G, Q]`.
   """
   logits = jnp.einsum("bgqhd,bgkhd->bghqk", query, key, preferred_element_type=jnp.float32)
+  if position_logits is not None:
+    logits = logits + position_logits(q_pos[:, :, None], k_pos[:, None, :])[None, :, None]
   ok = key_ok[:, :, None, None, :]
   if allowed is not None:
     ok = ok & allowed(q_pos[:, :, None], k_pos[:, None, :])[None, :, None]
@@ -260,7 +266,8 @@ def _map_part(fn: Callable[[Array], Array], part: _Part) -> _Part:
 
 def _block_part(query: Array, key: Array, value: Array, positions: Array, key_ok: Array,
                 segments: Optional[Tuple[Array, Array]], block: int, key_blocks: Array,
-                allowed: Optional[Predicate]) -> _Part:
+                allowed: Optional[Predicate],
+                position_logits: Optional[PositionLogits] = None) -> _Part:
   """Blocks of queries attend to gathered blocks of keys.
 
   Args:
@@ -271,6 +278,7 @@ def _block_part(query: Array, key: Array, value: Array, positions: Array, key_ok
       stripe: query block n attends to key blocks `key_blocks[n]`; indices
       outside [0, L / b) stand for nothing.
     allowed: the exact pattern inside the gathered `[b, M b]` tiles.
+    position_logits: logits from the positions, added to q . k (see `_dense_part`).
 
   Returns:
     A `_Part` with leading dims `[B, S, L]`. Cost: O(S L M b) scores.
@@ -301,12 +309,13 @@ def _block_part(query: Array, key: Array, value: Array, positions: Array, key_ok
       query_blocks(segments[0]), gathered(segments[1]))
   part = _dense_part(query_blocks(query), gathered(key), gathered(value),
                      query_blocks(pos)[0], gathered(pos)[0], key_ok_tiles, q_seg, k_seg,
-                     allowed)
+                     allowed, position_logits)
   return _map_part(lambda x: x.reshape(batch, stripes, length, *x.shape[3:]), part)
 
 
 def _windowed_part(inputs: _Inputs, left: int, right: int, block: int, dilation: int = 1,
-                   extra: Optional[Predicate] = None) -> _Part:
+                   extra: Optional[Predicate] = None,
+                   position_logits: Optional[PositionLogits] = None) -> _Part:
   """Query i attends to keys i + dilation * m, -left <= m <= right (right = 0
   when causal), and `extra`; blockwise on the stripes of `dilation`.
 
@@ -322,7 +331,8 @@ def _windowed_part(inputs: _Inputs, left: int, right: int, block: int, dilation:
   # Keys of one stripe are `dilation` apart, so a window of m stripe steps is
   # m * dilation positions.
   allowed = _all_of(_window(left * dilation, right * dilation), _causal(inputs.is_causal), extra)
-  part = _block_part(query, key, value, positions, key_ok, segments, block, key_blocks, allowed)
+  part = _block_part(query, key, value, positions, key_ok, segments, block, key_blocks, allowed,
+                     position_logits)
   return _map_part(_from_stripes, part)
 
 
@@ -525,6 +535,48 @@ def local_attention(query: Array, key: Array, value: Array, bias=None, mask=None
                      _causal(inputs.is_causal))
   out = _merge_parts([_map_part(_from_stripes, part)])
   return _finish(out, inputs, query_seq_lengths, query.dtype)
+
+
+def positional_band_attention(variant: str, value: Array, num_heads: int,
+                              position_logits: PositionLogits, left: int, right: int, *,
+                              allowed: Optional[Predicate] = None, mask=None,
+                              is_causal: bool = False, query_seq_lengths=None,
+                              key_value_seq_lengths=None, segment_ids=None) -> Array:
+  """Self-attention whose logits depend on the positions only, over a band.
+
+  out_i = sum_j softmax_j(position_logits(i, j)) v_j over the keys j in
+  [i - left, i + right] that `allowed(i, j)` and the masks let through; no
+  queries or keys (a fixed prior such as hard-coded Gaussian attention).
+  Computed as `local`'s band, blockwise with blocks of max(left, right, 1):
+  O(T (left + right)), no T x T array.
+
+  Args:
+    variant: the caller's name, for error messages.
+    value: `[B, T, Hkv, Dv]`; query head h uses value head h // (H // Hkv).
+    num_heads: H.
+    position_logits: `(q_pos, k_pos) -> logits`, float32, broadcasting.
+    left, right: the band, >= 0 (right = 0 when causal).
+    allowed: a further pattern inside the band, or None.
+    mask, is_causal, query_seq_lengths, key_value_seq_lengths, segment_ids:
+      as in `local_attention` (a key-padding mask only).
+
+  Returns:
+    `[B, T, H, Dv]` in the value dtype.
+  """
+  common.check_size("left", left, minimum=0)
+  common.check_size("right", right, minimum=0)
+  block = max(left, right, 1)
+  batch, length, num_kv_heads = value.shape[:3]
+  # Zero-width queries and keys: their dot products are zeros, which leaves
+  # only the position logits, at no cost.
+  no_query = jnp.zeros((batch, length, num_heads, 0), value.dtype)
+  no_key = jnp.zeros((batch, length, num_kv_heads, 0), value.dtype)
+  inputs = _prepare(variant, no_query, no_key, value, None, mask, is_causal=is_causal,
+                    key_value_seq_lengths=key_value_seq_lengths, segment_ids=segment_ids,
+                    scale=1.0, multiple=block)
+  out = _merge_parts([_windowed_part(inputs, left, right, block, extra=allowed,
+                                     position_logits=position_logits)])
+  return _finish(out, inputs, query_seq_lengths, value.dtype)
 
 
 def block_local_attention(query: Array, key: Array, value: Array, bias=None, mask=None, *,

@@ -8,25 +8,13 @@ import pytest
 import attention_jax
 from attention_jax.core import reference_attention
 from attention_jax.variants import common, prior
-from attention_testing import (B, H, KV_LENGTHS, Q_LENGTHS, Q_SEGMENTS, KV_SEGMENTS, TK, TQ,
-                               assert_close, bias_and_mask, loop_mask, random_qkv)
+from attention_testing import (B, H, TK, TQ, VARIANT_MASK_CASES, assert_close, bias_and_mask,
+                               loop_mask, random_qkv)
 
 SYNTHESIZERS = ["synthesizer_dense", "synthesizer_random", "synthesizer_factorized"]
 ALL_SYNTHESIZERS = [pytest.mark.property(name) for name in SYNTHESIZERS]
 
-# name -> (keyword arguments of the variant, arguments of loop_mask)
-MASK_CASES = {
-    "plain": ({}, {}),
-    "causal": (dict(is_causal=True), dict(is_causal=True)),
-    "lengths": (dict(query_seq_lengths=jnp.array(Q_LENGTHS),
-                     key_value_seq_lengths=jnp.array(KV_LENGTHS)),
-                dict(q_lengths=Q_LENGTHS, kv_lengths=KV_LENGTHS)),
-    "everything": (dict(is_causal=True, query_seq_lengths=jnp.array(Q_LENGTHS),
-                        key_value_seq_lengths=jnp.array(KV_LENGTHS),
-                        segment_ids=(jnp.array(Q_SEGMENTS), jnp.array(KV_SEGMENTS))),
-                   dict(is_causal=True, q_lengths=Q_LENGTHS, kv_lengths=KV_LENGTHS,
-                        q_segments=Q_SEGMENTS, kv_segments=KV_SEGMENTS)),
-}
+MASK_CASES = VARIANT_MASK_CASES
 
 
 def _with_marks(test):
