@@ -231,6 +231,11 @@ class MultiHeadAttention(nn.Module):
       # Variants that place each query (Luong's local-m) see its position,
       # offset while decoding.
       options["query_positions"] = q_positions
+    if "sow_loss" in inspect.signature(spec.fn).parameters:
+      # Variants with auxiliary losses (disagreement regularisers) hand them
+      # back through this callback; the trainer adds the "losses" collection
+      # to the loss (`train.steps.sown_losses`).
+      options["sow_loss"] = lambda name, loss: self.sow("losses", name, loss)
     if attention_arguments:
       options.update(_call_arguments(spec, attention_arguments, options))
     attend = functools.partial(spec.fn, query, key, bias=bias, mask=mask, is_causal=is_causal,
@@ -239,7 +244,10 @@ class MultiHeadAttention(nn.Module):
                                segment_ids=segment_ids, **options)
     out = attend(value)
     if self.is_mutable_collection("intermediates") and not spec.carries:
-      self.sow("intermediates", "attention_weights", attention_weights(attend, value))
+      # The weights' extra pass must not sow the auxiliary losses a second time.
+      weights_of = (functools.partial(attend, sow_loss=None) if "sow_loss" in options
+                    else attend)
+      self.sow("intermediates", "attention_weights", attention_weights(weights_of, value))
     if spec.carries:
       out, updates = out
       carry = None if carry is None else {**carry, **updates}

@@ -219,7 +219,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
     host_sums, grad_norm = jax.device_get((sums, metrics["grad_norm"]))
     count = max(float(host_sums["count"]), 1e-8)
     steps_per_s = timer.rate()
+    # The loss is the cross-entropy plus the losses modules sow (aux_loss:
+    # e.g. disagreement regularisers, span penalties), logged apart.
     last_train = dict(loss=float(host_sums["loss"]) / count,
+                      cross_entropy=float(host_sums["cross_entropy"]) / count,
+                      aux_loss=float(host_sums["aux_loss"]) / count,
                       accuracy=float(host_sums["accuracy"]) / count,
                       grad_norm=float(grad_norm),
                       learning_rate=float(_learning_rate(config, step)))
@@ -465,7 +469,7 @@ def _num_params(params: Any) -> int:
 @jax.jit
 def _accumulate(sums: Optional[Dict[str, jax.Array]], metrics: Dict[str, jax.Array],
                 step: jax.Array) -> Dict[str, jax.Array]:
-  """The train metrics' running sums (loss and accuracy weighted by the count)
+  """The train metrics' running sums (loss, its two terms and accuracy weighted by the count)
   with one more step's `metrics` added; `sums` None starts them.
 
   Also keeps the first `step` whose loss or gradient norm is not finite
@@ -474,13 +478,14 @@ def _accumulate(sums: Optional[Dict[str, jax.Array]], metrics: Dict[str, jax.Arr
   """
   if sums is None:
     zero = jnp.zeros((), jnp.float32)
-    sums = dict(loss=zero, accuracy=zero, count=zero, bad_step=jnp.zeros((), jnp.int32),
-                bad_loss=zero, bad_grad_norm=zero)
+    sums = dict(loss=zero, cross_entropy=zero, aux_loss=zero, accuracy=zero, count=zero,
+                bad_step=jnp.zeros((), jnp.int32), bad_loss=zero, bad_grad_norm=zero)
   count = metrics["count"]
   first_bad = (sums["bad_step"] == 0) & ~(jnp.isfinite(metrics["loss"]) &
                                           jnp.isfinite(metrics["grad_norm"]))
-  return dict(loss=sums["loss"] + metrics["loss"] * count,
-              accuracy=sums["accuracy"] + metrics["accuracy"] * count,
+  weighted = {name: sums[name] + metrics[name] * count
+              for name in ("loss", "cross_entropy", "aux_loss", "accuracy")}
+  return dict(**weighted,
               count=sums["count"] + count,
               bad_step=jnp.where(first_bad, step.astype(jnp.int32), sums["bad_step"]),
               bad_loss=jnp.where(first_bad, metrics["loss"], sums["bad_loss"]),

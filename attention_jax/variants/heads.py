@@ -19,6 +19,10 @@ its path, so this file imports no layer).
   assignment of windows to heads; the computation is `sparse.local_attention`
   (blockwise, O(T w)) called once per distinct window, so none of sparse.py's
   internals are needed.
+* `disagreement` (Li et al. 2018): multi-head dot-product attention whose
+  function hands back three disagreement regularisers (subspace, position,
+  output) as auxiliary losses, through the `sow_loss` callback that
+  `MultiHeadAttention` passes to a function taking it.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from __future__ import annotations
 from typing import Callable, Optional, Sequence, Tuple
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -208,6 +213,130 @@ def multi_scale_attention(query: Array, key: Array, value: Array, bias: Optional
   return jnp.concatenate(outputs, axis=2)[:, :, np.argsort(order)]
 
 
+DISAGREEMENT_REGULARIZERS = ("subspace", "position", "output")
+# Below this squared norm a head's vector counts as zero (cosine 0, finite gradient).
+_TINY_SQUARED_NORM = 1e-24
+
+
+def _mean_pairwise_cosine(x: Array) -> Array:
+  """(1/H^2) sum_{h,g} cos(x_h, x_g), x_h the whole `[N, F]` slice of head h
+  flattened (the Frobenius inner product of the heads' matrices), averaged
+  over the batch. x: `[B, N, H, F]`; returns a float32 scalar."""
+  x = x.astype(jnp.float32)
+  flat = jnp.swapaxes(x, 1, 2).reshape(x.shape[0], x.shape[2], -1)  # [B, H, N F]
+  squared_norm = jnp.sum(jnp.square(flat), axis=-1, keepdims=True)
+  unit = flat * jax.lax.rsqrt(jnp.maximum(squared_norm, _TINY_SQUARED_NORM))
+  return jnp.mean(jnp.einsum("bhn,bgn->bhg", unit, unit))
+
+
+def subspace_disagreement(value: Array) -> Array:
+  """D_sub = -(1/H^2) sum_{i,j} cos(V_i, V_j) over the heads' projected values.
+
+  Args:
+    value: `[B, Tk, H, Dv]`, one value head per query head (repeat grouped
+      K/V heads first: heads sharing values then agree, cos = 1).
+
+  Returns:
+    A float32 scalar in [-1, 1], averaged over the batch (higher = more diverse).
+  """
+  return -_mean_pairwise_cosine(value)
+
+
+def position_disagreement(weights: Array) -> Array:
+  """D_pos = -(1/H^2) sum_{i,j} |A_i ⊙ A_j|, |.| the sum of the elements.
+
+  sum_{i,j} sum_{q,k} A_i A_j = sum_{q,k} (sum_i A_i)^2, so it costs one
+  `[Tq, Tk]` square per example, not H^2 products.
+
+  Args:
+    weights: the attention weights A `[B, H, Tq, Tk]` (>= 0).
+
+  Returns:
+    A float32 scalar <= 0, averaged over the batch.
+  """
+  num_heads = weights.shape[1]
+  summed = jnp.sum(weights.astype(jnp.float32), axis=1)  # [B, Tq, Tk]
+  return -jnp.mean(jnp.sum(jnp.square(summed), axis=(1, 2))) / num_heads ** 2
+
+
+def output_disagreement(outputs: Array) -> Array:
+  """D_out = -(1/H^2) sum_{i,j} cos(O_i, O_j) over the heads' outputs (before W^O).
+
+  Args:
+    outputs: `[B, Tq, H, Dv]`.
+
+  Returns:
+    A float32 scalar in [-1, 1], averaged over the batch.
+  """
+  return -_mean_pairwise_cosine(outputs)
+
+
+def check_regularizers(regularizers: Tuple[str, ...]) -> Tuple[str, ...]:
+  """`regularizers`, checked: a tuple of distinct names from DISAGREEMENT_REGULARIZERS."""
+  if (not isinstance(regularizers, (tuple, list)) or len(set(regularizers)) != len(regularizers)
+      or not set(regularizers) <= set(DISAGREEMENT_REGULARIZERS)):
+    raise ValueError(f"regularizers must be a tuple of distinct names from "
+                     f"{DISAGREEMENT_REGULARIZERS}, got {regularizers!r}.")
+  return tuple(regularizers)
+
+
+@common.passes_on_masks
+def disagreement_attention(query: Array, key: Array, value: Array, bias: Optional[Array] = None,
+                           mask: Optional[Array] = None, *,
+                           regularizers: Tuple[str, ...] = DISAGREEMENT_REGULARIZERS,
+                           weight: float = 1.0, scale: Optional[float] = None,
+                           sow_loss: Optional[Callable[[str, Array], None]] = None,
+                           **kwargs) -> Array:
+  """Dot-product attention with disagreement regularisation (Li et al. 2018).
+
+  The output is `dot_product_attention`'s. The paper trains
+  argmax_theta L(y | x) + lambda D, D the sum of the chosen disagreements
+  (`subspace_disagreement`, `position_disagreement`, `output_disagreement`:
+  each is minus a similarity, so more diverse heads give a larger D).
+  Sign convention: the trainer minimises, so each chosen regulariser r is
+  handed to `sow_loss` as the loss `weight * (-D_r)` (the weighted mean
+  similarity) under the name "<r>_disagreement"; minimising it maximises the
+  disagreement. A direct call (sow_loss None) computes no regulariser.
+
+  Args:
+    query: `[B, Tq, H, D]`; key: `[B, Tk, Hkv, D]`; value: `[B, Tk, Hkv, Dv]`.
+    bias: added to the logits, broadcastable to `[B, H, Tq, Tk]`.
+    regularizers: which of "subspace", "position", "output" to apply.
+    weight: lambda, the weight of each regulariser in the loss (1.0, the
+      paper's weight); 0 turns them off.
+    scale: multiplies q . k; 1/sqrt(D) when None.
+    sow_loss: `sow_loss(name, loss)`, given by `MultiHeadAttention`, which
+      sows the loss into the "losses" collection the trainer adds up.
+    **kwargs: the masks of `dot_product_attention` and dropout (the
+      position regulariser sees the weights before dropout).
+
+  Returns:
+    `[B, Tq, H, Dv]` in the query dtype.
+  """
+  regularizers = check_regularizers(regularizers)
+  common.check_query_key_sizes("disagreement", query, key)
+  scale = query.shape[-1] ** -0.5 if scale is None else scale
+  # The weights are the dense softmax's; kept here for the position regulariser.
+  kept = {}
+
+  def keeping_softmax(scores, allowed):
+    kept["weights"] = masked_softmax(scores, allowed)
+    return kept["weights"]
+
+  out = scoring.scored_attention(
+      query, key, value, lambda q, k: scoring.dot_score(q, k) * jnp.float32(scale), bias, mask,
+      weighting=keeping_softmax, **kwargs)
+  if sow_loss is None or weight == 0.0:
+    return out
+  disagreements = dict(
+      subspace=lambda: subspace_disagreement(common.repeat_kv_heads(value, query.shape[2])),
+      position=lambda: position_disagreement(kept["weights"]),
+      output=lambda: output_disagreement(out))
+  for name in regularizers:
+    sow_loss(f"{name}_disagreement", -jnp.float32(weight) * disagreements[name]())
+  return out
+
+
 # The heads run dot-product attention, so they take its options.
 _HEADS = dict(fn=multi_head_attention, family="heads", complexity="O(T^2)", subquadratic=False,
               exact=True, causal=True, cross=True, qkv=False, mixer=registry.ATTENTION_MIXER,
@@ -249,3 +378,10 @@ registry.register(registry.VariantSpec(
     options=dict(windows="window sizes w (keys each side of the query): one per head, or one "
                          "per contiguous group of heads",
                  scale="multiplies the logits; 1/sqrt(D) when None")))
+registry.register(registry.VariantSpec(
+    name="disagreement", fn=disagreement_attention, paper="Li et al. 2018", family="heads",
+    complexity="O(T^2)", subquadratic=False, exact=True, causal=True, cross=True,
+    options=dict(regularizers="which disagreements to maximise: 'subspace', 'position', "
+                              "'output'",
+                 weight="lambda: each regulariser's loss is weight * (-D); 0 turns them off",
+                 scale="multiplies the logits q . k; 1/sqrt(D) when None")))

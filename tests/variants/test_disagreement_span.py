@@ -1,0 +1,140 @@
+"""Heads family, section B of issue #17: disagreement regularisation (Li et al.
+2018) and the adaptive attention span (Sukhbaatar et al. 2019)."""
+
+import json
+import pathlib
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from attention_jax.layers.attention import MultiHeadAttention
+from attention_jax.variants import heads
+from attention_jax.variants.dense import dot_product_attention
+from attention_testing import B, H, as_float64, assert_close, random_qkv
+
+sys.path.insert(0, str(pathlib.Path(__file__).parent.parent / "train"))
+import tiny_config  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+
+def np_softmax_attention(logits, allowed, value):
+  """Weights and outputs of a masked softmax: logits/allowed [B, H, Tq, Tk], value
+  [B, Tk, H, Dv] -> ([B, H, Tq, Tk], [B, Tq, H, Dv]) float64; rows with no key are 0."""
+  logits = np.where(allowed, logits, -np.inf)
+  row_max = np.max(logits, -1, keepdims=True)
+  weights = np.exp(logits - np.where(np.isfinite(row_max), row_max, 0.0))
+  total = weights.sum(-1, keepdims=True)
+  weights = weights / np.where(total == 0, 1.0, total)
+  return weights, np.einsum("bhqk,bkhd->bqhd", weights, as_float64(value))
+
+
+def np_logits(query, key):
+  query, key = as_float64(query), as_float64(key)
+  return np.einsum("bqhd,bkhd->bhqk", query, key) / np.sqrt(query.shape[-1])
+
+
+# ----------------------------------------------------------------------------------
+# disagreement
+
+
+def np_mean_cosine(x):
+  """(1/H^2) sum_{i,j} cos(x_i, x_j), each head's [N, F] flattened; mean over the batch."""
+  x = as_float64(x)
+  totals = []
+  for example in x:
+    flat = [example[:, h].ravel() for h in range(x.shape[2])]
+    totals.append(np.mean([[a @ b / np.linalg.norm(a) / np.linalg.norm(b) for b in flat]
+                           for a in flat]))
+  return np.mean(totals)
+
+
+def np_position_disagreement(weights):
+  weights = as_float64(weights)
+  num_heads = weights.shape[1]
+  per_example = [-sum(np.sum(w[i] * w[j]) for i in range(num_heads) for j in range(num_heads))
+                 / num_heads ** 2 for w in weights]
+  return np.mean(per_example)
+
+
+@pytest.mark.property("disagreement")
+def test_each_regularizer_is_its_formula():
+  rng = np.random.default_rng(0)
+  value = rng.normal(size=(B, 6, H, 5)).astype(np.float32)
+  weights = rng.dirichlet(np.ones(7), size=(B, H, 6)).astype(np.float32)
+  assert_close(heads.subspace_disagreement(jnp.asarray(value)), -np_mean_cosine(value))
+  assert_close(heads.output_disagreement(jnp.asarray(value)), -np_mean_cosine(value))
+  assert_close(heads.position_disagreement(jnp.asarray(weights)),
+               np_position_disagreement(weights))
+  # Identical heads agree fully: every cosine is 1.
+  same = np.repeat(value[:, :, :1], H, axis=2)
+  assert_close(heads.subspace_disagreement(jnp.asarray(same)), -1.0)
+
+
+@pytest.mark.parity("disagreement")
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_output_is_dot_product_attention_and_losses_are_the_formulas(is_causal):
+  query, key, value = random_qkv(seed=3, batch=B, q_len=8, num_heads=H, num_kv_heads=2)
+  masks = dict(is_causal=is_causal, key_value_seq_lengths=jnp.asarray([5, 8]))
+  sown = {}
+  out = heads.disagreement_attention(query, key, value, weight=0.5, **masks,
+                                     sow_loss=lambda name, loss: sown.setdefault(name, loss))
+  assert_close(out, dot_product_attention(query, key, value, **masks))
+
+  expanded_key, expanded_value = (np.repeat(as_float64(a), 2, axis=2) for a in (key, value))
+  positions = np.arange(8)
+  allowed = np.ones((B, 1, 8, 8), bool) & (positions[None, :] < np.array([5, 8])[:, None, None])[
+      :, None]
+  if is_causal:
+    allowed = allowed & (positions[None, :] <= positions[:, None])
+  weights, np_out = np_softmax_attention(np_logits(query, expanded_key), allowed, expanded_value)
+  assert sorted(sown) == ["output_disagreement", "position_disagreement",
+                          "subspace_disagreement"]
+  # The losses are weight * (-D): minimising them maximises the disagreement.
+  assert_close(sown["subspace_disagreement"], 0.5 * np_mean_cosine(expanded_value))
+  assert_close(sown["position_disagreement"], -0.5 * np_position_disagreement(weights))
+  assert_close(sown["output_disagreement"], 0.5 * np_mean_cosine(np_out))
+
+
+@pytest.mark.property("disagreement")
+def test_chosen_regularizers_only_and_bad_names_refused():
+  query, key, value = random_qkv(seed=4, batch=1, q_len=5, num_heads=H)
+  sown = {}
+  heads.disagreement_attention(query, key, value, regularizers=("position",),
+                               sow_loss=lambda name, loss: sown.setdefault(name, loss))
+  assert list(sown) == ["position_disagreement"]
+  with pytest.raises(ValueError, match="regularizers must be a tuple"):
+    heads.disagreement_attention(query, key, value, regularizers=("heads",))
+
+
+@pytest.mark.property("disagreement")
+def test_the_layer_sows_each_loss_once_even_when_keeping_the_weights():
+  layer = MultiHeadAttention(num_heads=2, attention="disagreement")
+  x = jax.random.normal(jax.random.PRNGKey(0), (2, 6, 8))
+  # Only the parameters: `init` sows too, and its losses would be appended to.
+  variables = {"params": layer.init(jax.random.PRNGKey(1), x)["params"]}
+  _, state = layer.apply(variables, x, is_causal=True, mutable=["losses", "intermediates"])
+  losses = state["losses"]
+  assert sorted(losses) == ["output_disagreement", "position_disagreement",
+                            "subspace_disagreement"]
+  assert all(len(value) == 1 for value in losses.values())
+
+
+@pytest.mark.property("disagreement")
+def test_the_trainer_adds_the_regularizers_to_the_loss(tmp_path):
+  from attention_jax.train.trainer import train_and_evaluate  # pylint: disable=g-import-not-at-top
+  config = tiny_config.get_config("disagreement")
+  config.data_dir = str(tmp_path / "data")
+  config.num_train_steps = 6
+  config.optimizer.warmup_steps = 2
+  config.eval_every = 6
+  config.checkpoint_every = 6
+  train_and_evaluate(config, tmp_path / "run")
+  lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text()
+           .splitlines()]
+  logged = [line for line in lines if "aux_loss" in line]
+  assert logged
+  for line in logged:
+    assert line["aux_loss"] != 0.0
+    assert line["loss"] == pytest.approx(line["cross_entropy"] + line["aux_loss"], rel=1e-5)
