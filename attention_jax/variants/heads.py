@@ -23,6 +23,9 @@ its path, so this file imports no layer).
   function hands back three disagreement regularisers (subspace, position,
   output) as auxiliary losses, through the `sow_loss` callback that
   `MultiHeadAttention` passes to a function taking it.
+* `adaptive_span` (Sukhbaatar et al. 2019): each head masks keys beyond its
+  learned span z_h with a soft ramp; computed over the static band of the
+  largest possible span (`sparse.band_attention`), O(T (S + R)).
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ from attention_jax import registry
 from attention_jax.core.softmax import masked_softmax
 from attention_jax.variants import common, scoring
 from attention_jax.variants.dense import dot_product_attention
-from attention_jax.variants.sparse import local_attention
+from attention_jax.variants.sparse import band_attention, local_attention
 
 Array = jnp.ndarray
 
@@ -337,6 +340,94 @@ def disagreement_attention(query: Array, key: Array, value: Array, bias: Optiona
   return out
 
 
+def span_mask(distance: Array, spans: Array, ramp: int) -> Array:
+  """m_z(x) = clamp((R + z - x) / R, 0, 1): 1 up to the span z, then a linear
+  ramp to 0 over R more positions. distance x and spans z broadcast together."""
+  return jnp.clip((ramp + spans - distance) / ramp, 0.0, 1.0)
+
+
+def span_penalty_loss(spans: Array, span_penalty: float) -> Array:
+  """The paper's L1 term lambda / H sum_h z_h of one layer's spans `[H]`."""
+  return jnp.float32(span_penalty) * jnp.mean(spans)
+
+
+def adaptive_span_attention(query: Array, key: Array, value: Array, bias: Optional[Array] = None,
+                            mask: Optional[Array] = None, *, is_causal: bool = False,
+                            query_seq_lengths: Optional[Array] = None,
+                            key_value_seq_lengths: Optional[Array] = None, segment_ids=None,
+                            spans: Array, max_span: int = 128, ramp: int = 32,
+                            scale: Optional[float] = None) -> Array:
+  """Adaptive attention span: a_ij = m_h(i - j) exp(s_ij) / sum_k m_h(i - k) exp(s_ik).
+
+  m_h = `span_mask` with head h's span z_h in [0, S], S = `max_span`. The
+  masked, renormalised softmax is the softmax of s_ij + log m_h(i - j)
+  (log 0 = -inf removes the key), which is how it is computed. The distance
+  is i - j with j <= i when causal, as in the paper (a language model);
+  without causality it is |i - j| on both sides.
+
+  Cost: a key at distance >= z + R has mask 0, and z <= S, so only the
+  band of S + R - 1 keys each side can count. The band is static (shapes
+  under `jit` cannot follow a traced span), computed blockwise by
+  `sparse.band_attention`: O(T (S + R)) whatever the spans, no T x T array.
+  The paper's GPU code also trims the computation to the current largest
+  span by slicing, which needs the span on the host; here S bounds the cost.
+
+  Args:
+    query: `[B, T, H, D]`; key: `[B, T, Hkv, D]`; value: `[B, T, Hkv, Dv]`.
+    spans: z `[H]` float, in [0, max_span] (`AdaptiveSpan` clamps them).
+    max_span: S, the largest span, an int >= 1.
+    ramp: R, the length of the ramp, an int >= 1.
+    scale: multiplies q . k; 1/sqrt(D) when None.
+    is_causal, query_seq_lengths, key_value_seq_lengths, segment_ids, mask:
+      as `local` takes them (self-attention, a key-padding mask only).
+
+  Returns:
+    `[B, T, H, Dv]` in the query dtype.
+  """
+  common.reject_unsupported("adaptive_span", bias=bias)
+  common.check_size("max_span", max_span)
+  common.check_size("ramp", ramp)
+  common.check_per_head("spans", spans, (query.shape[2],))
+  width = max_span + ramp - 1
+  # [H] -> [H, 1, 1], against the band's `[G, 1, Q, K]` positions.
+  head_spans = spans.astype(jnp.float32)[:, None, None]
+
+  def log_span_mask(q_pos, k_pos):
+    masked = span_mask(jnp.abs(q_pos - k_pos).astype(jnp.float32), head_spans, ramp)
+    # log 0 -> -inf, with the log's gradient kept finite where the mask is 0.
+    positive = masked > 0.0
+    return jnp.where(positive, jnp.log(jnp.where(positive, masked, 1.0)), -jnp.inf)
+
+  return band_attention("adaptive_span", query, key, value, width, width,
+                        position_logits=log_span_mask, mask=mask, is_causal=is_causal,
+                        query_seq_lengths=query_seq_lengths,
+                        key_value_seq_lengths=key_value_seq_lengths, segment_ids=segment_ids,
+                        scale=scale)
+
+
+class AdaptiveSpan(nn.Module):
+  """`adaptive_span`'s spans z `[H]`, a parameter "span" in tokens, clamped to
+  [0, max_span] where it is read (the paper clamps it after each update,
+  which the trainer has no hook for; a span clamped at 0 or S gets no
+  gradient from the mask until the penalty or the data move it back, so it
+  starts at S / 2, where both directions are open). Sows the span penalty
+  `span_penalty_loss` into "losses" (the trainer adds it to the loss)."""
+
+  max_span: int = 128
+  ramp: int = 32
+  span_penalty: float = 2e-6
+
+  @nn.compact
+  def __call__(self, query, key, value, deterministic: bool = True) -> dict:
+    del key, value, deterministic
+    common.check_size("max_span", self.max_span)
+    half = lambda rng, shape: jnp.full(shape, self.max_span / 2, jnp.float32)
+    spans = jnp.clip(self.param("span", half, (query.shape[2],)), 0.0, float(self.max_span))
+    if self.span_penalty:
+      self.sow("losses", "span_penalty", span_penalty_loss(spans, self.span_penalty))
+    return {"spans": spans}
+
+
 # The heads run dot-product attention, so they take its options.
 _HEADS = dict(fn=multi_head_attention, family="heads", complexity="O(T^2)", subquadratic=False,
               exact=True, causal=True, cross=True, qkv=False, mixer=registry.ATTENTION_MIXER,
@@ -384,4 +475,12 @@ registry.register(registry.VariantSpec(
     options=dict(regularizers="which disagreements to maximise: 'subspace', 'position', "
                               "'output'",
                  weight="lambda: each regulariser's loss is weight * (-D); 0 turns them off",
+                 scale="multiplies the logits q . k; 1/sqrt(D) when None")))
+registry.register(registry.VariantSpec(
+    name="adaptive_span", fn=adaptive_span_attention, paper="Sukhbaatar et al. 2019",
+    family="heads", complexity="O(T (S + R))", subquadratic=True, exact=False, causal=True,
+    cross=False, extras=AdaptiveSpan,
+    options=dict(max_span="S, the largest span; the band of S + R - 1 keys bounds the cost",
+                 ramp="R, the length of the mask's ramp from 1 to 0 after the span",
+                 span_penalty="lambda of the L1 loss lambda / H sum_h z_h (0: none)",
                  scale="multiplies the logits q . k; 1/sqrt(D) when None")))

@@ -49,6 +49,8 @@ Array = jnp.ndarray
 # A pattern: (query positions, key positions) -> may attend, broadcasting.
 Predicate = Callable[[Array, Array], Array]
 # Logits from positions alone: (query positions, key positions) -> float32, broadcasting.
+# The positions come as `[G, 1, Q, 1]` and `[G, 1, 1, K]`, so the logits may
+# have a head axis (`[G, H, Q, K]`, per-head spans) or not (`[G, 1, Q, K]`).
 PositionLogits = Callable[[Array, Array], Array]
 
 
@@ -158,14 +160,15 @@ def _dense_part(query: Array, key: Array, value: Array, q_pos: Array, k_pos: Arr
     key_ok: `[B, G, K]` keys that exist (not padding, inside the sequence).
     q_seg, k_seg: `[B, G, Q]`, `[B, G, K]` segment ids, or None.
     allowed: the pattern over positions, or None for every pair.
-    position_logits: logits that depend on the positions only, added to q . k.
+    position_logits: logits that depend on the positions only (and perhaps the
+      head), added to q . k; see `PositionLogits`.
 
   Returns:
     A `_Part` with leading dims `[B, G, Q]`.
   """
   logits = jnp.einsum("bgqhd,bgkhd->bghqk", query, key, preferred_element_type=jnp.float32)
   if position_logits is not None:
-    logits = logits + position_logits(q_pos[:, :, None], k_pos[:, None, :])[None, :, None]
+    logits = logits + position_logits(q_pos[:, None, :, None], k_pos[:, None, None, :])[None]
   ok = key_ok[:, :, None, None, :]
   if allowed is not None:
     ok = ok & allowed(q_pos[:, :, None], k_pos[:, None, :])[None, :, None]
@@ -537,6 +540,43 @@ def local_attention(query: Array, key: Array, value: Array, bias=None, mask=None
   return _finish(out, inputs, query_seq_lengths, query.dtype)
 
 
+def band_attention(variant: str, query: Array, key: Array, value: Array, left: int, right: int,
+                   *, position_logits: Optional[PositionLogits] = None,
+                   allowed: Optional[Predicate] = None, mask=None, is_causal: bool = False,
+                   query_seq_lengths=None, key_value_seq_lengths=None, segment_ids=None,
+                   scale: Optional[float] = None) -> Array:
+  """Self-attention over the band of keys [i - left, i + right] of query i.
+
+  out_i = sum_j softmax_j(q_i . k_j * scale + position_logits(i, j)) v_j over
+  the keys j of the band that `allowed(i, j)` and the masks let through.
+  Computed as `local`'s band, blockwise with blocks of max(left, right, 1):
+  O(T (left + right)), no T x T array. A position logit of -inf removes a key.
+
+  Args:
+    variant: the caller's name, for error messages.
+    query: `[B, T, H, D]`; key: `[B, T, Hkv, D]`; value: `[B, T, Hkv, Dv]`.
+    left, right: the band, >= 0 (right = 0 when causal).
+    position_logits: `(q_pos, k_pos) -> logits` (`PositionLogits`), or None.
+    allowed: a further pattern inside the band, or None.
+    mask, is_causal, query_seq_lengths, key_value_seq_lengths, segment_ids:
+      as in `local_attention` (a key-padding mask only).
+    scale: multiplies q . k; 1/sqrt(D) when None.
+
+  Returns:
+    `[B, T, H, Dv]` in the query dtype.
+  """
+  _self_attention_length(variant, query, key)
+  common.check_size("left", left, minimum=0)
+  common.check_size("right", right, minimum=0)
+  block = max(left, right, 1)
+  inputs = _prepare(variant, query, key, value, None, mask, is_causal=is_causal,
+                    key_value_seq_lengths=key_value_seq_lengths, segment_ids=segment_ids,
+                    scale=scale, multiple=block)
+  out = _merge_parts([_windowed_part(inputs, left, right, block, extra=allowed,
+                                     position_logits=position_logits)])
+  return _finish(out, inputs, query_seq_lengths, query.dtype)
+
+
 def positional_band_attention(variant: str, value: Array, num_heads: int,
                               position_logits: PositionLogits, left: int, right: int, *,
                               allowed: Optional[Predicate] = None, mask=None,
@@ -547,36 +587,29 @@ def positional_band_attention(variant: str, value: Array, num_heads: int,
   out_i = sum_j softmax_j(position_logits(i, j)) v_j over the keys j in
   [i - left, i + right] that `allowed(i, j)` and the masks let through; no
   queries or keys (a fixed prior such as hard-coded Gaussian attention).
-  Computed as `local`'s band, blockwise with blocks of max(left, right, 1):
-  O(T (left + right)), no T x T array.
+  `band_attention` with zero-width queries and keys.
 
   Args:
     variant: the caller's name, for error messages.
     value: `[B, T, Hkv, Dv]`; query head h uses value head h // (H // Hkv).
     num_heads: H.
-    position_logits: `(q_pos, k_pos) -> logits`, float32, broadcasting.
-    left, right: the band, >= 0 (right = 0 when causal).
-    allowed: a further pattern inside the band, or None.
-    mask, is_causal, query_seq_lengths, key_value_seq_lengths, segment_ids:
-      as in `local_attention` (a key-padding mask only).
+    position_logits: `(q_pos, k_pos) -> logits` (`PositionLogits`), float32.
+    left, right, allowed, mask, is_causal, query_seq_lengths,
+      key_value_seq_lengths, segment_ids: as in `band_attention`.
 
   Returns:
     `[B, T, H, Dv]` in the value dtype.
   """
-  common.check_size("left", left, minimum=0)
-  common.check_size("right", right, minimum=0)
-  block = max(left, right, 1)
   batch, length, num_kv_heads = value.shape[:3]
   # Zero-width queries and keys: their dot products are zeros, which leaves
   # only the position logits, at no cost.
   no_query = jnp.zeros((batch, length, num_heads, 0), value.dtype)
   no_key = jnp.zeros((batch, length, num_kv_heads, 0), value.dtype)
-  inputs = _prepare(variant, no_query, no_key, value, None, mask, is_causal=is_causal,
-                    key_value_seq_lengths=key_value_seq_lengths, segment_ids=segment_ids,
-                    scale=1.0, multiple=block)
-  out = _merge_parts([_windowed_part(inputs, left, right, block, extra=allowed,
-                                     position_logits=position_logits)])
-  return _finish(out, inputs, query_seq_lengths, value.dtype)
+  return band_attention(variant, no_query, no_key, value, left, right,
+                        position_logits=position_logits, allowed=allowed, mask=mask,
+                        is_causal=is_causal, query_seq_lengths=query_seq_lengths,
+                        key_value_seq_lengths=key_value_seq_lengths, segment_ids=segment_ids,
+                        scale=1.0)
 
 
 def block_local_attention(query: Array, key: Array, value: Array, bias=None, mask=None, *,

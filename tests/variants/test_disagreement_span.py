@@ -13,7 +13,9 @@ import pytest
 from attention_jax.layers.attention import MultiHeadAttention
 from attention_jax.variants import heads
 from attention_jax.variants.dense import dot_product_attention
-from attention_testing import B, H, as_float64, assert_close, random_qkv
+from attention_jax.variants.sparse import local_attention
+from attention_testing import (B, H, KV_LENGTHS, as_float64, assert_close, largest_intermediate,
+                               random_qkv)
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent.parent / "train"))
 import tiny_config  # pylint: disable=g-import-not-at-top,wrong-import-position
@@ -138,3 +140,99 @@ def test_the_trainer_adds_the_regularizers_to_the_loss(tmp_path):
   for line in logged:
     assert line["aux_loss"] != 0.0
     assert line["loss"] == pytest.approx(line["cross_entropy"] + line["aux_loss"], rel=1e-5)
+
+
+# ----------------------------------------------------------------------------------
+# adaptive_span
+
+
+def np_adaptive_span(query, key, value, spans, ramp, is_causal, key_lengths=None):
+  """a_ij = m(i - j) exp(s_ij) / sum_k m(i - k) exp(s_ik), dense, float64."""
+  length = query.shape[1]
+  distance = np.abs(np.arange(length)[:, None] - np.arange(length)[None, :])
+  mask = np.clip((ramp + np.asarray(spans, np.float64)[:, None, None] - distance) / ramp, 0, 1)
+  logits = np_logits(query, key)
+  allowed = np.ones((1, 1, length, length), bool)
+  if is_causal:
+    allowed = allowed & (np.arange(length)[None, :] <= np.arange(length)[:, None])
+  if key_lengths is not None:
+    allowed = allowed & (np.arange(length)[None, None, None, :]
+                         < np.asarray(key_lengths)[:, None, None, None])
+  unnormalised = np.where(allowed, mask[None] * np.exp(logits - logits.max(-1, keepdims=True)), 0)
+  total = unnormalised.sum(-1, keepdims=True)
+  weights = unnormalised / np.where(total == 0, 1.0, total)
+  return np.einsum("bhqk,bkhd->bqhd", weights, as_float64(value))
+
+
+@pytest.mark.property("adaptive_span")
+@pytest.mark.parametrize("is_causal", [True, False])
+def test_adaptive_span_is_the_renormalised_masked_softmax(is_causal):
+  length, max_span, ramp = 40, 9, 4
+  query, key, value = random_qkv(seed=5, batch=B, q_len=length, num_heads=H)
+  spans = jnp.asarray([0.0, 2.5, 6.25, 9.0])  # one per head, 0 and S included
+  out = heads.adaptive_span_attention(query, key, value, is_causal=is_causal, spans=spans,
+                                      max_span=max_span, ramp=ramp,
+                                      key_value_seq_lengths=jnp.asarray(KV_LENGTHS) * 4)
+  expected = np_adaptive_span(query, key, value, spans, ramp, is_causal, KV_LENGTHS * 4)
+  assert_close(out, expected, atol=2e-5)
+
+
+@pytest.mark.property("adaptive_span")
+def test_full_spans_with_a_unit_ramp_are_causal_local_attention():
+  # z = S, R = 1: mask 1 at distances <= S, 0 from S + 1 on: local's window S.
+  length, max_span = 48, 7
+  query, key, value = random_qkv(seed=6, batch=B, q_len=length, num_heads=H, num_kv_heads=2)
+  out = heads.adaptive_span_attention(query, key, value, is_causal=True,
+                                      spans=jnp.full((H,), float(max_span)), max_span=max_span,
+                                      ramp=1)
+  assert_close(out, local_attention(query, key, value, is_causal=True, window_size=max_span))
+
+
+@pytest.mark.property("adaptive_span")
+def test_span_penalty_is_sown_and_spans_are_clamped_and_trainable():
+  layer = MultiHeadAttention(num_heads=H, attention="adaptive_span",
+                             attention_options={"max_span": 8, "ramp": 2, "span_penalty": 0.25})
+  x = jax.random.normal(jax.random.PRNGKey(0), (1, 20, 16))
+  params = layer.init(jax.random.PRNGKey(1), x)["params"]
+  assert_close(params["variant"]["span"], np.full(H, 4.0))
+  raw = jnp.asarray([-3.0, 1.0, 5.5, 12.0])
+  params = {**params, "variant": {"span": raw}}
+  _, state = layer.apply({"params": params}, x, is_causal=True, mutable=["losses"])
+  (penalty,) = state["losses"]["variant"]["span_penalty"]
+  assert_close(penalty, 0.25 * np.mean([0.0, 1.0, 5.5, 8.0]))
+
+  def loss(span):
+    return jnp.sum(layer.apply({"params": {**params, "variant": {"span": span}}}, x,
+                               is_causal=True) ** 2)
+  grad = jax.grad(loss)(raw)
+  assert np.isfinite(np.asarray(grad)).all()
+  # Spans inside (0, S) learn from the mask; clamped ones get no gradient.
+  assert np.all(np.asarray(grad)[1:3] != 0) and grad[0] == 0 and grad[3] == 0
+
+
+@pytest.mark.property("adaptive_span")
+def test_adaptive_span_cost_follows_the_largest_span():
+  length = 4096
+  query, key, value = (jnp.zeros((1, length, 2, 16)) for _ in range(3))
+
+  def largest(max_span):
+    fn = lambda q: heads.adaptive_span_attention(q, key, value, is_causal=True,
+                                                 spans=jnp.full((2,), 1.0), max_span=max_span,
+                                                 ramp=32)
+    return largest_intermediate(fn, query)
+  small, large = largest(32), largest(96)
+  assert large < length * length // 4
+  # The largest array is the band's scores, [H, T, 2 (S + R - 1)] causal (up
+  # to padding T to a block): it grows with S + R, whatever the spans z.
+  assert large / small == pytest.approx((96 + 31) / (32 + 31), rel=0.05)
+
+
+@pytest.mark.property("adaptive_span")
+def test_adaptive_span_refuses_bad_arguments():
+  query, key, value = random_qkv(seed=7, batch=1, q_len=8, num_heads=H)
+  with pytest.raises(ValueError, match="ramp must be an int >= 1"):
+    heads.adaptive_span_attention(query, key, value, spans=jnp.ones(H), ramp=0)
+  with pytest.raises(ValueError, match="spans"):
+    heads.adaptive_span_attention(query, key, value, spans=jnp.ones(H + 1))
+  with pytest.raises(ValueError, match="bias"):
+    heads.adaptive_span_attention(query, key, value, jnp.zeros((1, H, 8, 8)), spans=jnp.ones(H))
