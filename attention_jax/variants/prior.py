@@ -26,6 +26,10 @@ Gaussian Transformer (Guo et al. 2019), `gaussian_transformer`: dot-product
 attention with the learned distance prior -|w (i - j)^2 + b| (w, b per head)
 added to the logits, O(T^2).
 
+Localness modelling (Yang et al. 2018), `gaussian_local`: dot-product
+attention with the Gaussian bias -(j - P_i)^2 / (2 sigma_i^2) whose centre P_i
+and width sigma_i each query predicts from its own projection, O(T^2).
+
 Hard-coded Gaussian attention (You et al. 2020), `hard_coded_gaussian`: fixed
 weights exp(-(j - (i + offset))^2 / (2 sigma^2)) normalised over the allowed
 keys, no queries or keys; within `window` keys of the centre it is `sparse`'s
@@ -392,6 +396,115 @@ registry.register(registry.VariantSpec(
     options=dict(initial_weight="w at initialisation, per head (the prior -|w (i-j)^2 + b|)",
                  initial_bias="b at initialisation, per head",
                  scale="multiplies the q . k logits; 1/sqrt(D) when None")))
+
+
+# --------------------------------------------------------------------------------------
+# Localness modelling: a Gaussian bias with a predicted centre and window.
+
+
+def gaussian_local_attention(
+    query: Array,
+    key: Array,
+    value: Array,
+    bias: Optional[Array] = None,
+    mask: Optional[Array] = None,
+    *,
+    is_causal: bool = False,
+    query_seq_lengths: Optional[Array] = None,
+    key_value_seq_lengths: Optional[Array] = None,
+    segment_ids=None,
+    position_kernel: Array,
+    center_vector: Array,
+    window_vector: Array,
+    scale: Optional[float] = None,
+    dropout_rate: float = 0.0,
+    dropout_rng: Optional[jax.Array] = None,
+) -> Array:
+  """Localness modelling (Yang et al. 2018, eqs. 5-9), per head h and query i:
+
+      P_i = T sigmoid(U_p^T tanh(W_p q_i)),   D_i = T sigmoid(U_d^T tanh(W_p q_i)),
+      sigma_i = D_i / 2,   G_ij = -(j - P_i)^2 / (2 sigma_i^2),
+      out = softmax(q k^T * scale + G + bias, masked) v.
+
+  P_i is the predicted centre and D_i the predicted window of query i's local
+  region, both in (0, T); the one W_p is shared by the two predictions, as in
+  the paper. T is the paper's I, the input length: here the row's valid key
+  count `key_value_seq_lengths[b]`, or Tk without it, so a padded row's centres
+  are those of the unpadded sequence (a key-padding `mask` masks keys but does
+  not change T: pass lengths for that). Causal or not, T is the key count:
+  the bias then depends on the length, never on a later token's content.
+  The bias is an additive `bias` for `dot_product_attention`, so masks,
+  padding (weight 0) and dropout are its. O(T^2).
+
+  Args:
+    query, key, value, bias, mask, is_causal, query_seq_lengths,
+      key_value_seq_lengths, segment_ids: as in `dot_product_attention`.
+    position_kernel: W_p `[H, D, D]`, `[h, d_in, d_out]`.
+    center_vector: U_p `[H, D]`.
+    window_vector: U_d `[H, D]`.
+    scale: the q . k logits' scale, 1/sqrt(D) when None.
+    dropout_rate, dropout_rng: dropout on the attention weights.
+
+  Returns:
+    `[B, Tq, H, Dv]`.
+  """
+  batch, _, num_heads, head_dim = query.shape
+  kv_len = key.shape[1]
+  common.check_per_head("position_kernel", position_kernel, (num_heads, head_dim, head_dim))
+  common.check_per_head("center_vector", center_vector, (num_heads, head_dim))
+  common.check_per_head("window_vector", window_vector, (num_heads, head_dim))
+  length = jnp.full((batch,), kv_len, jnp.float32) if key_value_seq_lengths is None else \
+      jnp.asarray(key_value_seq_lengths, jnp.float32)
+  if length.shape != (batch,):
+    raise ValueError(f"key_value_seq_lengths must be [B] = [{batch}], got shape "
+                     f"{list(length.shape)}.")
+  hidden = jnp.tanh(jnp.einsum("bqhd,hde->bhqe", query.astype(jnp.float32),
+                               jnp.asarray(position_kernel, jnp.float32)))
+  length = length[:, None, None]
+  center = length * jax.nn.sigmoid(jnp.einsum("bhqe,he->bhq", hidden, center_vector))
+  window = length * jax.nn.sigmoid(jnp.einsum("bhqe,he->bhq", hidden, window_vector))
+  # sigmoid underflows to 0 below about -88 in float32; a floor keeps 1 / sigma^2
+  # finite there (such a window is far narrower than one position anyway).
+  variance = 2.0 * jnp.square(jnp.maximum(window, 1e-3) / 2.0)
+  distance = jnp.arange(kv_len, dtype=jnp.float32) - center[..., None]
+  local_bias = -jnp.square(distance) / variance[..., None]  # [B, H, Tq, Tk]
+  if bias is not None:
+    local_bias = local_bias + jnp.asarray(bias, jnp.float32)
+  return dot_product_attention(query, key, value, local_bias, mask, scale=scale,
+                               is_causal=is_causal, query_seq_lengths=query_seq_lengths,
+                               key_value_seq_lengths=key_value_seq_lengths,
+                               segment_ids=segment_ids, dropout_rate=dropout_rate,
+                               dropout_rng=dropout_rng)
+
+
+class LocalnessPredictor(nn.Module):
+  """`gaussian_local`'s W_p `[H, D, D]`, U_p and U_d `[H, D]`, learned per head.
+
+  Attributes:
+    param_dtype: dtype of the parameters.
+  """
+
+  param_dtype: Dtype = jnp.float32
+
+  @nn.compact
+  def __call__(self, query, key, value, deterministic: bool = True) -> dict:
+    del key, value, deterministic
+    _, _, num_heads, head_dim = query.shape
+    vector_init = nn.initializers.normal(head_dim ** -0.5)
+    return dict(
+        position_kernel=self.param("position_kernel", _PER_HEAD_KERNEL,
+                                   (num_heads, head_dim, head_dim), self.param_dtype),
+        center_vector=self.param("center_vector", vector_init, (num_heads, head_dim),
+                                 self.param_dtype),
+        window_vector=self.param("window_vector", vector_init, (num_heads, head_dim),
+                                 self.param_dtype))
+
+
+registry.register(registry.VariantSpec(
+    name="gaussian_local", fn=gaussian_local_attention, family="prior", complexity="O(T^2)",
+    subquadratic=False, exact=False, causal=True, cross=True, paper="Yang et al. 2018",
+    extras=LocalnessPredictor,
+    options=dict(scale="multiplies the q . k logits; 1/sqrt(D) when None")))
 
 
 # --------------------------------------------------------------------------------------
