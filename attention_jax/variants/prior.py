@@ -307,27 +307,29 @@ class FactorizedSyntheticLogits(_RandomLogits):
 
 
 # --------------------------------------------------------------------------------------
+# Priors added to the dot-product logits.
+
+
+def _prior_attention(query: Array, key: Array, value: Array, prior: Array,
+                     bias: Optional[Array], mask: Optional[Array], *, scale: Optional[float],
+                     **kwargs) -> Array:
+  """`dot_product_attention` with `prior` `[B|1, H, Tq, Tk]` added to its logits
+  (and to `bias`): the masks, padding and dropout in `kwargs` are its."""
+  if bias is not None:
+    prior = prior + jnp.asarray(bias, jnp.float32)
+  return dot_product_attention(query, key, value, prior, mask, scale=scale, **kwargs)
+
+
+# --------------------------------------------------------------------------------------
 # Gaussian Transformer: a learned prior on the distance i - j.
 
 
-def gaussian_transformer_attention(
-    query: Array,
-    key: Array,
-    value: Array,
-    bias: Optional[Array] = None,
-    mask: Optional[Array] = None,
-    *,
-    is_causal: bool = False,
-    query_seq_lengths: Optional[Array] = None,
-    key_value_seq_lengths: Optional[Array] = None,
-    segment_ids=None,
-    distance_weight: Array,
-    distance_bias: Array,
-    query_positions: Optional[Array] = None,
-    scale: Optional[float] = None,
-    dropout_rate: float = 0.0,
-    dropout_rng: Optional[jax.Array] = None,
-) -> Array:
+@common.passes_on_masks
+def gaussian_transformer_attention(query: Array, key: Array, value: Array,
+                                   bias: Optional[Array] = None, mask: Optional[Array] = None, *,
+                                   distance_weight: Array, distance_bias: Array,
+                                   query_positions: Optional[Array] = None,
+                                   scale: Optional[float] = None, **kwargs) -> Array:
   """The Gaussian Transformer's attention (Guo et al. 2019):
 
       out = softmax(q k^T * scale - |w_h (i - j)^2 + b_h| + bias, masked) v,
@@ -339,15 +341,15 @@ def gaussian_transformer_attention(
   padding and dropout are its.
 
   Args:
-    query, key, value, bias, mask, is_causal, query_seq_lengths,
-      key_value_seq_lengths, segment_ids: as in `dot_product_attention`.
+    query, key, value, bias, mask: as in `dot_product_attention`.
     distance_weight: w `[H]`, one per query head.
     distance_bias: b `[H]`.
     query_positions: `[Tq]` or `[B, Tq]`, the positions i of the queries
       (`arange(Tq)` when None; `MultiHeadAttention` passes its positions,
       offset while decoding); key j is at position j.
     scale: logit scale, 1/sqrt(D) when None.
-    dropout_rate, dropout_rng: dropout on the attention weights.
+    **kwargs: the masks of `dot_product_attention` (is_causal,
+      query_seq_lengths, key_value_seq_lengths, segment_ids) and dropout.
 
   Returns:
     `[B, Tq, H, Dv]`.
@@ -360,13 +362,7 @@ def gaussian_transformer_attention(
   weight = jnp.asarray(distance_weight, jnp.float32)[None, :, None, None]
   offset = jnp.asarray(distance_bias, jnp.float32)[None, :, None, None]
   prior = -jnp.abs(weight * squared[:, None] + offset)  # [B, H, Tq, Tk]
-  if bias is not None:
-    prior = prior + jnp.asarray(bias, jnp.float32)
-  return dot_product_attention(query, key, value, prior, mask, scale=scale, is_causal=is_causal,
-                               query_seq_lengths=query_seq_lengths,
-                               key_value_seq_lengths=key_value_seq_lengths,
-                               segment_ids=segment_ids, dropout_rate=dropout_rate,
-                               dropout_rng=dropout_rng)
+  return _prior_attention(query, key, value, prior, bias, mask, scale=scale, **kwargs)
 
 
 class GaussianDistancePrior(nn.Module):
@@ -408,24 +404,12 @@ registry.register(registry.VariantSpec(
 # Localness modelling: a Gaussian bias with a predicted centre and window.
 
 
-def gaussian_local_attention(
-    query: Array,
-    key: Array,
-    value: Array,
-    bias: Optional[Array] = None,
-    mask: Optional[Array] = None,
-    *,
-    is_causal: bool = False,
-    query_seq_lengths: Optional[Array] = None,
-    key_value_seq_lengths: Optional[Array] = None,
-    segment_ids=None,
-    position_kernel: Array,
-    center_vector: Array,
-    window_vector: Array,
-    scale: Optional[float] = None,
-    dropout_rate: float = 0.0,
-    dropout_rng: Optional[jax.Array] = None,
-) -> Array:
+@common.passes_on_masks
+def gaussian_local_attention(query: Array, key: Array, value: Array,
+                             bias: Optional[Array] = None, mask: Optional[Array] = None, *,
+                             position_kernel: Array, center_vector: Array, window_vector: Array,
+                             key_value_seq_lengths: Optional[Array] = None,
+                             scale: Optional[float] = None, **kwargs) -> Array:
   """Localness modelling (Yang et al. 2018, eqs. 5-9), per head h and query i:
 
       P_i = T sigmoid(U_p^T tanh(W_p q_i)),   D_i = T sigmoid(U_d^T tanh(W_p q_i)),
@@ -443,13 +427,14 @@ def gaussian_local_attention(
   padding (weight 0) and dropout are its. O(T^2).
 
   Args:
-    query, key, value, bias, mask, is_causal, query_seq_lengths,
-      key_value_seq_lengths, segment_ids: as in `dot_product_attention`.
+    query, key, value, bias, mask: as in `dot_product_attention`.
     position_kernel: W_p `[H, D, D]`, `[h, d_in, d_out]`.
     center_vector: U_p `[H, D]`.
     window_vector: U_d `[H, D]`.
+    key_value_seq_lengths: `[B]` valid keys, T of each row (Tk when None).
     scale: the q . k logits' scale, 1/sqrt(D) when None.
-    dropout_rate, dropout_rng: dropout on the attention weights.
+    **kwargs: the other masks of `dot_product_attention` (is_causal,
+      query_seq_lengths, segment_ids) and dropout.
 
   Returns:
     `[B, Tq, H, Dv]`.
@@ -474,13 +459,8 @@ def gaussian_local_attention(
   variance = 2.0 * jnp.square(jnp.maximum(window, 1e-3) / 2.0)
   distance = jnp.arange(kv_len, dtype=jnp.float32) - center[..., None]
   local_bias = -jnp.square(distance) / variance[..., None]  # [B, H, Tq, Tk]
-  if bias is not None:
-    local_bias = local_bias + jnp.asarray(bias, jnp.float32)
-  return dot_product_attention(query, key, value, local_bias, mask, scale=scale,
-                               is_causal=is_causal, query_seq_lengths=query_seq_lengths,
-                               key_value_seq_lengths=key_value_seq_lengths,
-                               segment_ids=segment_ids, dropout_rate=dropout_rate,
-                               dropout_rng=dropout_rng)
+  return _prior_attention(query, key, value, local_bias, bias, mask, scale=scale,
+                          key_value_seq_lengths=key_value_seq_lengths, **kwargs)
 
 
 class LocalnessPredictor(nn.Module):
@@ -586,26 +566,12 @@ def conditional_block_bias(block_logits: Array, gamma: Array, beta: Array,
   return jnp.where(same_block, logits[None] * gamma_columns + beta_columns, 0.0)
 
 
-def conditional_adapter_attention(
-    query: Array,
-    key: Array,
-    value: Array,
-    bias: Optional[Array] = None,
-    mask: Optional[Array] = None,
-    *,
-    is_causal: bool = False,
-    query_seq_lengths: Optional[Array] = None,
-    key_value_seq_lengths: Optional[Array] = None,
-    segment_ids=None,
-    block_logits: Array,
-    task_embeddings: Array,
-    film_kernel: Array,
-    film_bias: Array,
-    task_ids: Optional[Array] = None,
-    scale: Optional[float] = None,
-    dropout_rate: float = 0.0,
-    dropout_rng: Optional[jax.Array] = None,
-) -> Array:
+@common.passes_on_masks
+def conditional_adapter_attention(query: Array, key: Array, value: Array,
+                                  bias: Optional[Array] = None, mask: Optional[Array] = None, *,
+                                  block_logits: Array, task_embeddings: Array, film_kernel: Array,
+                                  film_bias: Array, task_ids: Optional[Array] = None,
+                                  scale: Optional[float] = None, **kwargs) -> Array:
   """Conditional attention of CA-MTL (Pilault et al. 2021, sec. 2.1):
 
       out = softmax(q k^T * scale + M(z) + bias, masked) v,
@@ -620,8 +586,7 @@ def conditional_adapter_attention(
   of a square matrix), O(T^2).
 
   Args:
-    query, key, value, bias, mask, is_causal, query_seq_lengths,
-      key_value_seq_lengths, segment_ids: as in `dot_product_attention`.
+    query, key, value, bias, mask: as in `dot_product_attention`.
     block_logits: A `[H, N, b, b]`; N b must cover the sequence.
     task_embeddings: z `[K, Z]` for K tasks.
     film_kernel, film_bias: `[Z, 2 b]`, `[2 b]`, (gamma, beta) = split(z W + b).
@@ -629,7 +594,8 @@ def conditional_adapter_attention(
       `MultiHeadAttention(...)(x, attention_arguments={"task_ids": ids})`);
       None: task 0 for every example.
     scale: the q . k logits' scale, 1/sqrt(D) when None.
-    dropout_rate, dropout_rng: dropout on the attention weights.
+    **kwargs: the masks of `dot_product_attention` (is_causal,
+      query_seq_lengths, key_value_seq_lengths, segment_ids) and dropout.
 
   Returns:
     `[B, T, H, Dv]`.
@@ -648,13 +614,7 @@ def conditional_adapter_attention(
     raise ValueError(f"film_kernel must be [Z, 2 b] with b = {shape[2]} (block_logits' block "
                      f"size), got {list(jnp.shape(film_kernel))}.")
   task_bias = conditional_block_bias(block_logits, gamma, beta, length)
-  if bias is not None:
-    task_bias = task_bias + jnp.asarray(bias, jnp.float32)
-  return dot_product_attention(query, key, value, task_bias, mask, scale=scale,
-                               is_causal=is_causal, query_seq_lengths=query_seq_lengths,
-                               key_value_seq_lengths=key_value_seq_lengths,
-                               segment_ids=segment_ids, dropout_rate=dropout_rate,
-                               dropout_rng=dropout_rng)
+  return _prior_attention(query, key, value, task_bias, bias, mask, scale=scale, **kwargs)
 
 
 class TaskConditioning(nn.Module):

@@ -100,6 +100,11 @@ def test_gaussian_local_rejects_bad_shapes(argument, shape):
   arrays = dict(random_predictor(2), **{argument: np.zeros(shape, np.float32)})
   with pytest.raises(ValueError, match=argument):
     prior.gaussian_local_attention(query, key, value, **arrays)
+
+
+@pytest.mark.property("gaussian_local")
+def test_gaussian_local_rejects_lengths_of_a_bad_shape():
+  query, key, value = random_qkv(batch=B, q_len=TQ, num_heads=H, head_dim=HEAD_DIM)
   with pytest.raises(ValueError, match="key_value_seq_lengths"):
     prior.gaussian_local_attention(query, key, value, key_value_seq_lengths=jnp.array([[3]]),
                                    **random_predictor(2))
