@@ -206,10 +206,13 @@ PASSED_ON = tuple(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, defaul
 
 
 def passes_on_masks(fn):
-  """Replaces `fn`'s `**kwargs` in its signature by the arguments it passes on."""
+  """Replaces `fn`'s `**kwargs` in its signature by the arguments it passes on
+  (those it does not take by name itself, e.g. lengths it reads too)."""
   signature = inspect.signature(fn)
   own = [p for p in signature.parameters.values() if p.kind != inspect.Parameter.VAR_KEYWORD]
-  fn.__signature__ = signature.replace(parameters=own + list(PASSED_ON))
+  names = {p.name for p in own}
+  fn.__signature__ = signature.replace(
+      parameters=own + [p for p in PASSED_ON if p.name not in names])
   return fn
 
 

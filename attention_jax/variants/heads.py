@@ -26,11 +26,15 @@ its path, so this file imports no layer).
 * `adaptive_span` (Sukhbaatar et al. 2019): each head masks keys beyond its
   learned span z_h with a soft ramp; computed over the static band of the
   largest possible span (`sparse.band_attention`), O(T (S + R)).
+* `routing_aggregation` (Li et al. 2019): the heads' outputs aggregated by
+  routing-by-agreement (capsule dynamic routing) instead of Concat W^O; a
+  token mixer (`RoutingAggregation`) running dot-product attention on its
+  projected heads, then `route_heads`.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence, Tuple
+from typing import Any, Callable, Optional, Sequence, Tuple
 
 import flax.linen as nn
 import jax
@@ -428,6 +432,120 @@ class AdaptiveSpan(nn.Module):
     return {"spans": spans}
 
 
+# --------------------------------------------------------------------------------------
+# Routing-by-agreement: the heads' outputs aggregated by dynamic routing.
+
+
+def squash(s: Array, axis: int = -1) -> Array:
+  """The capsule non-linearity (Sabour et al. 2017): s |s|^2 / ((1 + |s|^2) |s|),
+  the direction of s with a length in [0, 1); 0 at s = 0 (finite gradient)."""
+  norm2 = jnp.sum(jnp.square(s), axis=axis, keepdims=True)
+  return s * (norm2 / (1.0 + norm2)) * jax.lax.rsqrt(norm2 + 1e-9)
+
+
+def route_heads(head_outputs: Array, vote_kernels: Array, iterations: int = 3) -> Array:
+  """Heads aggregated by routing-by-agreement (Li et al. 2019, sec. 3; Sabour et
+  al. 2017's dynamic routing), at every position separately:
+
+      V_{h->n} = W_{h,n} O_h                         (votes of head h for capsule n)
+      B_{h,n} = 0; repeat `iterations` times:
+        C_{h,n} = exp(B_{h,n}) / sum_n' exp(B_{h,n'})  (each head's couplings)
+        S_n = sum_h C_{h,n} V_{h->n},   Out_n = squash(S_n)
+        B_{h,n} += Out_n . V_{h->n}                  (agreement)
+      out = [Out_1; ...; Out_N]
+
+  The first iteration's couplings are uniform, 1/N, so with one iteration
+  out_n = squash((1 / N) sum_h W_{h,n} O_h): with N = H capsules the squashed
+  mean of the heads' projected votes (instead of Concat(O_h) W^O). Gradients
+  flow through every iteration.
+
+  Args:
+    head_outputs: O `[B, T, H, D]`, the heads' attention outputs.
+    vote_kernels: W `[H, N, D, C]`, N output capsules of size C.
+    iterations: routing iterations, >= 1.
+
+  Returns:
+    `[B, T, N C]` float32.
+  """
+  common.check_size("iterations", iterations)
+  if jnp.ndim(head_outputs) != 4:
+    raise ValueError(f"head_outputs must be [B, T, H, D], got shape "
+                     f"{list(jnp.shape(head_outputs))}.")
+  batch, length, num_heads, head_dim = head_outputs.shape
+  common.check_per_head("vote_kernels", vote_kernels, (num_heads, None, head_dim, None))
+  num_capsules, capsule_dim = vote_kernels.shape[1], vote_kernels.shape[3]
+  votes = jnp.einsum("bthd,hndc->bthnc", head_outputs.astype(jnp.float32),
+                     jnp.asarray(vote_kernels, jnp.float32))
+  agreement = jnp.zeros((batch, length, num_heads, num_capsules), jnp.float32)
+  for iteration in range(iterations):
+    coupling = jax.nn.softmax(agreement, axis=-1)  # over the output capsules
+    capsules = squash(jnp.einsum("bthn,bthnc->btnc", coupling, votes))
+    if iteration + 1 < iterations:
+      agreement = agreement + jnp.einsum("btnc,bthnc->bthn", capsules, votes)
+  return capsules.reshape(batch, length, num_capsules * capsule_dim)
+
+
+class RoutingAggregation(nn.Module):
+  """Multi-head attention whose heads are aggregated by `route_heads` instead
+  of Concat(heads) W^O, as a token mixer (the mixer contract).
+
+  Q, K, V are projected into H heads of size E / H, each head is
+  `dot_product_attention` (every mask, padding and segment it takes), and the
+  N output capsules of size E / N, concatenated, are the output `[B, T, E]`:
+  the votes W `[H, N, E/H, E/N]` replace W^O (H E^2 / N weights, E^2 at N = H).
+
+  Attributes:
+    num_heads: H.
+    num_capsules: N, the output capsules; H when None. Must divide E.
+    iterations: routing iterations.
+    dropout_rate: dropout on the attention weights.
+    dtype, param_dtype: computation and parameter dtypes.
+  """
+
+  num_heads: int
+  num_capsules: Optional[int] = None
+  iterations: int = 3
+  dropout_rate: float = 0.0
+  dtype: Optional[Any] = None
+  param_dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, x: Array, context: Optional[Array] = None, *, mask=None,
+               is_causal: bool = False, query_seq_lengths=None, key_value_seq_lengths=None,
+               segment_ids=None, positions=None, deterministic: bool = True, carry=None):
+    """The mixer contract. x: `[B, Tq, E]`; context: `[B, Tk, E]` or None;
+    mask: broadcastable to `[B, H, Tq, Tk]`; positions: not used (no relative
+    positions); carry: passed through. Returns `[B, Tq, E]` (with the carry
+    when given one)."""
+    del positions
+    features = x.shape[-1]
+    num_heads = common.check_size("num_heads", self.num_heads)
+    num_capsules = common.check_size("num_capsules", self.num_capsules or num_heads)
+    for name, parts in (("num_heads", num_heads), ("num_capsules", num_capsules)):
+      if features % parts:
+        raise ValueError(f"{name}={parts} must divide the features E = {features}.")
+    head_dim = features // num_heads
+    dtype = self.dtype or jnp.promote_types(x.dtype, self.param_dtype)
+    project = lambda name, inputs: nn.DenseGeneral(
+        (num_heads, head_dim), dtype=dtype, param_dtype=self.param_dtype, name=name)(inputs)
+    inputs = x if context is None else context
+    dropout_rng = None
+    if self.dropout_rate > 0.0 and not deterministic:
+      dropout_rng = self.make_rng("dropout")
+    heads = dot_product_attention(
+        project("query", x), project("key", inputs), project("value", inputs), mask=mask,
+        is_causal=is_causal, query_seq_lengths=query_seq_lengths,
+        key_value_seq_lengths=key_value_seq_lengths, segment_ids=segment_ids,
+        dropout_rate=self.dropout_rate, dropout_rng=dropout_rng)
+    vote_kernels = self.param(
+        "vote_kernels", nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal",
+                                                         in_axis=-2, out_axis=-1,
+                                                         batch_axis=(0, 1)),
+        (num_heads, num_capsules, head_dim, features // num_capsules), self.param_dtype)
+    out = route_heads(heads, vote_kernels, self.iterations)
+    return common.mixer_output(out.astype(dtype), carry)
+
+
 # The heads run dot-product attention, so they take its options.
 _HEADS = dict(fn=multi_head_attention, family="heads", complexity="O(T^2)", subquadratic=False,
               exact=True, causal=True, cross=True, qkv=False, mixer=registry.ATTENTION_MIXER,
@@ -484,3 +602,9 @@ registry.register(registry.VariantSpec(
                  ramp="R, the length of the mask's ramp from 1 to 0 after the span",
                  span_penalty="lambda of the L1 loss lambda / H sum_h z_h (0: none)",
                  scale="multiplies the logits q . k; 1/sqrt(D) when None")))
+registry.register(registry.VariantSpec(
+    name="routing_aggregation", fn=route_heads, paper="Li et al. 2019", family="heads",
+    complexity="O(T^2)", subquadratic=False, exact=False, causal=True, cross=True, qkv=False,
+    mixer=RoutingAggregation,
+    options=dict(num_capsules="N, the output capsules (each E / N); num_heads when None",
+                 iterations="routing-by-agreement iterations (1: uniform couplings)")))
