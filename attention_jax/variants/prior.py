@@ -48,6 +48,10 @@ token at a time with O(1) state (`average_attention_step`).
 RealFormer (He et al. 2020), `realformer`: residual attention, each layer's
 logits plus the previous layer's. The scores flow from block to block in the
 layer stack's carry (`carries=("attention_scores",)` in the registry).
+
+Predictive attention (Wang et al. 2021), `predictive`: each layer's logits
+mixed with a 2-D convolution of the previous layer's attention map, carried
+likewise (`carries=("attention_maps",)`), O(T^2).
 """
 
 from __future__ import annotations
@@ -1018,24 +1022,33 @@ def realformer_attention(
   if unbatched:
     raise ValueError(f"realformer takes batched query [B, Tq, H, D], got shape "
                      f"{list(jnp.shape(query))}.")
-  batch, q_len, num_heads, _ = inputs.query.shape
-  kv_len = inputs.key.shape[1]
-  key_heads = common.repeat_kv_heads(inputs.key, num_heads)
-  scores = jnp.einsum("bqhd,bkhd->bhqk", inputs.query, key_heads,
-                      preferred_element_type=jnp.float32) * inputs.scale
-  if inputs.bias is not None:
-    scores = scores + inputs.bias.astype(jnp.float32)
-  previous = None if carry is None else carry.get(SCORES)
+  scores = _scaled_scores(inputs)
+  previous = _carried_map(carry, SCORES, scores.shape, "scores")
   if previous is not None:
-    expected = (batch, num_heads, q_len, kv_len)
-    if tuple(previous.shape) != expected:
-      raise ValueError(f"carry[{SCORES!r}] must be the previous layer's scores "
-                       f"[B, H, Tq, Tk] = {list(expected)}, got shape {list(previous.shape)}.")
     scores = scores + residual_weight * previous
   weights = common.dropout_weights(masked_softmax(scores, inputs.dense_mask()), dropout_rate,
                                    dropout_rng)
   out = common.weighted_values(weights, inputs.value).astype(inputs.query.dtype)
   return out, {SCORES: scores}
+
+
+def _scaled_scores(inputs) -> Array:
+  """q . k * scale + bias, float32 `[B, H, Tq, Tk]` (grouped K/V heads repeated)."""
+  key_heads = common.repeat_kv_heads(inputs.key, inputs.query.shape[2])
+  scores = jnp.einsum("bqhd,bkhd->bhqk", inputs.query, key_heads,
+                      preferred_element_type=jnp.float32) * inputs.scale
+  return scores if inputs.bias is None else scores + inputs.bias.astype(jnp.float32)
+
+
+def _carried_map(carry: Optional[Mapping[str, Array]], name: str, shape: tuple,
+                 what: str) -> Optional[Array]:
+  """The previous layer's `[B, H, Tq, Tk]` map under `carry[name]`, None when
+  absent (the first layer, or a direct call without a carry)."""
+  previous = None if carry is None else carry.get(name)
+  if previous is not None and tuple(previous.shape) != tuple(shape):
+    raise ValueError(f"carry[{name!r}] must be the previous layer's {what} "
+                     f"[B, H, Tq, Tk] = {list(shape)}, got shape {list(previous.shape)}.")
+  return previous
 
 
 def _realformer_initial_carry(batch: int, length: int, num_heads: int) -> Dict[str, Array]:
@@ -1049,6 +1062,132 @@ registry.register(registry.VariantSpec(
                  scale="multiplies the logits; 1/sqrt(D) when None"),
     carries=(SCORES,), initial_carry=_realformer_initial_carry))
 
+
+
+# --------------------------------------------------------------------------------------
+# Predictive attention: the previous layer's maps through a 2-D convolution.
+
+MAPS = "attention_maps"  # the carry key predictive attention reads and writes
+
+
+def predict_maps(previous: Array, conv_kernel: Array, *, is_causal: bool = False) -> Array:
+  """g(A): a 2-D convolution over the `[Tq, Tk]` plane with the heads as channels.
+
+  previous: `[B, H, Tq, Tk]`; conv_kernel: `[k, k, H, H]` (rows, columns, in,
+  out heads), k odd. Zero padding keeps the size. Causal: the query axis is
+  padded above only, so row i reads rows i - k + 1 .. i and never a later
+  query's map (whose weights depend on later tokens); the key axis needs no
+  such care, since a causal map is already zero right of its diagonal.
+  Returns float32 `[B, H, Tq, Tk]`.
+  """
+  size = conv_kernel.shape[0]
+  half = size // 2
+  rows = (size - 1, 0) if is_causal else (half, half)
+  return jax.lax.conv_general_dilated(
+      previous.astype(jnp.float32), conv_kernel.astype(jnp.float32), window_strides=(1, 1),
+      padding=(rows, (half, half)), dimension_numbers=("NCHW", "HWIO", "NCHW"))
+
+
+def predictive_attention(
+    query: Array,
+    key: Array,
+    value: Array,
+    bias: Optional[Array] = None,
+    mask: Optional[Array] = None,
+    *,
+    conv_kernel: Array,
+    is_causal: bool = False,
+    query_seq_lengths: Optional[Array] = None,
+    key_value_seq_lengths: Optional[Array] = None,
+    segment_ids=None,
+    carry: Optional[Mapping[str, Array]] = None,
+    previous_weight: float = 0.5,
+    scale: Optional[float] = None,
+    dropout_rate: float = 0.0,
+    dropout_rng: Optional[jax.Array] = None,
+) -> Tuple[Array, Dict[str, Array]]:
+  """Predictive attention (Wang et al. 2021): each layer's logits mixed with a
+  convolution of the previous layer's attention map,
+
+      S_l = (1 - a) (Q K^T * scale + bias) + a g(A_{l-1}),
+      A_l = softmax(S_l, masked),   out = A_l V,
+
+  with g the 2-D convolution of `predict_maps` (heads as channels) and A_l
+  handed to the next layer. The paper's convex mix w1 = 1 - a, w2 = a: a = 0
+  is vanilla attention. The map carried is the softmax's output before
+  dropout, zero at every masked entry, so padded or later tokens reach no
+  allowed weight through the convolution. g has no bias: a constant per head
+  added to a whole row of logits would cancel in the softmax.
+
+  Args:
+    query, key, value, bias, mask, is_causal, query_seq_lengths,
+      key_value_seq_lengths, segment_ids: as in `dot_product_attention`.
+    conv_kernel: `[k, k, H, H]`, g's kernel (k odd).
+    carry: `{"attention_maps": [B, H, Tq, Tk]}`, A_{l-1}; absent (the first
+      layer) counts as zeros, so the first layer is vanilla attention with
+      its logits scaled by 1 - a.
+    previous_weight: a, in [0, 1].
+    scale: logit scale, 1/sqrt(D) when None.
+    dropout_rate, dropout_rng: dropout on the attention weights.
+
+  Returns:
+    `([B, Tq, H, Dv] in the query dtype, {"attention_maps": A_l float32})`.
+  """
+  if not 0.0 <= previous_weight <= 1.0:
+    raise ValueError(f"previous_weight must be in [0, 1] (the weight a of the predicted "
+                     f"map), got {previous_weight}.")
+  inputs, unbatched = prepare_inputs(
+      query, key, value, bias, mask, scale=scale, is_causal=is_causal,
+      query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
+      segment_ids=segment_ids)
+  if unbatched:
+    raise ValueError(f"predictive takes batched query [B, Tq, H, D], got shape "
+                     f"{list(jnp.shape(query))}.")
+  num_heads = inputs.query.shape[2]
+  size = jnp.shape(conv_kernel)[0]
+  common.check_per_head("conv_kernel", conv_kernel, (size, size, num_heads, num_heads))
+  if size % 2 == 0:
+    raise ValueError(f"conv_kernel must be [k, k, H, H] with k odd (a centred window), got "
+                     f"k = {size}.")
+  scores = (1.0 - previous_weight) * _scaled_scores(inputs)
+  previous = _carried_map(carry, MAPS, scores.shape, "attention map")
+  if previous is not None:
+    scores = scores + previous_weight * predict_maps(previous, conv_kernel,
+                                                     is_causal=is_causal)
+  maps = masked_softmax(scores, inputs.dense_mask())
+  weights = common.dropout_weights(maps, dropout_rate, dropout_rng)
+  out = common.weighted_values(weights, inputs.value).astype(inputs.query.dtype)
+  return out, {MAPS: maps}
+
+
+class PredictiveConvolution(nn.Module):
+  """`predictive`'s convolution kernel `[k, k, H, H]`."""
+
+  kernel_size: int = 3
+
+  @nn.compact
+  def __call__(self, query, key, value, deterministic: bool = True) -> dict:
+    del key, value, deterministic
+    if self.kernel_size < 1 or self.kernel_size % 2 == 0:
+      raise ValueError(f"kernel_size must be an odd positive int (a centred window), got "
+                       f"{self.kernel_size}.")
+    num_heads = query.shape[2]
+    shape = (self.kernel_size, self.kernel_size, num_heads, num_heads)
+    return {"conv_kernel": self.param("conv_kernel", nn.initializers.lecun_normal(), shape)}
+
+
+def _predictive_initial_carry(batch: int, length: int, num_heads: int) -> Dict[str, Array]:
+  return {MAPS: jnp.zeros((batch, num_heads, length, length), jnp.float32)}
+
+
+registry.register(registry.VariantSpec(
+    name="predictive", fn=predictive_attention, family="prior", complexity="O(T^2)",
+    subquadratic=False, exact=False, causal=True, cross=True, paper="Wang et al. 2021",
+    extras=PredictiveConvolution,
+    options=dict(previous_weight="a: S = (1 - a) q . k + a conv(previous map); 0 is vanilla",
+                 kernel_size="k, the convolution's odd window over (query, key) positions",
+                 scale="multiplies the logits; 1/sqrt(D) when None"),
+    carries=(MAPS,), initial_carry=_predictive_initial_carry))
 
 _SYNTHESIZER = dict(fn=synthesizer_attention, family="prior", complexity="O(T^2)",
                     subquadratic=False, exact=False, causal=True, cross=True,

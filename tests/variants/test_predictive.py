@@ -1,0 +1,180 @@
+"""predictive (Wang et al. 2021): the previous layer's attention map through a
+2-D convolution, mixed into the logits, handed on by the layer stack's carry."""
+
+import flax.linen as nn
+from flax import traverse_util
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import attention_jax
+from attention_jax.models import Block, LayerStack, ModelConfig, build_model
+from attention_jax.models.stack import unstack_scanned
+from attention_jax.variants import prior
+from attention_jax.variants.prior import MAPS
+from attention_testing import (B, H, Q_LENGTHS, TK, TQ, VARIANT_MASK_CASES, as_float64,
+                               assert_same_outputs_and_grads, loop_mask, perturbed,
+                               random_qkv)
+
+
+def _kernel(size=3, seed=3):
+  return jnp.array(np.random.default_rng(seed).normal(size=(size, size, H, H)), jnp.float32)
+
+
+def _previous_map(seed=4, q_len=TQ, kv_len=TK):
+  """A stand-in A_{l-1}: rows of softmax weights (any array serves the formula)."""
+  logits = np.random.default_rng(seed).normal(size=(B, H, q_len, kv_len))
+  return jnp.array(np.exp(logits) / np.exp(logits).sum(-1, keepdims=True), jnp.float32)
+
+
+def np_convolve(previous, kernel, is_causal):
+  """g(A)[b, o, i, j] = sum over (r, c, h) of kernel[r, c, h, o] A[b, h, i + dr, j + dc],
+  written out offset by offset: dr = r - (k - 1) when causal (rows above only),
+  else r - k // 2; dc = c - k // 2; entries outside the map count as zero."""
+  previous, kernel = as_float64(previous), as_float64(kernel)
+  size = kernel.shape[0]
+  _, _, q_len, kv_len = previous.shape
+  out = np.zeros(previous.shape[:1] + (kernel.shape[3], q_len, kv_len))
+  for r in range(size):
+    for c in range(size):
+      dr = r - (size - 1) if is_causal else r - size // 2
+      dc = c - size // 2
+      shifted = np.zeros_like(previous)
+      rows = slice(max(0, -dr), min(q_len, q_len - dr))
+      cols = slice(max(0, -dc), min(kv_len, kv_len - dc))
+      shifted[:, :, rows, cols] = previous[:, :, rows.start + dr:rows.stop + dr,
+                                           cols.start + dc:cols.stop + dc]
+      out += np.einsum("ho,bhqk->boqk", kernel[r, c], shifted)
+  return out
+
+
+@pytest.mark.property("predictive")
+@pytest.mark.parametrize("case", sorted(VARIANT_MASK_CASES))
+def test_with_zero_previous_weight_it_is_dot_product_attention(case):
+  query, key, value = random_qkv(seed=1, batch=B, q_len=TQ, kv_len=TK, num_heads=H,
+                                 num_kv_heads=2)
+  kwargs = VARIANT_MASK_CASES[case][0]
+  carry = {MAPS: _previous_map()}
+  ours = lambda q, k, v: prior.predictive_attention(
+      q, k, v, conv_kernel=_kernel(), carry=carry, previous_weight=0.0, **kwargs)[0]
+  theirs = lambda q, k, v: attention_jax.dot_product_attention(q, k, v, **kwargs)
+  rows = None if "query_seq_lengths" not in kwargs else (
+      np.arange(TQ)[None, :] < Q_LENGTHS[:, None])
+  assert_same_outputs_and_grads(ours, theirs, query, key, value, rows=rows)
+
+
+@pytest.mark.property("predictive")
+@pytest.mark.parametrize("case", ["plain", "causal", "everything"])
+def test_logits_mix_the_scores_with_the_convolved_previous_map(case):
+  """S = (1 - a) q . k / sqrt(D) + a g(A_prev); A = softmax(S) over the allowed
+  keys; out = A v; and A is what the layer hands on."""
+  kwargs, mask_kwargs = VARIANT_MASK_CASES[case]
+  query, key, value = random_qkv(seed=2, batch=B, q_len=TQ, kv_len=TK, num_heads=H)
+  previous, kernel, weight = _previous_map(), _kernel(), 0.7
+  out, carry = prior.predictive_attention(query, key, value, conv_kernel=kernel,
+                                          carry={MAPS: previous}, previous_weight=weight,
+                                          **kwargs)
+  is_causal = kwargs.get("is_causal", False)
+  scores = np.einsum("bqhd,bkhd->bhqk", as_float64(query), as_float64(key)) / np.sqrt(
+      query.shape[-1])
+  logits = (1 - weight) * scores + weight * np_convolve(previous, kernel, is_causal)
+  allowed = loop_mask(B, TQ, TK, **mask_kwargs)
+  logits = np.where(allowed, logits, -np.inf)
+  row_max = np.max(logits, -1, keepdims=True)
+  maps = np.exp(logits - np.where(np.isfinite(row_max), row_max, 0.0))
+  total = maps.sum(-1, keepdims=True)
+  maps = maps / np.where(total == 0, 1.0, total)
+  np.testing.assert_allclose(carry[MAPS], maps, rtol=1e-4, atol=1e-5)
+  expected = np.einsum("bhqk,bkhd->bqhd", maps, as_float64(value))
+  np.testing.assert_allclose(out, expected, rtol=1e-4, atol=1e-5)
+
+
+def _config(**overrides):
+  fields = dict(vocab_size=11, num_layers=3, embed_dim=16, num_heads=2, mlp_dim=32,
+                max_length=12, dropout_rate=0.0, attention="predictive", kind="language_model")
+  fields.update(overrides)
+  return ModelConfig.from_config(fields)
+
+
+def _tokens(seed=0, length=12):
+  return jax.random.randint(jax.random.PRNGKey(seed), (B, length), 1, 11)
+
+
+def test_a_model_with_zero_previous_weight_is_the_vanilla_model():
+  tokens = _tokens()
+  predictive = _config(attention_options={"previous_weight": 0.0})
+  params = perturbed(build_model(predictive).init(jax.random.PRNGKey(0), tokens)["params"])
+  out = build_model(predictive).apply({"params": params}, tokens)
+  # The vanilla model has the same parameters less the convolutions.
+  flat = traverse_util.flatten_dict(params)
+  vanilla_params = traverse_util.unflatten_dict(
+      {path: leaf for path, leaf in flat.items() if "variant" not in path})
+  assert len(vanilla_params) and len(flat) - len(traverse_util.flatten_dict(vanilla_params)) == 3
+  expected = build_model(_config(attention="dot_product")).apply({"params": vanilla_params},
+                                                                 tokens)
+  np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
+  # ... and with the default weight the maps of one layer reach the next.
+  default = build_model(_config()).apply({"params": params}, tokens)
+  assert np.abs(np.asarray(default - expected)).max() > 1e-3
+
+
+def test_the_stack_hands_each_layer_the_previous_layers_map():
+  config = _config(kind="classifier")
+  x = jax.random.normal(jax.random.PRNGKey(5), (B, 12, 16))
+  stack = LayerStack(config)
+  params = perturbed(nn.meta.unbox(stack.init(jax.random.PRNGKey(0), x)["params"]))
+  y, carry = stack.apply({"params": params}, x)
+  stream, layer_carry = x, {MAPS: jnp.zeros((B, 2, 12, 12))}
+  for i in range(config.num_layers):
+    previous = layer_carry[MAPS]
+    stream, layer_carry = Block(config).apply({"params": params[f"block_{i}"]}, stream,
+                                              layer_carry)
+    # Each map is a softmax over the keys: rows sum to one.
+    np.testing.assert_allclose(layer_carry[MAPS].sum(-1), 1.0, rtol=1e-5)
+    assert np.abs(np.asarray(layer_carry[MAPS] - previous)).max() > 1e-3
+  np.testing.assert_allclose(y, stream, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(carry[MAPS], layer_carry[MAPS], rtol=1e-5, atol=1e-6)
+
+
+def test_scanned_stack_equals_unrolled():
+  x = jax.random.normal(jax.random.PRNGKey(6), (B, 12, 16))
+  scanned = _config(kind="classifier", scan_layers=True)
+  params = perturbed(nn.meta.unbox(LayerStack(scanned).init(jax.random.PRNGKey(1), x)["params"]))
+  y, _ = LayerStack(scanned).apply({"params": params}, x)
+  expected, _ = LayerStack(_config(kind="classifier")).apply(
+      {"params": unstack_scanned(params, scanned)}, x)
+  np.testing.assert_allclose(y, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_causal_model_output_never_depends_on_a_later_token():
+  """The convolution mixes neighbouring rows of the map; a causal stack must
+  pad the query axis above only, or a later token's map leaks into an earlier
+  query from the second layer on."""
+  tokens = _tokens(seed=1)
+  model = build_model(_config(attention_options={"kernel_size": 5}))
+  params = perturbed(model.init(jax.random.PRNGKey(0), tokens)["params"])
+  logits = model.apply({"params": params}, tokens)
+  cut = 5
+  changed = tokens.at[:, cut + 1:].set((tokens[:, cut + 1:] % 10) + 1)
+  changed_logits = model.apply({"params": params}, changed)
+  np.testing.assert_allclose(changed_logits[:, :cut + 1], logits[:, :cut + 1], rtol=1e-5,
+                             atol=1e-5)
+  assert np.abs(np.asarray(changed_logits[:, cut + 1:] - logits[:, cut + 1:])).max() > 1e-3
+
+
+def test_bad_arguments_name_themselves():
+  query, key, value = random_qkv(seed=1, batch=B, q_len=TQ, kv_len=TK, num_heads=H)
+  with pytest.raises(ValueError, match=r"previous_weight must be in \[0, 1\]"):
+    prior.predictive_attention(query, key, value, conv_kernel=_kernel(), previous_weight=1.5)
+  with pytest.raises(ValueError, match="conv_kernel must be .* k odd"):
+    prior.predictive_attention(query, key, value, conv_kernel=_kernel(size=2))
+  with pytest.raises(ValueError, match="conv_kernel"):
+    prior.predictive_attention(query, key, value, conv_kernel=jnp.zeros((3, 3, H, H + 1)))
+  with pytest.raises(ValueError, match=r"carry\['attention_maps'\] must be"):
+    prior.predictive_attention(query, key, value, conv_kernel=_kernel(),
+                               carry={MAPS: jnp.zeros((B, H, TQ, TQ))})
+  tokens = _tokens()
+  with pytest.raises(ValueError, match="kernel_size must be an odd positive int"):
+    build_model(_config(attention_options={"kernel_size": 4})).init(jax.random.PRNGKey(0),
+                                                                    tokens)
