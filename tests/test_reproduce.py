@@ -422,3 +422,45 @@ def test_seq2seq_table_has_a_baseline_row_and_reports_sequence_accuracy(tmp_path
   assert "| no_attention | 3.0 ± 1.4 (n=2) |" in lines
   assert "| additive | 97.0 ± 1.4 (n=2) |" in lines
   assert "paper numbers" not in text
+
+
+ZOO = str(REPO / "configs" / "tables" / "zoo_smoke.py")
+
+
+def test_zoo_table_is_every_mixer_of_the_registry_or_listed_with_a_reason(tmp_path):
+  from attention_jax import registry
+  table = tables.load_table(ZOO)
+  assert set(table.variants) | set(table.not_run) == set(registry.list_variants("mixer"))
+  assert not set(table.variants) & set(table.not_run)
+  assert all(reason for reason in table.not_run.values())
+  cells = tables.expand(table, tmp_path / "out")
+  assert {c.key["variant"] for c in cells} == set(table.variants)
+  assert sorted({c.key["seed"] for c in cells}) == [0, 1]
+
+
+def test_sorted_table_lists_unrun_variants_and_who_beats_the_majority_class(tmp_path):
+  table = write_table(tmp_path, TINY_ACCURACY.replace(
+      'c.variants = ("dot_product", "linear")',
+      'c.variants = ("dot_product", "linear", "local")\n  c.sort_by_accuracy = True\n'
+      '  c.not_run = {"flash": "interpreted on CPU"}\n  c.paper = False'))
+  out = tmp_path / "out"
+  # linear best (40, 44), dot_product (30, 10: one seed at the majority level), local unrun.
+  for variant, accuracies in (("dot_product", (0.30, 0.10)), ("linear", (0.40, 0.44))):
+    for seed, accuracy in enumerate(accuracies):
+      path = out / "runs" / "listops" / variant / "method" / f"seed{seed}" / "results.json"
+      path.parent.mkdir(parents=True)
+      path.write_text(json.dumps(fake_training_results(seed, accuracy)))
+  assert reproduce.main([f"--table={table}", f"--results={out}", "--norun",
+                         f"--data_dir={tmp_path / 'data'}"]) == 0
+  lines = (out / "table.md").read_text().splitlines()
+  start = lines.index("| variant | listops method |")
+  assert lines[start + 2:start + 5] == ["| linear | 42.0 ± 2.8 (n=2) |",
+                                        "| dot_product | 20.0 ± 14.1 (n=2) |", "| local | - |"]
+  assert "| flash | interpreted on CPU |" in lines
+
+  config = tables.load_table(table)
+  rows = tables.accuracy.summarize(config, tables.expand(config, out))
+  verdict = tables.accuracy.majority_verdict(config, rows, {"listops": 12.6})
+  assert verdict == ["listops method: 1 of 2 finished variants beat the majority class (12.6%) "
+                     "in every seed; not: dot_product (10.0) (worst seed). No finished run: "
+                     "local."]

@@ -15,7 +15,12 @@ e.g. "sequence_accuracy" of a sequence-to-sequence task); `paper=False`
 for a table with no LRA paper numbers; `baselines`, rows that are not a
 registered variant, `{label: {"variant": name, "overrides": {...}}}` (the
 variant's config with the overrides, e.g. the encoder-decoder without
-attention), listed in `variants` by their label.
+attention), listed in `variants` by their label; `sort_by_accuracy=True`
+to order the rows and the plot by mean test accuracy (best first), for a
+table of many variants; `not_run`, `{variant: reason}` for variants the
+table leaves out, listed under it with the reason (never dropped silently).
+With the majority class known, the table says which variants beat it in
+every seed.
 """
 
 from __future__ import annotations
@@ -126,9 +131,10 @@ def summarize(table: Any, cells: Sequence[Cell]) -> List[Dict[str, Any]]:
   rows = []
   for (task, variant, preset), runs in groups.items():
     metrics = [r["metrics"] for r in runs]
+    tests = [100 * m["test"][metric] for m in metrics if "test" in m]
     rows.append(dict(
         task=task, variant=variant, preset=preset,
-        test=report.spread([100 * m["test"][metric] for m in metrics if "test" in m]),
+        test=report.spread(tests), worst_test=min(tests) if tests else None,
         validation=report.spread([100 * m["best_validation"][metric] for m in metrics
                                   if "best_validation" in m]),
         steps_per_s=report.spread([m.get("steps_per_s") for m in metrics]),
@@ -138,6 +144,41 @@ def summarize(table: Any, cells: Sequence[Cell]) -> List[Dict[str, Any]]:
         seeds=[r["config"]["seed"] for r in runs],
         paper=lra_paper.accuracy(variant, task) if table.get("paper", True) else None))
   return rows
+
+
+def ordered_variants(table: Any, rows: Sequence[Dict[str, Any]]) -> List[str]:
+  """The table's variants, by mean test accuracy of its first task and preset
+  (best first, unfinished last) when it asks `sort_by_accuracy`, else as listed."""
+  variants = list(table.variants)
+  if not table.get("sort_by_accuracy", False):
+    return variants
+  first = (next(iter(table.tasks)), attention_presets(table)[0])
+  by = {r["variant"]: (r.get("test") or {}).get("mean")
+        for r in rows if (r["task"], r["preset"]) == first}
+  return sorted(variants, key=lambda v: (by.get(v) is None, -(by.get(v) or 0.0)))
+
+
+def majority_verdict(table: Any, rows: Sequence[Dict[str, Any]],
+                     majority: Mapping[str, Optional[float]]) -> List[str]:
+  """Per task and preset: how many variants beat the majority class in every
+  finished seed, and which did not (or have no finished seed)."""
+  lines = []
+  by = {(r["task"], r["variant"], r["preset"]): r for r in rows}
+  for task, level in majority.items():
+    if level is None:
+      continue
+    for preset in attention_presets(table):
+      done = {v: by[(task, v, preset)]["worst_test"] for v in table.variants
+              if by.get((task, v, preset), {}).get("worst_test") is not None}
+      below = [f"{v} ({worst:.1f})" for v, worst in done.items() if worst <= level]
+      missing = [v for v in table.variants if v not in done]
+      line = (f"{task} {preset}: {len(done) - len(below)} of {len(done)} finished variants "
+              f"beat the majority class ({level:.1f}%) in every seed")
+      line += f"; not: {', '.join(below)} (worst seed)." if below else "."
+      if missing:
+        line += f" No finished run: {', '.join(missing)}."
+      lines.append(line)
+  return lines
 
 
 def majority_class(config_file: str, presets: Sequence[str], data_dir: str,
@@ -195,12 +236,19 @@ def markdown(table: Any, rows: Sequence[Dict[str, Any]], data_dir: str = "data")
   lines += [f"## Test {metric} (%): measured mean ± std (n seeds) per preset"
             + (", and the LRA paper" if paper else ""),
             "", *report.markdown_head(["variant", *names]),
-            *report.variant_rows(table.variants, columns, test_cell)]
+            *report.variant_rows(ordered_variants(table, rows), columns, test_cell)]
+  verdict = majority_verdict(table, rows, majority)
+  if verdict:
+    lines += ["", *verdict]
+  not_run = plain(table.get("not_run", {})) or {}
+  if not_run:
+    lines += ["", "## Not run here", "", *report.markdown_head(["variant", "reason"]),
+              *(report.markdown_row([variant, reason]) for variant, reason in not_run.items())]
   lines += ["", f"## Best validation {metric} (%), train steps/s and peak memory (MiB)", "",
             *report.markdown_head(["task", "variant", "preset", "best validation (%)",
                                    "steps/s", "peak memory (MiB)"])]
   for task in tasks:
-    for variant in table.variants:
+    for variant in ordered_variants(table, rows):
       for preset in presets:
         row = by.get((task, variant, preset), {})
         source = " host RSS" if row.get("memory_source") == "host_rss" else ""
@@ -212,17 +260,20 @@ def markdown(table: Any, rows: Sequence[Dict[str, Any]], data_dir: str = "data")
 
 
 def plot(table: Any, rows: Sequence[Dict[str, Any]], out: pathlib.Path) -> List[str]:
-  """`accuracy.png`: test accuracy by variant, one bar group per task, error bars
-  of one std over seeds, the paper's number as a black tick."""
+  """`accuracy.png`: test accuracy by variant (ordered as the table's rows),
+  one bar group per task, error bars of one std over seeds, the paper's number
+  as a black tick."""
   plt = report.pyplot()
   groups = [(t, p) for t in table.tasks for p in attention_presets(table)
             if any(r["task"] == t and r["preset"] == p and r["test"]["n"] for r in rows)]
   if not groups:
     return []
   by = {(r["task"], r["variant"], r["preset"]): r for r in rows}
-  variants = list(table.variants)
+  variants = ordered_variants(table, rows)
   width = 0.8 / len(groups)
-  fig, ax = plt.subplots(figsize=(max(6, 0.7 * len(variants) * max(1, len(groups) / 2)), 4))
+  per_variant = 0.7 if len(variants) <= 20 else 0.3  # a zoo of 50 still fits a page
+  fig, ax = plt.subplots(figsize=(max(6, per_variant * len(variants) * max(1, len(groups) / 2)),
+                                  4))
   for i, (task, preset) in enumerate(groups):
     xs = [j + (i - (len(groups) - 1) / 2) * width for j in range(len(variants))]
     cells = [by.get((task, v, preset), {}) for v in variants]

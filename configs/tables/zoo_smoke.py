@@ -1,0 +1,45 @@
+"""Every token mixer of the registry trained on smoke ListOps: the zoo table.
+
+  python -m experiments.reproduce --table=configs/tables/zoo_smoke.py --results=results/zoo_smoke/
+
+The variants are a registry query, `registry.list_variants("mixer")`, so a
+variant registered later joins the table by itself; a mixer that cannot train
+here goes into `NOT_RUN` with the reason, and the table lists it. Each runs as
+the encoder's attention of `configs/lra/listops.py` at its smoke preset
+(depth <= 4, 100 tokens, a 2-layer width-64 model, 600 steps of batch 32) with
+the variant's method options, 2 seeds: about a minute a cell on 2 CPU cores
+(Pallas `flash` is interpreted on CPU: about five). The target is every
+variant above the majority class; the table says which are.
+
+Cell overrides, where a default does not fit 101 tokens ([CLS] + 100):
+BigBird's blocks are 16 (as in lra_smoke.py: at 64 the sequence makes 2
+blocks, fewer than its 3 random blocks).
+"""
+
+from __future__ import annotations
+
+import ml_collections
+
+from attention_jax import registry
+
+# A mixer that cannot train on this task, with the reason; the table lists it.
+NOT_RUN = {}
+
+
+def get_config():
+  config = ml_collections.ConfigDict()
+  config.name = "zoo_smoke"
+  config.kind = "accuracy"
+  config.description = "Every registered token mixer on ListOps, smoke preset (CPU)"
+  config.tasks = {"listops": "configs/lra/listops.py"}
+  config.variants = tuple(v for v in registry.list_variants("mixer") if v not in NOT_RUN)
+  config.not_run = NOT_RUN
+  config.seeds = (0, 1)
+  config.presets = ("smoke",)
+  config.flags = ()
+  config.paper = False
+  config.sort_by_accuracy = True
+  config.cell_overrides = {"listops": {
+      "bigbird": {"model": {"attention_options": {"block_size": 16}}},
+  }}
+  return config
