@@ -24,8 +24,9 @@ its path, so this file imports no layer).
   output) as auxiliary losses, through the `sow_loss` callback that
   `MultiHeadAttention` passes to a function taking it.
 * `adaptive_span` (Sukhbaatar et al. 2019): each head masks keys beyond its
-  learned span z_h with a soft ramp; computed over the static band of the
-  largest possible span (`sparse.band_attention`), O(T (S + R)).
+  learned span z_h with a soft ramp; its arrays are the static band of the
+  largest possible span S, its work skips the key blocks beyond the current
+  largest span z (`sparse.band_attention` with `reach`), O(T (z + R)).
 * `routing_aggregation` (Li et al. 2019): the heads' outputs aggregated by
   routing-by-agreement (capsule dynamic routing) instead of Concat W^O; a
   token mixer (`RoutingAggregation`) running dot-product attention on its
@@ -360,7 +361,7 @@ def adaptive_span_attention(query: Array, key: Array, value: Array, bias: Option
                             query_seq_lengths: Optional[Array] = None,
                             key_value_seq_lengths: Optional[Array] = None, segment_ids=None,
                             spans: Array, max_span: int = 128, ramp: int = 32,
-                            scale: Optional[float] = None) -> Array:
+                            block_size: int = 32, scale: Optional[float] = None) -> Array:
   """Adaptive attention span: a_ij = m_h(i - j) exp(s_ij) / sum_k m_h(i - k) exp(s_ik).
 
   m_h = `span_mask` with head h's span z_h in [0, S], S = `max_span`. The
@@ -370,17 +371,20 @@ def adaptive_span_attention(query: Array, key: Array, value: Array, bias: Option
   without causality it is |i - j| on both sides.
 
   Cost: a key at distance >= z + R has mask 0, and z <= S, so only the
-  band of S + R - 1 keys each side can count. The band is static (shapes
-  under `jit` cannot follow a traced span), computed blockwise by
-  `sparse.band_attention`: O(T (S + R)) whatever the spans, no T x T array.
-  The paper's GPU code also trims the computation to the current largest
-  span by slicing, which needs the span on the host; here S bounds the cost.
+  band of S + R - 1 keys each side can count: its shapes bound the memory,
+  O(T (S + R)), no T x T array. The work follows the current largest span
+  z* = max_h z_h: `sparse.band_attention` computes the band one key block
+  (of `block_size`) offset at a time and skips, under `lax.cond`, every
+  offset whose nearest key is z* + R or more away, forward and backward:
+  O(T (z* + R + b)). (The paper's code trims its keys to z* by slicing,
+  which needs the span on the host; the cond keeps it traced under `jit`.)
 
   Args:
     query: `[B, T, H, D]`; key: `[B, T, Hkv, D]`; value: `[B, T, Hkv, Dv]`.
     spans: z `[H]` float, in [0, max_span] (`AdaptiveSpan` clamps them).
     max_span: S, the largest span, an int >= 1.
     ramp: R, the length of the ramp, an int >= 1.
+    block_size: b, the key blocks skipped beyond the largest span, an int >= 1.
     scale: multiplies q . k; 1/sqrt(D) when None.
     is_causal, query_seq_lengths, key_value_seq_lengths, segment_ids, mask:
       as `local` takes them (self-attention, a key-padding mask only).
@@ -406,7 +410,9 @@ def adaptive_span_attention(query: Array, key: Array, value: Array, bias: Option
                         position_logits=log_span_mask, mask=mask, is_causal=is_causal,
                         query_seq_lengths=query_seq_lengths,
                         key_value_seq_lengths=key_value_seq_lengths, segment_ids=segment_ids,
-                        scale=scale)
+                        scale=scale, block_size=min(common.check_size("block_size", block_size),
+                                                    width),
+                        reach=jnp.max(spans) + ramp)
 
 
 class AdaptiveSpan(nn.Module):
@@ -596,11 +602,12 @@ registry.register(registry.VariantSpec(
                  scale="multiplies the logits q . k; 1/sqrt(D) when None")))
 registry.register(registry.VariantSpec(
     name="adaptive_span", fn=adaptive_span_attention, paper="Sukhbaatar et al. 2019",
-    family="heads", complexity="O(T (S + R))", subquadratic=True, exact=False, causal=True,
+    family="heads", complexity="O(T (z + R))", subquadratic=True, exact=False, causal=True,
     cross=False, extras=AdaptiveSpan,
     options=dict(max_span="S, the largest span; the band of S + R - 1 keys bounds the cost",
                  ramp="R, the length of the mask's ramp from 1 to 0 after the span",
                  span_penalty="lambda of the L1 loss lambda / H sum_h z_h (0: none)",
+                 block_size="b, key blocks past the largest span + R are skipped (lax.cond)",
                  scale="multiplies the logits q . k; 1/sqrt(D) when None")))
 registry.register(registry.VariantSpec(
     name="routing_aggregation", fn=route_heads, paper="Li et al. 2019", family="heads",

@@ -544,13 +544,21 @@ def band_attention(variant: str, query: Array, key: Array, value: Array, left: i
                    *, position_logits: Optional[PositionLogits] = None,
                    allowed: Optional[Predicate] = None, mask=None, is_causal: bool = False,
                    query_seq_lengths=None, key_value_seq_lengths=None, segment_ids=None,
-                   scale: Optional[float] = None) -> Array:
+                   scale: Optional[float] = None, block_size: Optional[int] = None,
+                   reach: Optional[Array] = None) -> Array:
   """Self-attention over the band of keys [i - left, i + right] of query i.
 
   out_i = sum_j softmax_j(q_i . k_j * scale + position_logits(i, j)) v_j over
   the keys j of the band that `allowed(i, j)` and the masks let through.
-  Computed as `local`'s band, blockwise with blocks of max(left, right, 1):
-  O(T (left + right)), no T x T array. A position logit of -inf removes a key.
+  Computed as `local`'s band, blockwise with blocks of `block_size`
+  (max(left, right, 1) when None): O(T (left + right)), no T x T array. A
+  position logit of -inf removes a key.
+
+  `reach`, a traced scalar, says that no key at distance >= reach can have
+  weight (its position logit is -inf): the band is then computed one key
+  block offset at a time, each under `lax.cond`, and an offset whose nearest
+  key is that far is skipped, forward and backward. The shapes stay those of
+  the static band; the work follows `reach` (adaptive span's largest span).
 
   Args:
     variant: the caller's name, for error messages.
@@ -561,6 +569,8 @@ def band_attention(variant: str, query: Array, key: Array, value: Array, left: i
     mask, is_causal, query_seq_lengths, key_value_seq_lengths, segment_ids:
       as in `local_attention` (a key-padding mask only).
     scale: multiplies q . k; 1/sqrt(D) when None.
+    block_size: the blocks' length b, an int >= 1.
+    reach: distance from which keys have no weight, or None.
 
   Returns:
     `[B, T, H, Dv]` in the query dtype.
@@ -568,13 +578,49 @@ def band_attention(variant: str, query: Array, key: Array, value: Array, left: i
   _self_attention_length(variant, query, key)
   common.check_size("left", left, minimum=0)
   common.check_size("right", right, minimum=0)
-  block = max(left, right, 1)
+  block = max(left, right, 1) if block_size is None else common.check_size("block_size",
+                                                                            block_size)
   inputs = _prepare(variant, query, key, value, None, mask, is_causal=is_causal,
                     key_value_seq_lengths=key_value_seq_lengths, segment_ids=segment_ids,
                     scale=scale, multiple=block)
-  out = _merge_parts([_windowed_part(inputs, left, right, block, extra=allowed,
-                                     position_logits=position_logits)])
-  return _finish(out, inputs, query_seq_lengths, query.dtype)
+  if reach is None:
+    parts = [_windowed_part(inputs, left, right, block, extra=allowed,
+                            position_logits=position_logits)]
+  else:
+    parts = _offset_parts(inputs, left, right, block, reach, allowed, position_logits)
+  return _finish(_merge_parts(parts), inputs, query_seq_lengths, query.dtype)
+
+
+def _offset_parts(inputs: _Inputs, left: int, right: int, block: int, reach: Array,
+                  extra: Optional[Predicate],
+                  position_logits: Optional[PositionLogits]) -> List[_Part]:
+  """The band as one part per key block offset o (query block n, key block
+  n + o), each computed only when its nearest key, (|o| - 1) b + 1 away, is
+  nearer than `reach`; a skipped offset is an empty part."""
+  right = 0 if inputs.is_causal else right
+  query, key, value, positions, key_ok, segments = _striped(inputs, 1)
+  num_blocks = positions.shape[1] // block
+  allowed = _all_of(_window(left, right), _causal(inputs.is_causal), extra)
+  reach = jax.lax.stop_gradient(jnp.asarray(reach, jnp.float32))
+
+  def offset_part(offset: int) -> _Part:
+    key_blocks = jnp.arange(num_blocks)[:, None] + offset
+    return _map_part(_from_stripes, _block_part(query, key, value, positions, key_ok, segments,
+                                                block, key_blocks, allowed, position_logits))
+
+  parts = []
+  for offset in range(-_ceil_div(left, block), _ceil_div(right, block) + 1):
+    if offset == 0:  # the query's own block: always within reach
+      parts.append(offset_part(0))
+      continue
+    shapes = jax.eval_shape(offset_part, offset)
+    empty = _Part(jnp.zeros(shapes.acc.shape, shapes.acc.dtype),
+                  jnp.full(shapes.row_max.shape, -jnp.inf, shapes.row_max.dtype),
+                  jnp.zeros(shapes.total.shape, shapes.total.dtype))
+    nearest = (abs(offset) - 1) * block + 1
+    parts.append(jax.lax.cond(nearest < reach, lambda o=offset: offset_part(o),
+                              lambda e=empty: e))
+  return parts
 
 
 def positional_band_attention(variant: str, value: Array, num_heads: int,

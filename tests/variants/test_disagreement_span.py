@@ -211,20 +211,47 @@ def test_span_penalty_is_sown_and_spans_are_clamped_and_trainable():
 
 
 @pytest.mark.property("adaptive_span")
-def test_adaptive_span_cost_follows_the_largest_span():
+def test_adaptive_span_arrays_are_key_blocks_whatever_the_largest_span():
   length = 4096
   query, key, value = (jnp.zeros((1, length, 2, 16)) for _ in range(3))
 
   def largest(max_span):
     fn = lambda q: heads.adaptive_span_attention(q, key, value, is_causal=True,
                                                  spans=jnp.full((2,), 1.0), max_span=max_span,
-                                                 ramp=32)
+                                                 ramp=32, block_size=32)
     return largest_intermediate(fn, query)
-  small, large = largest(32), largest(96)
-  assert large < length * length // 4
-  # The largest array is the band's scores, [H, T, 2 (S + R - 1)] causal (up
-  # to padding T to a block): it grows with S + R, whatever the spans z.
-  assert large / small == pytest.approx((96 + 31) / (32 + 31), rel=0.05)
+  # One key block offset at a time: the scores are [H, T, b], whatever S.
+  assert largest(32) == largest(512) < length * length // 4
+
+
+@pytest.mark.property("adaptive_span")
+@pytest.mark.parametrize("is_causal", [True, False])
+def test_keys_beyond_the_largest_span_are_never_computed(is_causal):
+  """NaN values in key blocks past the largest span + R: a block computed
+  there would carry NaN into the output (0 * NaN) or the gradients, though
+  its weights are 0. Only the skipped blocks are out of reach."""
+  length, block, ramp = 64, 8, 4
+  query, key, value = random_qkv(seed=8, batch=1, q_len=length, num_heads=H)
+  spans = jnp.asarray([2.0, 5.0, 7.5, 3.0])  # largest 7.5: keys 11.5 or more away get 0
+  poisoned = value.at[:, :block].set(jnp.nan)  # the first key block
+  far = 3 * block  # query blocks from 3 on are two blocks or more away from block 0
+
+  def attend(q, v):
+    return heads.adaptive_span_attention(q, key, v, is_causal=is_causal, spans=spans,
+                                         max_span=24, ramp=ramp, block_size=block)
+  out = attend(query, poisoned)
+  assert np.isfinite(np.asarray(out[:, far:])).all()
+  assert np.isnan(np.asarray(out[:, :block])).any()  # the poison is there to be found
+  assert_close(out[:, far:], attend(query, value)[:, far:])
+  # Backward too: the far queries' gradients never meet the poison (the near
+  # blocks' do, through 0 * NaN, as any computed block would).
+  grad = jax.grad(lambda q: jnp.sum(attend(q, poisoned)[:, far:] ** 2))(query)
+  assert np.isfinite(np.asarray(grad[:, far:])).all()
+  # The same band without skipping (spans at S) reaches the poison from query block 3.
+  full = heads.adaptive_span_attention(query, key, poisoned, is_causal=is_causal,
+                                       spans=jnp.full((H,), 24.0), max_span=24, ramp=ramp,
+                                       block_size=block)
+  assert np.isnan(np.asarray(full[:, far:far + block])).any()
 
 
 @pytest.mark.property("adaptive_span")
