@@ -260,7 +260,8 @@ def _grouped_pairwise(x: Optional[Array], num_kv_heads: int, group: int, q_multi
     return None
   heads = (num_kv_heads, group) if x.shape[1] != 1 else (1, 1)
   x = x.reshape(x.shape[:1] + heads + x.shape[2:])
-  return common.pad_axis(common.pad_axis(x, 3, q_multiple), 4, kv_multiple)
+  return common.pad_axis(common.pad_axis(x, 3, q_multiple, broadcast=True), 4, kv_multiple,
+                         broadcast=True)
 
 
 def default_block_sizes(q_len: int, kv_len: int) -> common.BlockSizes:

@@ -183,10 +183,12 @@ def sum_to_shape(x: Array, shape: Tuple[int, ...]) -> Array:
   return jnp.sum(x, axis=axes, keepdims=True) if axes else x
 
 
-def pad_axis(x: Array, axis: int, multiple: int, value=0) -> Array:
-  """Pads `axis` of `x` up to a multiple of `multiple` (axes of size 1 stay broadcast)."""
+def pad_axis(x: Array, axis: int, multiple: int, value=0, *, broadcast: bool = False) -> Array:
+  """Pads `axis` of `x` up to a multiple of `multiple`. With `broadcast` (a
+  bias or mask laid out `[.., Tq|1, Tk|1]`) an axis of size 1 stays as it is;
+  otherwise it is a sequence of one token (a query decoded alone) and is padded."""
   size = x.shape[axis]
-  if size == 1 or size % multiple == 0:
+  if (broadcast and size == 1) or size % multiple == 0:
     return x
   widths = [(0, 0)] * x.ndim
   widths[axis] = (0, multiple - size % multiple)

@@ -635,7 +635,8 @@ def flash_attention_tpu(inputs: AttentionInputs,
 
 def _pad_pairwise(x: Array, q_multiple: int, kv_multiple: int) -> Array:
   """A bias or mask `[B|1, H|1, Tq|1, Tk|1]` padded to whole blocks (size-1 axes stay)."""
-  return common.pad_axis(common.pad_axis(x, 2, q_multiple), 3, kv_multiple)
+  return common.pad_axis(common.pad_axis(x, 2, q_multiple, broadcast=True), 3, kv_multiple,
+                         broadcast=True)
 
 
 def _mask_arrays(inputs: AttentionInputs, q_multiple: int, kv_multiple: int) -> _MaskArrays:

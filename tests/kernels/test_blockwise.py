@@ -44,6 +44,26 @@ def test_selected_through_dot_product_attention():
   np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("q_len, kv_len", [(1, 12), (12, 1), (1, 1)])
+def test_a_sequence_of_one_token_is_padded_like_any_other(q_len, kv_len):
+  """One query against a cache of keys (a decoding step), or one key: a
+  length of 1 is a real sequence, not a broadcast axis."""
+  query, key, value = random_qkv(seed=3, q_len=q_len, kv_len=kv_len)
+  mask = jnp.asarray(np.random.default_rng(0).random((query.shape[0], 1, q_len, kv_len)) > 0.3)
+
+  def outputs_and_grads(implementation):
+    def loss(q, k, v):
+      return jnp.sum(attention_jax.dot_product_attention(
+          q, k, v, mask=mask, implementation=implementation) ** 2)
+    out = attention_jax.dot_product_attention(query, key, value, mask=mask,
+                                              implementation=implementation)
+    return out, jax.grad(loss, argnums=(0, 1, 2))(query, key, value)
+
+  for ours, theirs in zip(jax.tree.leaves(outputs_and_grads("blockwise")),
+                          jax.tree.leaves(outputs_and_grads("xla"))):
+    np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("reach_args", [(False, None), (True, None), (False, (3, 1)),
                                         (True, (5, 2)), (False, (0, 6))])
 @pytest.mark.parametrize("blocks", [(4, 4), (2, 8), (8, 2), (3, 5)])
