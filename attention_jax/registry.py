@@ -74,6 +74,9 @@ class VariantSpec:
       the carry before the first layer, for variants with `carries`.
     presets: named option sets, `{preset name: Preset}` (see `PRESETS`);
       "method" (the paper's method with our defaults) needs no entry.
+    not_decodable: why the variant cannot decode one token at a time in a
+      language model (`ModelConfig.decode`, `generation.generate`), where
+      `decoding_refusal` cannot tell from the other fields; None otherwise.
     role: what the module is, one of `ROLES`: "mixer" (every variant a
       block can run), or "pooling" / "alignment" for mechanisms that are
       not token mixers (attention pooling, ESIM's cross alignment). Those
@@ -101,12 +104,29 @@ class VariantSpec:
   initial_carry: Optional[Callable[..., Dict[str, Any]]] = None
   presets: Mapping[str, "Preset"] = dataclasses.field(default_factory=dict)
   role: str = "mixer"
+  not_decodable: Optional[str] = None
 
   @property
   def mixer_class(self) -> Callable[..., Any]:
     """The Flax module class a model builds for this variant (imported on demand)."""
     mixer = self.mixer if self.mixer is not None else ATTENTION_MIXER
     return _resolve(mixer) if isinstance(mixer, str) else mixer
+
+  @property
+  def decoding_refusal(self) -> Optional[str]:
+    """Why the variant cannot decode one token at a time, or None when it
+    can: its module then takes `decode=True` and, fed the tokens one by one,
+    gives its full causal forward pass (tested for every causal mixer)."""
+    if self.not_decodable is not None:
+      return self.not_decodable
+    if not self.causal:
+      return "it has no causal form"
+    if not self.cross:
+      return ("it is self-attention only (Tq = Tk), and a decoding step is one query against "
+              "the cached keys")
+    if "decode" not in {f.name for f in dataclasses.fields(self.mixer_class)}:
+      return f"its module {self.mixer_class.__name__} keeps no decoding cache"
+    return None
 
   @property
   def module(self) -> Callable[..., Any]:
@@ -400,14 +420,17 @@ def presets_table_markdown() -> str:
 
 def variant_table_markdown() -> str:
   """The README's variant table, one row per registered variant."""
-  rows = ["| name | family | complexity | causal | cross-attention | exact | paper |",
-          "|---|---|---|---|---|---|---|"]
+  rows = ["| name | family | complexity | causal | cross-attention | exact | decodes | paper |",
+          "|---|---|---|---|---|---|---|---|"]
   yes_no = lambda flag: "yes" if flag else "no"
   for name in list_variants():
     spec = _REGISTRY[name]
     # A module that is not a token mixer says so next to its family.
     family = spec.family if spec.role == "mixer" else f"{spec.family} ({spec.role})"
+    # Decodes one token at a time in the language model (why not: `decoding_refusal`).
+    decodes = "-" if spec.role != "mixer" or not spec.causal else yes_no(
+        spec.decoding_refusal is None)
     rows.append(f"| `{name}` | {family} | {spec.complexity} | {yes_no(spec.causal)} | "
                 f"{yes_no(spec.cross)} | {'exact' if spec.exact else 'approximate'} | "
-                f"{spec.paper} |")
+                f"{decodes} | {spec.paper} |")
   return "\n".join(rows) + "\n"

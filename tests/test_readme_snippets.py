@@ -31,3 +31,12 @@ def test_the_rnn_step_with_a_scoring_function_runs_and_ignores_padding():
   np.testing.assert_allclose(changed[1], out[1], rtol=1e-6, atol=1e-6)
   _, moved = step.apply(params, state, x, encoder_states.at[1, 2].set(5.0), lengths)
   assert not np.allclose(moved[1], out[1])
+
+
+def test_the_generation_snippet_runs():
+  namespace = {}
+  exec(_python_block_after("### Generating from a language model"), namespace)  # pylint: disable=exec-used
+  greedy, sampled = namespace["greedy"], namespace["sampled"]
+  assert greedy.shape == sampled.shape == (2, 12)
+  np.testing.assert_array_equal(greedy[:, :4], 1)
+  np.testing.assert_array_equal(sampled[:, :4], 1)

@@ -301,6 +301,7 @@ class MultiHeadAttention(nn.Module):
     if new_len > max_len:
       raise ValueError(f"decoding {new_len} tokens at once exceeds the cache length {max_len}.")
     index = cache_index.value
+    _check_cache_room(index, new_len, max_len)
     start = (0, index, 0, 0)
     if _is_unused(key):
       cached = jax.ShapeDtypeStruct((key.shape[0], max_len) + key.shape[2:], key.dtype)
@@ -311,6 +312,33 @@ class MultiHeadAttention(nn.Module):
     cached_value.value = jax.lax.dynamic_update_slice(cached_value.value, value, start)
     cache_index.value = index + new_len
     return cached, cached_value.value, index
+
+
+def _cache_overflow(index, new_len: int, max_len: int) -> Optional[str]:
+  index = int(index)
+  if index + new_len <= max_len:
+    return None
+  return (f"the KV cache holds {max_len} tokens and {index} are in it: decoding {new_len} more "
+          f"would write past its end (token {index + new_len} of {max_len}). Size the cache "
+          f"(the length at init) for the prompt and every new token.")
+
+
+def _check_cache_room(index: Array, new_len: int, max_len: int) -> None:
+  """A ValueError when the new tokens do not fit the cache. The index is a
+  traced value under `jit`, where the check runs as a callback whose error
+  aborts the computation (dynamic_update_slice would silently clamp the
+  write onto the last slots instead)."""
+  try:
+    message = _cache_overflow(index, new_len, max_len)
+  except jax.errors.ConcretizationTypeError:
+    def check(index):
+      message = _cache_overflow(index, new_len, max_len)
+      if message:
+        raise ValueError(message)
+    jax.debug.callback(check, index)
+    return
+  if message:
+    raise ValueError(message)
 
 
 class HeadProjection(nn.Module):

@@ -58,6 +58,11 @@ def make_mixer(config: ModelConfig, variant: str, **module_kwargs) -> nn.Module:
     kwargs["qkv_features"] = config.qkv_dim
   if config.position in positional.RELATIVE_POSITIONS:
     kwargs.update(position=config.position, position_options=config.position_options)
+  if config.decode:
+    if spec.decoding_refusal is not None:
+      raise ValueError(f"attention variant {variant!r} cannot decode one token at a time: "
+                       f"{spec.decoding_refusal}.")
+    kwargs["decode"] = True
   options = dict(config.options_for(variant))
   if spec.qkv or spec.mixer == registry.ATTENTION_MIXER:
     # An option that sets a layer field (fixed_head_size's head_dim) goes to

@@ -98,6 +98,9 @@ class ModelConfig:
       with `attention`; False: the final encoder states are its only context.
     beam_size: the RNN encoder-decoder's decoding in evaluation: 1 greedy,
       more a beam search of that many hypotheses.
+    decode: build the language model for incremental decoding (each mixer
+      keeps its cache in the "cache" collection, absolute positions count
+      from the tokens already decoded); `generation.generate` sets it.
   """
 
   kind: str = "classifier"
@@ -130,6 +133,7 @@ class ModelConfig:
   rnn_cell: str = "gru"
   decoder_attention: bool = True
   beam_size: int = 1
+  decode: bool = False
 
   def __post_init__(self):
     # Every ModelConfig is checked and hashable (Flax hashes module fields),

@@ -63,11 +63,12 @@ class Encoder(nn.Module):
                                                     (axes.VOCAB, axes.EMBED)),
         name="token_embedding")
     x = embed(tokens)
+    positions = self._decoded_positions(length) if config.decode else None
     if config.position == "sinusoidal":
-      x = positional.SinusoidalPositionEmbedding(name="position_embedding")(x)
+      x = positional.SinusoidalPositionEmbedding(name="position_embedding")(x, positions)
     elif config.position == "learned":
       x = positional.LearnedPositionEmbedding(config.max_length,
-                                              name="position_embedding")(x)
+                                              name="position_embedding")(x, positions)
 
     if prefix is not None:
       prefix = jnp.broadcast_to(prefix, (batch,) + prefix.shape[1:]).astype(x.dtype)
@@ -84,6 +85,19 @@ class Encoder(nn.Module):
     if config.residual == "pre_norm":  # Pre-LN leaves the residual stream unnormalised.
       x = make_norm(config.norm, dtype, name="final_norm")(x)
     return x
+
+  def _decoded_positions(self, length: int) -> Optional[Array]:
+    """While decoding, the positions of the `length` new tokens: they follow
+    the tokens already decoded (a counter in the "cache" collection, as the
+    mixers' caches). The call that creates the counter (`init`, with the
+    whole cache's length) counts from 0 and leaves it at 0."""
+    initialised = self.has_variable("cache", "decoded_length")
+    decoded = self.variable("cache", "decoded_length", lambda: jnp.array(0, jnp.int32))
+    if not initialised:
+      return None
+    positions = decoded.value + jnp.arange(length)
+    decoded.value = decoded.value + length
+    return positions
 
   def _check_inputs(self, tokens, padding_mask, prefix) -> None:
     if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):

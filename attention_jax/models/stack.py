@@ -98,7 +98,8 @@ def run_layers(config: ModelConfig, x: Array, carry: Optional[Carry] = None, *,
     return x, carry
   period = len(config.schedule_period)
   scanned = nn.scan(
-      _Period, variable_axes={"params": 0, "intermediates": 0, "losses": 0, RANDOM_COLLECTION: 0},
+      _Period, variable_axes={"params": 0, "intermediates": 0, "losses": 0, "cache": 0,
+                     RANDOM_COLLECTION: 0},
       split_rngs={"params": True, "dropout": True, "attention": True},
       in_axes=(nn.broadcast,), length=config.num_layers // period,
       metadata_params={nn.PARTITION_NAME: axes.LAYERS})

@@ -600,6 +600,8 @@ registry.register(registry.VariantSpec(
     name="routing", fn=routing_attention, family="hashing", complexity="O(T sqrt(T))",
     subquadratic=True, exact=False, causal=True, cross=True, paper="Roy et al. 2021",
     extras=RoutingCentroids,
+    not_decodable="its clusters take T / k queries each from the whole sequence at once, and a "
+                  "decoding step has one query",
     options=dict(num_clusters="k-means centroids; round(sqrt(T)) when None",
                  decay="exponential moving average of the centroid updates",
                  window_size="queries and keys each centroid takes; T / clusters when None",

@@ -574,7 +574,14 @@ class RfaFeatures(nn.Module):
     return arrays
 
 
-_LINEAR = dict(family="linear", subquadratic=True, exact=False, causal=True, cross=True)
+_LINEAR = dict(
+    family="linear", subquadratic=True, exact=False, causal=True, cross=True,
+    # One token at a time over a KV cache they do give their causal pass, but
+    # a prompt of several tokens needs a pairwise causal mask, which they do
+    # not take; their O(1) recurrent state is the way, not written yet.
+    not_decodable="a prompt of several tokens against the KV cache needs a pairwise causal "
+                  "mask, which linear attention does not take, and its recurrent state is not "
+                  "kept in the cache yet")
 _CHUNK = dict(chunk_size="causal form: positions per chunk of the prefix-sum scan")
 _MASK_PADDING = dict(mask_padding="apply the padding; False ignores it (the LRA release)")
 _FEATURES = dict(num_features="random features m",

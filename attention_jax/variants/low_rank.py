@@ -497,5 +497,7 @@ registry.register(registry.VariantSpec(
     name="memory_compressed", fn=memory_compressed_attention, complexity="O(T^2 / s)",
     subquadratic=False, causal=True, cross=True, paper="Liu et al. 2018",
     extras=CompressionConvolutions,
+    not_decodable="its strided convolution compresses the keys of the call at hand; decoding "
+                  "would need a cache of compressed blocks",
     options=dict(stride="s: keys and values compressed by a strided convolution",
                  use_bias="biases in the compression convolutions", scale="multiplies the logits; 1/sqrt(D) when None"), **_LOW_RANK))

@@ -968,6 +968,8 @@ registry.register(registry.VariantSpec(
     name="average", fn=average_attention, family="prior", complexity="O(T)", subquadratic=True,
     exact=False, causal=True, cross=False, paper="Zhang et al. 2018", qkv=False,
     mixer=AverageAttention,
+    not_decodable="AverageAttention keeps no cache in the model yet (average_attention_step "
+                  "decodes it with O(1) state outside the model)",
     options=dict(mlp_dim="F, the hidden size of the FFN after the average; 4 E when None")))
 
 
@@ -1060,7 +1062,8 @@ registry.register(registry.VariantSpec(
     subquadratic=False, exact=False, causal=True, cross=True, paper="He et al. 2020",
     options=dict(residual_weight="w: weight of the previous layer's scores (0: vanilla)",
                  scale="multiplies the logits; 1/sqrt(D) when None"),
-    carries=(SCORES,), initial_carry=_realformer_initial_carry))
+    carries=(SCORES,), initial_carry=_realformer_initial_carry,
+    not_decodable="its carry holds the previous layer's whole [T, T] scores"))
 
 
 
@@ -1187,7 +1190,8 @@ registry.register(registry.VariantSpec(
     options=dict(previous_weight="a: S = (1 - a) q . k + a conv(previous map); 0 is vanilla",
                  kernel_size="k, the convolution's odd window over (query, key) positions",
                  scale="multiplies the logits; 1/sqrt(D) when None"),
-    carries=(MAPS,), initial_carry=_predictive_initial_carry))
+    carries=(MAPS,), initial_carry=_predictive_initial_carry,
+    not_decodable="its carry holds the previous layer's whole [T, T] attention map"))
 
 _SYNTHESIZER = dict(fn=synthesizer_attention, family="prior", complexity="O(T^2)",
                     subquadratic=False, exact=False, causal=True, cross=True,
@@ -1210,8 +1214,14 @@ registry.register(registry.VariantSpec(
             "before one softmax (R + V), on every task (Text's config sets another mode at "
             "the top level, where train.py does not read it).")},
     **_SYNTHESIZER))
+# The learned [Tmax, Tmax] logits are indexed by the query's row in the call
+# (synthesizer_dense's come from the query token itself and decode).
+_TABLE_NOT_DECODABLE = ("its learned [T, T] logits are indexed by each query's row in the call, "
+                        "not by its position in the sequence")
 registry.register(registry.VariantSpec(name="synthesizer_random", extras=RandomSyntheticLogits,
-                                       options=_RANDOM, **_SYNTHESIZER))
+                                       options=_RANDOM, not_decodable=_TABLE_NOT_DECODABLE,
+                                       **_SYNTHESIZER))
 registry.register(registry.VariantSpec(
     name="synthesizer_factorized", extras=FactorizedSyntheticLogits,
+    not_decodable=_TABLE_NOT_DECODABLE,
     options=dict(_RANDOM, rank="rank of the factorised logits"), **_SYNTHESIZER))

@@ -308,7 +308,7 @@ def _override_text(option):
   if option.type is int:
     return str((option.default or 2) + 1)
   if option.type is float:
-    return "0.5"
+    return "0.25" if option.default == 0.5 else "0.5"
   if option.type is tuple:
     return "(2, 2)"
   return "xla"

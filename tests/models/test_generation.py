@@ -1,0 +1,137 @@
+"""Generation from the language model: the decoding cache, sampling, and every
+causal variant decoding one token at a time (or refusing to, with a reason)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from attention_jax import registry
+from attention_jax.models import ModelConfig, build_model
+from attention_jax.models.generation import (decoding_model, empty_cache, generate,
+                                             sample_logits)
+from attention_testing import perturbed
+
+B, T, VOCAB = 2, 12, 11
+CAUSAL_MIXERS = [n for n in registry.list_variants("mixer") if registry.get_variant(n).causal]
+
+
+def _config(**overrides):
+  fields = dict(vocab_size=VOCAB, num_layers=2, embed_dim=16, num_heads=2, mlp_dim=32,
+                max_length=T, dropout_rate=0.0, kind="language_model")
+  fields.update(overrides)
+  return ModelConfig.from_config(fields)
+
+
+def _model_and_variables(config, seed=0):
+  model = build_model(config)
+  tokens = jax.random.randint(jax.random.PRNGKey(seed + 1), (B, T), 1, VOCAB)
+  variables = model.init(jax.random.PRNGKey(seed), tokens)
+  return model, {**variables, "params": perturbed(variables["params"])}, tokens
+
+
+@pytest.mark.parametrize("overrides", [
+    dict(position="sinusoidal"), dict(position="learned"), dict(position="rope"),
+    dict(position="alibi"), dict(position="t5"), dict(position="rope", scan_layers=True),
+    dict(num_kv_heads=1)])
+def test_greedy_generation_is_the_argmax_of_the_full_forward_pass(overrides):
+  model, variables, tokens = _model_and_variables(_config(**overrides))
+  prompt = tokens[:, :4]
+  out = generate(model, variables["params"], prompt, max_new_tokens=T - 4)
+  assert out.shape == (B, T) and (out[:, :4] == prompt).all()
+  for length in range(4, T):
+    logits = model.apply(variables, out[:, :length])
+    np.testing.assert_array_equal(out[:, length], jnp.argmax(logits[:, -1], axis=-1))
+
+
+@pytest.mark.parametrize("name", CAUSAL_MIXERS)
+def test_every_causal_variant_decodes_as_its_full_pass_or_says_why_not(name):
+  options = {"max_length": T} if name.startswith("synthesizer") else {}
+  config = _config(attention=name, attention_options=options)
+  refusal = registry.get_variant(name).decoding_refusal
+  if refusal is not None:
+    with pytest.raises(ValueError, match=f"attention variant '{name}' cannot decode one token "
+                                         f"at a time: "):
+      empty_cache(decoding_model(build_model(config)), B, T)
+    return
+  model, variables, tokens = _model_and_variables(config)
+  expected = model.apply(variables, tokens)
+  decoder = decoding_model(model)
+  step = jax.jit(lambda cache, tokens: decoder.apply({**variables, "cache": cache}, tokens,
+                                                     mutable=["cache"]))
+  # A prompt of 5 tokens in one call, then one token at a time.
+  logits, state = step(empty_cache(decoder, B, T), tokens[:, :5])
+  pieces = [logits]
+  for t in range(5, T):
+    logits, state = step(state["cache"], tokens[:, t:t + 1])
+    pieces.append(logits)
+  np.testing.assert_allclose(jnp.concatenate(pieces, axis=1), expected, rtol=1e-4, atol=1e-4)
+
+
+def test_sampling_restricted_to_the_top_tokens():
+  logits = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05]] * 2))
+  draws = lambda **kw: np.stack([sample_logits(logits, jax.random.PRNGKey(i), **kw)
+                                 for i in range(200)])
+  greedy = np.asarray(sample_logits(logits, None, temperature=0.0))
+  np.testing.assert_array_equal(greedy, [0, 0])
+  np.testing.assert_array_equal(draws(top_k=1), 0)
+  np.testing.assert_array_equal(draws(top_p=0.4), 0)  # 0.5 alone reaches 0.4
+  assert set(np.unique(draws(top_k=2))) == {0, 1}
+  assert set(np.unique(draws(top_p=0.7))) == {0, 1}  # 0.5 < 0.7 <= 0.5 + 0.3
+  assert set(np.unique(draws())) == {0, 1, 2, 3}
+  # A draw is a function of the key.
+  np.testing.assert_array_equal(sample_logits(logits, jax.random.PRNGKey(3)),
+                                sample_logits(logits, jax.random.PRNGKey(3)))
+
+
+def test_sampled_generation_follows_its_key_and_top_k_one_is_greedy():
+  model, variables, tokens = _model_and_variables(_config())
+  params, prompt = variables["params"], tokens[:, :3]
+  greedy = generate(model, params, prompt, 6)
+  np.testing.assert_array_equal(
+      generate(model, params, prompt, 6, temperature=1.0, top_k=1, rng=jax.random.PRNGKey(5)),
+      greedy)
+  first = generate(model, params, prompt, 6, temperature=1.5, rng=jax.random.PRNGKey(1))
+  np.testing.assert_array_equal(
+      generate(model, params, prompt, 6, temperature=1.5, rng=jax.random.PRNGKey(1)), first)
+  others = [generate(model, params, prompt, 6, temperature=1.5, rng=jax.random.PRNGKey(k))
+            for k in range(2, 6)]
+  assert any((other != first).any() for other in others)
+
+
+def test_a_token_past_the_cache_is_an_error():
+  model, variables, tokens = _model_and_variables(_config())
+  decoder = decoding_model(model)
+  _, state = decoder.apply({**variables, "cache": empty_cache(decoder, B, 4)}, tokens[:, :4],
+                           mutable=["cache"])
+  with pytest.raises(ValueError, match="the KV cache holds 4 tokens and 4 are in it"):
+    decoder.apply({**variables, **state}, tokens[:, 4:5], mutable=["cache"])
+  # Under jit the index is traced: the check runs as a callback and aborts.
+  step = jax.jit(lambda cache, tokens: decoder.apply({**variables, "cache": cache}, tokens,
+                                                     mutable=["cache"]))
+  with pytest.raises(Exception, match="the KV cache holds 4 tokens and 4 are in it"):
+    jax.block_until_ready(step(state["cache"], tokens[:, 4:5]))
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(max_new_tokens=T - 3), "prompt length 4 \\+ max_new_tokens 9 = 13 tokens exceeds the "
+                                 "model's max_length=12"),
+    (dict(max_new_tokens=0), "max_new_tokens must be an int >= 1, got 0"),
+    (dict(max_new_tokens=2, top_k=0), "top_k must be a positive int"),
+    (dict(max_new_tokens=2, top_p=1.5), "top_p must be in \\(0, 1\\]"),
+    (dict(max_new_tokens=2, top_p=0.0), "top_p must be in \\(0, 1\\]"),
+    (dict(max_new_tokens=2, temperature=-0.5), "temperature must be >= 0"),
+    (dict(max_new_tokens=2, temperature=1.0), "rng must be a PRNG key"),
+])
+def test_bad_generation_arguments_name_themselves(kwargs, message):
+  model, variables, tokens = _model_and_variables(_config())
+  with pytest.raises(ValueError, match=message):
+    generate(model, variables["params"], tokens[:, :4], **kwargs)
+
+
+def test_only_a_language_model_generates():
+  classifier = build_model(_config(kind="classifier"))
+  with pytest.raises(ValueError, match="model must be a causal language model"):
+    generate(classifier, {}, jnp.ones((1, 2), jnp.int32), 2)
+  with pytest.raises(ValueError, match="prompt must be \\[B, P\\] integer token ids"):
+    generate(build_model(_config()), {}, jnp.ones((2,), jnp.int32), 2)
