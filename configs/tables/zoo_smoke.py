@@ -13,7 +13,11 @@ variant above the majority class; the table says which are.
 
 Cell overrides, where a default does not fit 101 tokens ([CLS] + 100):
 BigBird's blocks are 16 (as in lra_smoke.py: at 64 the sequence makes 2
-blocks, fewer than its 3 random blocks).
+blocks, fewer than its 3 random blocks). Three variants need the length to
+divide their structure and 101 is prime, so they pool by the mean over the
+100 tokens instead of a [CLS] token: `axial` (a 10 x 10 grid),
+`memory_compressed` (stride 4) and `nystromformer` (with 20 landmarks, not
+64, a divisor of 100).
 """
 
 from __future__ import annotations
@@ -39,7 +43,11 @@ def get_config():
   config.flags = ()
   config.paper = False
   config.sort_by_accuracy = True
+  mean_pooled = {"model": {"pooling": "mean"}}
   config.cell_overrides = {"listops": {
       "bigbird": {"model": {"attention_options": {"block_size": 16}}},
+      "axial": mean_pooled,
+      "memory_compressed": mean_pooled,
+      "nystromformer": {"model": {"pooling": "mean", "attention_options": {"num_landmarks": 20}}},
   }}
   return config
