@@ -1,8 +1,10 @@
-"""Position encodings: absolute embeddings, RoPE, ALiBi and T5 relative biases.
+"""Position encodings: absolute embeddings, RoPE, ALiBi, T5 and Transformer-XL
+relative scores.
 
 Absolute schemes (sinusoidal, learned) are added to the token embeddings at the
 model's input. Relative schemes act inside attention: RoPE rotates queries and
-keys, ALiBi and T5 add a `[B|1, H, Tq, Tk]` bias to the attention logits.
+keys; ALiBi, T5 and Transformer-XL's relative scores add a `[B|1, H, Tq, Tk]`
+bias to the attention logits.
 
 Positions are token indices, `[T]` (shared by the batch) or `[B, T]` (e.g.
 restarting at each packed segment); every function here is jit-compatible.
@@ -24,10 +26,10 @@ Array = jnp.ndarray
 Dtype = Any
 Initializer = Callable[..., Array]
 
-POSITION_ENCODINGS = ("none", "sinusoidal", "learned", "rope", "alibi", "t5")
+POSITION_ENCODINGS = ("none", "sinusoidal", "learned", "rope", "alibi", "t5", "xl_relative")
 # Schemes that act inside attention (on queries and keys, or as a logits bias);
 # the others are added to the token embeddings by the model's input layer.
-RELATIVE_POSITIONS = ("rope", "alibi", "t5")
+RELATIVE_POSITIONS = ("rope", "alibi", "t5", "xl_relative")
 
 
 def check_position_encoding(name: str) -> str:
@@ -331,3 +333,123 @@ class T5RelativePositionBias(nn.Module):
         (self.num_buckets, self.num_heads), self.param_dtype)
     bias = jnp.take(table, buckets, axis=0)  # [B|1, Tq, Tk, H]
     return jnp.transpose(bias, (0, 3, 1, 2)).astype(jnp.float32)
+
+
+# ---------------------------------------------------------------------------
+# Transformer-XL relative scores.
+# ---------------------------------------------------------------------------
+
+
+def relative_shift(logits: Array, kv_len: int) -> Array:
+  """Re-indexes logits against relative distances into logits against keys.
+
+  Column r of row i of `logits` scores the distance `d_0 + Tq - 1 - r` (the
+  largest first), for `r < Tq + Tk - 1`; the result's `[i, j]` is
+  `logits[i, j + Tq - 1 - i]`, the score of distance `d_0 + i - j`: query i at
+  position `p + i` against key j at `p - d_0 + j`. Row i is shifted left by
+  `Tq - 1 - i`, done as in Dai et al. 2019 (appendix B) by a pad, a reshape
+  and a slice rather than a gather: flattened with one padding column, row
+  i's wanted entries start `Tq - 1` elements later than row i of a `[Tq, L]`
+  view would, so dropping `Tq - 1` leading elements aligns every row at once.
+
+  Args:
+    logits: `[..., Tq, Tq + Tk - 1]`.
+    kv_len: Tk.
+
+  Returns:
+    `[..., Tq, Tk]`.
+  """
+  *batch, q_len, width = logits.shape
+  if width != q_len + kv_len - 1:
+    raise ValueError(f"logits must have Tq + Tk - 1 = {q_len + kv_len - 1} relative distances "
+                     f"for Tq={q_len}, kv_len={kv_len}, got shape {logits.shape}.")
+  padded = jnp.pad(logits, [(0, 0)] * (logits.ndim - 1) + [(0, 1)])
+  flat = padded.reshape(*batch, q_len * (width + 1))
+  aligned = jax.lax.slice_in_dim(flat, q_len - 1, q_len - 1 + q_len * width, axis=-1)
+  return aligned.reshape(*batch, q_len, width)[..., :kv_len]
+
+
+def xl_relative_distances(q_positions: Array, k_positions: Array, q_len: int,
+                          kv_len: int) -> Array:
+  """The distances `relative_shift` expects, largest first: `[B|1, Tq + Tk - 1]`.
+
+  Positions are taken to be consecutive, `q_positions[..., 0] + arange(Tq)`
+  (and likewise the keys'), as in a segment, a segment after its memory or
+  the tokens after a KV cache; only the first of each is read.
+  """
+  q_start = _batched_positions(q_positions, "q_positions")[:, :1]
+  k_start = _batched_positions(k_positions, "k_positions")[:, :1]
+  return (q_start + q_len - 1 - k_start) - jnp.arange(q_len + kv_len - 1)
+
+
+def xl_relative_logits(query: Array, key: Array, relative_key: Array, content_bias: Array,
+                       position_bias: Array) -> Array:
+  """Terms (b), (c) and (d) of Transformer-XL's score (Dai et al. 2019, eq. 3/4):
+
+      u . k_j  +  (q_i + v) . W_{k,R} R_{i-j}
+
+  (term (a), q_i . k_j, is the attention's own). Unscaled.
+
+  Args:
+    query: `[B, Tq, H, D]`.
+    key: `[B, Tk, H, D]` (key heads repeated to H).
+    relative_key: `W_{k,R} R` at the distances of `xl_relative_distances`,
+      `[B|1, Tq + Tk - 1, H, D]`.
+    content_bias: u `[H, D]`.
+    position_bias: v `[H, D]`.
+
+  Returns:
+    `[B, H, Tq, Tk]` float32.
+  """
+  query, key, relative_key = (a.astype(jnp.float32) for a in (query, key, relative_key))
+  content = jnp.einsum("hd,bkhd->bhk", content_bias.astype(jnp.float32), key)[:, :, None, :]
+  by_distance = jnp.einsum("bqhd,brhd->bhqr", query + position_bias.astype(jnp.float32),
+                           relative_key)  # [B, H, Tq, Tq + Tk - 1]
+  return content + relative_shift(by_distance, key.shape[1])
+
+
+class XLRelativePosition(nn.Module):
+  """Transformer-XL's relative position scores (Dai et al. 2019) as a logits
+  bias: the sinusoids R of the distances, projected per head by W_{k,R}, and
+  the learned global content and position biases u and v.
+
+  Attributes:
+    num_heads: H.
+    head_dim: D.
+    max_wavelength: of the sinusoids R (the `max_timescale` of
+      `sinusoidal_embedding`).
+    kernel_init: initialiser of W_{k,R} `[E, H, D]`; u and v start at zero.
+    param_dtype: dtype of the parameters.
+  """
+
+  num_heads: int
+  head_dim: int
+  max_wavelength: float = 10_000.0
+  kernel_init: Initializer = nn.initializers.lecun_normal()
+  param_dtype: Dtype = jnp.float32
+
+  @nn.compact
+  def __call__(self, query: Array, key: Array, q_positions: Array, k_positions: Array,
+               features: int) -> Array:
+    """query: `[B, Tq, H, D]`; key: `[B, Tk, H, D]`; positions: `[Tq]`/`[B, Tq]`
+    and `[Tk]`/`[B, Tk]`, consecutive (`xl_relative_distances`); features: the
+    width E of the sinusoids R (the model's, as in the paper). Returns the
+    unscaled `[B, H, Tq, Tk]` float32 terms of `xl_relative_logits`."""
+    _check_num_heads(self.num_heads)
+    q_len, kv_len = query.shape[1], key.shape[1]
+    distances = xl_relative_distances(q_positions, k_positions, q_len, kv_len)
+    sinusoids = sinusoidal_embedding(distances, features, self.max_wavelength)  # [B|1, L, E]
+    shape = (self.num_heads, self.head_dim)
+    kernel = self.param(
+        "relative_kernel", nn.with_logical_partitioning(self._init_kernel, ("embed", "heads",
+                                                                             "kv")),
+        (features,) + shape, self.param_dtype)
+    zeros = nn.with_logical_partitioning(nn.initializers.zeros_init(), ("heads", "kv"))
+    content_bias = self.param("content_bias", zeros, shape, self.param_dtype)
+    position_bias = self.param("position_bias", zeros, shape, self.param_dtype)
+    relative_key = jnp.einsum("ble,ehd->blhd", sinusoids, kernel.astype(jnp.float32))
+    return xl_relative_logits(query, key, relative_key, content_bias, position_bias)
+
+  def _init_kernel(self, rng, shape, dtype):
+    # As a dense [E, H * D] projection, then split into heads.
+    return self.kernel_init(rng, (shape[0], shape[1] * shape[2]), dtype).reshape(shape)

@@ -22,7 +22,7 @@ import typing
 from typing import Any, Callable, Dict, Iterable, Mapping, Optional, Tuple, Union
 
 FAMILIES = ("dense", "scoring", "heads", "sparse", "hashing", "linear", "low_rank",
-            "prior", "memory", "mixing", "kernels")
+            "prior", "memory", "recurrence", "mixing", "kernels")
 # What a variant's module does, and the call it answers (`VariantSpec.role`).
 # Only a "mixer" can be a block's token mixer (`get_mixer`); the others are
 # section A mechanisms that attend but map no sequence to a sequence.
@@ -121,7 +121,7 @@ class VariantSpec:
       return self.not_decodable
     if not self.causal:
       return "it has no causal form"
-    if not self.cross:
+    if not self.cross and self.qkv:
       return ("it is self-attention only (Tq = Tk), and a decoding step is one query against "
               "the cached keys")
     if "decode" not in {f.name for f in dataclasses.fields(self.mixer_class)}:

@@ -40,3 +40,12 @@ def test_the_generation_snippet_runs():
   assert greedy.shape == sampled.shape == (2, 12)
   np.testing.assert_array_equal(greedy[:, :4], 1)
   np.testing.assert_array_equal(sampled[:, :4], 1)
+
+
+def test_the_segment_recurrence_snippet_runs_and_fills_the_memory():
+  namespace = {}
+  exec(_python_block_after("### Segment recurrence (Transformer-XL)"), namespace)  # pylint: disable=exec-used
+  assert namespace["logits"].shape == (2, 16, 64)
+  filled = [leaf for path, leaf in jax.tree_util.tree_flatten_with_path(namespace["memory"])[0]
+            if path[-1].key == "filled"]
+  assert [int(f) for f in filled] == [16, 16]

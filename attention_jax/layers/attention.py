@@ -76,10 +76,11 @@ class MultiHeadAttention(nn.Module):
     attention: registered Q/K/V variant whose pure function computes the attention.
     attention_options: extra keyword arguments of that function
       (e.g. `{"implementation": "xla"}`, `{"local_window_size": 64}`).
-    position: relative position scheme applied here: None, "rope", "alibi" or
-      "t5" (absolute embeddings belong to the model's input layer).
-    position_options: options of the scheme (`max_wavelength` for RoPE;
-      `num_buckets`, `max_distance` for T5).
+    position: relative position scheme applied here: None, "rope", "alibi",
+      "t5" or "xl_relative" (absolute embeddings belong to the model's input
+      layer).
+    position_options: options of the scheme (`max_wavelength` for RoPE and
+      xl_relative; `num_buckets`, `max_distance` for T5).
     decode: autoregressive decoding with a KV cache in the `cache` collection.
       Initialise with a full-length input to size the cache, then call with one
       (or a few) tokens at a time.
@@ -213,6 +214,9 @@ class MultiHeadAttention(nn.Module):
           k, k_positions, max_wavelength=wavelength))
     elif self.position in ("alibi", "t5"):
       bias = _add(bias, self._position_bias(_batched(q_positions), _batched(k_positions)))
+    elif self.position == "xl_relative":
+      bias = _add(bias, self._xl_relative_bias(query, key, q_positions, k_positions,
+                                               x.shape[-1]))
 
     constrain = lambda a: nn.with_logical_constraint(a, ACTIVATION_AXES)
     query, key, value = (_unless_unused(a, constrain) for a in (query, key, value))
@@ -279,6 +283,23 @@ class MultiHeadAttention(nn.Module):
     return positional.T5RelativePositionBias(
         num_heads=self.num_heads, name="relative_position_bias",
         **dict(self.position_options))(q_positions, k_positions)
+
+  def _xl_relative_bias(self, query: Array, key: Array, q_positions: Array,
+                        k_positions: Array, features: int) -> Array:
+    """Transformer-XL's relative terms, scaled as the variant scales q . k
+    (its `scale` option, 1/sqrt(D) by default): `[B, H, Tq, Tk]`."""
+    if _is_unused(query) or _is_unused(key):
+      raise ValueError(f"position='xl_relative' scores the projected queries and keys, which "
+                       f"attention variant {self.attention!r} does not compute; use another "
+                       f"position scheme for it.")
+    head_dim = query.shape[-1]
+    key = jnp.repeat(key, self.num_heads // key.shape[2], axis=2)
+    options = dict(self.position_options)
+    relative = positional.XLRelativePosition(
+        num_heads=self.num_heads, head_dim=head_dim, param_dtype=self.param_dtype,
+        name="relative_position", **options)(query, key, q_positions, k_positions, features)
+    scale = self.attention_options.get("scale")
+    return relative * (1.0 / math.sqrt(head_dim) if scale is None else scale)
 
   def _init_cache(self, key: Array, value: Array) -> None:
     """Sizes the cache from the full-length input seen at initialisation (no

@@ -17,7 +17,9 @@ from attention_jax.train.objectives import CLASSIFY, Objective
 
 # Variable collections that are not carried from step to step: the parameters
 # have their own field, sown losses and intermediates are recomputed each call.
-NOT_CARRIED = ("params", "losses", "intermediates")
+# Transformer-XL's "memory" is a stream's state between consecutive segments;
+# the trainer's batches are independent examples, so it trains without one.
+NOT_CARRIED = ("params", "losses", "intermediates", "memory")
 
 
 @struct.dataclass

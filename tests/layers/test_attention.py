@@ -118,7 +118,7 @@ def _decode_step_by_step(module, params, x, cache):
 
 
 @pytest.mark.parity("dot_product")
-@pytest.mark.parametrize("position", [None, "rope", "alibi", "t5"])
+@pytest.mark.parametrize("position", [None, "rope", "alibi", "t5", "xl_relative"])
 @pytest.mark.parametrize("num_kv_heads", [H, 2, 1])
 def test_kv_cache_decoding_equals_the_causal_forward_pass(position, num_kv_heads):
   x = _inputs(3)
