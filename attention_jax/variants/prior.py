@@ -43,7 +43,8 @@ band with logits from the positions, O(T w).
 Average Attention Network (Zhang et al. 2018), `average`: not Q/K/V attention
 but a token mixer (`AverageAttention`): each position's cumulative average of
 the inputs, a feed-forward layer and input/forget gates, O(T), decodable one
-token at a time with O(1) state (`average_attention_step`).
+token at a time with O(1) state (`average_attention_step`, or the module's
+`decode`).
 
 RealFormer (He et al. 2020), `realformer`: residual attention, each layer's
 logits plus the previous layer's. The scores flow from block to block in the
@@ -880,33 +881,38 @@ def initial_average_state(batch: int, features: int) -> Tuple[Array, Array]:
 
 def average_attention_step(state: Tuple[Array, Array], x_t: Array,
                            **arrays: Array) -> Tuple[Tuple[Array, Array], Array]:
-  """One decoding step of `average_attention` (causal): O(1) state and work per token.
+  """Decoding with `average_attention` (causal): O(1) state, O(1) work per token.
 
   Args:
     state: (running sum `[B, E]`, count `[B]`) of the tokens so far
       (`initial_average_state`).
-    x_t: `[B, E]`, the new token.
+    x_t: `[B, E]`, the new token, or `[B, T, E]`, T new tokens in order (a
+      prompt in one call).
     **arrays: as in `average_attention`.
 
   Returns:
-    (the new state, out_t `[B, E]` in x_t's dtype), out_t equal to
-    `average_attention(x)[:, t]`.
+    (the new state, out_t shaped like x_t in its dtype), out_t equal to
+    `average_attention` of every token so far at the new positions.
   """
   total, count = state
-  if jnp.ndim(x_t) != 2 or tuple(total.shape) != tuple(x_t.shape):
-    raise ValueError(f"x_t must be [B, E] like the state's sum {list(total.shape)}, got shape "
-                     f"{list(jnp.shape(x_t))}.")
-  _check_average_arrays(x_t.shape[-1], arrays)
-  inputs = x_t.astype(jnp.float32)
-  total, count = total + inputs, count + 1.0
-  out = _average_gating(inputs, total / count[:, None], **arrays)
-  return (total, count), out.astype(x_t.dtype)
+  tokens = x_t[:, None] if jnp.ndim(x_t) == 2 else x_t
+  if jnp.ndim(tokens) != 3 or (tokens.shape[0], tokens.shape[2]) != tuple(total.shape):
+    raise ValueError(f"x_t must be [B, E] or [B, T, E] with [B, E] = {list(total.shape)} as "
+                     f"the state's sum, got shape {list(jnp.shape(x_t))}.")
+  _check_average_arrays(tokens.shape[-1], arrays)
+  inputs = tokens.astype(jnp.float32)
+  totals = total[:, None] + jnp.cumsum(inputs, axis=1)
+  counts = count[:, None] + jnp.arange(1, tokens.shape[1] + 1, dtype=jnp.float32)
+  out = _average_gating(inputs, totals / counts[..., None], **arrays)
+  out = out[:, 0] if jnp.ndim(x_t) == 2 else out
+  return (totals[:, -1], counts[:, -1]), out.astype(x_t.dtype)
 
 
 class AverageAttention(nn.Module):
   """The Average Attention Network as a token mixer (the mixer contract):
-  `average_attention` with its parameters. Decode one token at a time with
-  `average_attention_step(state, x_t, **variables["params"])`.
+  `average_attention` with its parameters. With `decode`, the running sum
+  and count live in the "cache" collection and each call continues them
+  (`average_attention_step`): O(1) state per sequence, whatever its length.
 
   Padding (`key_value_seq_lengths` or a key-padding mask) is left out of the
   averages; queries past `query_seq_lengths` output zeros. Causal or not, the
@@ -918,6 +924,8 @@ class AverageAttention(nn.Module):
     mlp_dim: F, the hidden size of the FFN after the average; 4 E when None.
     dropout_rate: dropout on the FFN's hidden activations.
     dtype, param_dtype: computation and parameter dtypes.
+    decode: incremental decoding: initialise with any input (the state's
+      size does not depend on its length), then call with the new tokens.
   """
 
   num_heads: Optional[int] = None
@@ -925,6 +933,7 @@ class AverageAttention(nn.Module):
   dropout_rate: float = 0.0
   dtype: Optional[Dtype] = None
   param_dtype: Dtype = jnp.float32
+  decode: bool = False
 
   @nn.compact
   def __call__(self, x: Array, context: Optional[Array] = None, *, mask=None,
@@ -953,6 +962,17 @@ class AverageAttention(nn.Module):
         gate_bias=self.param("gate_bias", zeros, (2 * features,), self.param_dtype))
     dtype = self.dtype or jnp.promote_types(x.dtype, self.param_dtype)
     arrays = {name: array.astype(dtype) for name, array in arrays.items()}
+    if self.decode and self.has_variable("cache", "running_sum"):
+      common.reject_unsupported("average while decoding", mask=mask,
+                                key_value_seq_lengths=key_value_seq_lengths)
+      running_sum, count = self.variable("cache", "running_sum"), self.variable("cache", "count")
+      (running_sum.value, count.value), out = average_attention_step(
+          (running_sum.value, count.value), x.astype(dtype), **arrays)
+      return common.mixer_output(out, carry)
+    if self.decode:  # initialisation: the state starts empty
+      self.variable("cache", "running_sum", jnp.zeros, (batch, features), jnp.float32)
+      self.variable("cache", "count", jnp.zeros, (batch,), jnp.float32)
+      is_causal = True
     valid = common.key_padding("average", mask, key_value_seq_lengths, batch, length)
     dropout_rng = None
     if self.dropout_rate > 0.0 and not deterministic:
@@ -968,8 +988,6 @@ registry.register(registry.VariantSpec(
     name="average", fn=average_attention, family="prior", complexity="O(T)", subquadratic=True,
     exact=False, causal=True, cross=False, paper="Zhang et al. 2018", qkv=False,
     mixer=AverageAttention,
-    not_decodable="AverageAttention keeps no cache in the model yet (average_attention_step "
-                  "decodes it with O(1) state outside the model)",
     options=dict(mlp_dim="F, the hidden size of the FFN after the average; 4 E when None")))
 
 

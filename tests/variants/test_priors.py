@@ -263,6 +263,12 @@ def test_average_incremental_decoding_equals_the_full_pass():
     outs.append(out_t)
   assert_close(jnp.stack(outs, axis=1), full, rtol=1e-5, atol=1e-5)
   assert [a.shape for a in state] == [(2, 8), (2,)]  # O(1) in T
+  # A prompt in one call, then one token at a time, continues the same state.
+  state, prompt_out = prior.average_attention_step(prior.initial_average_state(2, 8), x[:, :4],
+                                                   **params)
+  state, out_t = prior.average_attention_step(state, x[:, 4], **params)
+  assert_close(jnp.concatenate([prompt_out, out_t[:, None]], axis=1), full[:, :5], rtol=1e-5,
+               atol=1e-5)
 
 
 @pytest.mark.property("average")
