@@ -83,7 +83,9 @@ class MultiHeadAttention(nn.Module):
       xl_relative; `num_buckets`, `max_distance` for T5).
     decode: autoregressive decoding with a KV cache in the `cache` collection.
       Initialise with a full-length input to size the cache, then call with one
-      (or a few) tokens at a time.
+      (or a few) tokens at a time. A variant whose function takes a
+      `recurrent_state` (linear attention) keeps that state instead, of a
+      size independent of the length.
   """
 
   num_heads: int
@@ -193,7 +195,15 @@ class MultiHeadAttention(nn.Module):
     q_positions = jnp.arange(q_len) if positions is None else positions
     k_positions = q_positions if context is None else jnp.arange(kv_len)
     q_offset = 0
-    if self.decode and self.has_variable("cache", "cached_value"):
+    # A variant with a recurrent state (linear attention) decodes from it: the
+    # cache holds the state and a position counter, not the keys and values.
+    recurrent = self.decode and "recurrent_state" in inspect.signature(spec.fn).parameters
+    if recurrent:
+      q_offset = self._count_decoded(q_len)
+      q_positions = q_positions + q_offset
+      k_positions = q_positions
+      is_causal = True
+    elif self.decode and self.has_variable("cache", "cached_value"):
       key, value, q_offset = self._update_cache(key, value)
       q_positions = q_positions + q_offset
       k_positions = jnp.arange(key.shape[1])
@@ -242,12 +252,22 @@ class MultiHeadAttention(nn.Module):
       options["sow_loss"] = lambda name, loss: self.sow("losses", name, loss)
     if attention_arguments:
       options.update(_call_arguments(spec, attention_arguments, options))
+    if recurrent:
+      has_state = self.has_variable("cache", "recurrent_state")
+      options["recurrent_state"] = (self.get_variable("cache", "recurrent_state") if has_state
+                                    else {})
     attend = functools.partial(spec.fn, query, key, bias=bias, mask=mask, is_causal=is_causal,
                                query_seq_lengths=query_seq_lengths,
                                key_value_seq_lengths=key_value_seq_lengths,
                                segment_ids=segment_ids, **options)
     out = attend(value)
-    if self.is_mutable_collection("intermediates") and not spec.carries:
+    if recurrent:
+      out, state = out
+      if has_state:
+        self.put_variable("cache", "recurrent_state", state)
+      else:  # initialisation: the state of no token yet
+        self.variable("cache", "recurrent_state", jax.tree.map, jnp.zeros_like, state)
+    elif self.is_mutable_collection("intermediates") and not spec.carries:
       # The weights' extra pass must not sow the auxiliary losses a second time.
       weights_of = (functools.partial(attend, sow_loss=None) if "sow_loss" in options
                     else attend)
@@ -300,6 +320,16 @@ class MultiHeadAttention(nn.Module):
         name="relative_position", **options)(query, key, q_positions, k_positions, features)
     scale = self.attention_options.get("scale")
     return relative * (1.0 / math.sqrt(head_dim) if scale is None else scale)
+
+  def _count_decoded(self, new_len: int) -> Array:
+    """Position of the first of `new_len` tokens decoded from a recurrent
+    state; the counter advances past them (not at initialisation)."""
+    initialised = self.has_variable("cache", "cache_index")
+    index = self.variable("cache", "cache_index", lambda: jnp.array(0, jnp.int32))
+    start = index.value
+    if initialised:
+      index.value = start + new_len
+    return start
 
   def _init_cache(self, key: Array, value: Array) -> None:
     """Sizes the cache from the full-length input seen at initialisation (no

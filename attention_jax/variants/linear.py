@@ -34,7 +34,7 @@ normaliser stabilisation).
 from __future__ import annotations
 
 import math
-from typing import Callable, Optional
+from typing import Callable, Mapping, Optional
 
 import flax.linen as nn
 import jax
@@ -62,11 +62,13 @@ def _safe_ratio(numerator: Array, denominator: Array) -> Array:
 
 
 def _causal_chunk_scan(q_feat: Array, k_feat: Array, value: Array, log_gates: Array,
-                       chunk_size: int) -> Array:
-  """sum_{s <= t} exp(a_t - a_s) (phi(q_t) . phi(k_s)) v_s with a_t = sum_{r <= t} log g_r.
+                       chunk_size: int, initial_state: Optional[Array] = None):
+  """sum_{s <= t} exp(a_t - a_s) (phi(q_t) . phi(k_s)) v_s with a_t = sum_{r <= t} log g_r,
+  plus exp(a_t) phi(q_t) S_0 for the keys before these, summed in `initial_state`.
 
   q_feat, k_feat: `[B, T, H, F]`; value: `[B, T, H, Dv]`; log_gates: `[B, T, H]`
-  (zeros for ungated attention). Returns `[B, T, H, Dv]`.
+  (zeros for ungated attention); initial_state: S_0 `[B, H, F, Dv]` (zeros
+  when None). Returns `([B, T, H, Dv], the state after the last key)`.
   """
   batch, length, heads, features = q_feat.shape
   chunk = min(chunk_size, length)
@@ -97,16 +99,20 @@ def _causal_chunk_scan(q_feat: Array, k_feat: Array, value: Array, log_gates: Ar
              + jnp.einsum("bshf,bshd->bhfd", k_to_end, v))
     return state, out
 
-  state = jnp.zeros((batch, heads, features, value.shape[-1]), jnp.result_type(q_feat, value))
-  _, out = jax.lax.scan(step, state, tuple(map(to_chunks, (q_feat, k_feat, value, log_gates))))
+  state = (jnp.zeros((batch, heads, features, value.shape[-1]), jnp.result_type(q_feat, value))
+           if initial_state is None else initial_state)
+  state, out = jax.lax.scan(step, state,
+                            tuple(map(to_chunks, (q_feat, k_feat, value, log_gates))))
   out = jnp.moveaxis(out, 0, 1).reshape((batch, padded) + out.shape[3:])
-  return out[:, :length]
+  return out[:, :length], state
 
 
 def feature_attention(q_feat: Array, k_feat: Array, value: Array, *, is_causal: bool = False,
                       key_valid: Optional[Array] = None, gates: Optional[Array] = None,
                       chunk_size: int = DEFAULT_CHUNK_SIZE,
-                      normalizer: Optional[Callable[[Array], Array]] = None) -> Array:
+                      normalizer: Optional[Callable[[Array], Array]] = None,
+                      key_shift: Optional[Array] = None,
+                      state: Optional[Mapping[str, Array]] = None):
   """sum_s phi(q_t) . phi(k_s) v_s / sum_s phi(q_t) . phi(k_s) over the keys s each query sees.
 
   Args:
@@ -121,9 +127,18 @@ def feature_attention(q_feat: Array, k_feat: Array, value: Array, *, is_causal: 
     chunk_size: tokens per chunk of the causal scan.
     normalizer: applied to each query's normaliser `[B, Tq, H]` before the
       division (a stabiliser such as the LRA release's `+ eps`); None: as is.
+    key_shift: c `[B, 1, H, 1]` when the key features were divided by exp(c)
+      (one constant per batch and head, which cancels in the ratio); read
+      only with `state`, whose sums may have been made with another c.
+    state: causal decoding: what the keys before these left, `{"sums":
+      [B, H, F, Dv + 1], "shift": [B, H], "started": [B, H]}` (all zeros, or
+      `{}`: no key yet). The two constants become their maximum (the older
+      sums rescaled, as an online softmax does), so the outputs equal the
+      causal pass over all the keys at once.
 
   Returns:
-    `[B, Tq, H, Dv]`; a query with a zero normaliser (nothing to attend) gives zeros.
+    `[B, Tq, H, Dv]`; a query with a zero normaliser (nothing to attend) gives
+    zeros. With `state`: `(that, the state after these keys)`.
   """
   common.check_size("chunk_size", chunk_size)
   if gates is not None and not is_causal:
@@ -137,6 +152,8 @@ def feature_attention(q_feat: Array, k_feat: Array, value: Array, *, is_causal: 
     k_feat = k_feat * (1.0 - gates)[..., None]
   # A column of ones carries the normaliser through the same sums.
   value = jnp.concatenate([value, jnp.ones(value.shape[:-1] + (1,), value.dtype)], axis=-1)
+  if state is not None and not is_causal:
+    raise ValueError("a recurrent state continues causal attention: pass is_causal=True.")
   if is_causal:
     if gates is None:
       log_gates = jnp.zeros(k_feat.shape[:3], k_feat.dtype)
@@ -144,12 +161,37 @@ def feature_attention(q_feat: Array, k_feat: Array, value: Array, *, is_causal: 
       log_gates = jnp.log(gates)
       if key_valid is not None:
         log_gates = jnp.where(key_valid[:, :, None], log_gates, 0.0)
-    out = _causal_chunk_scan(q_feat, k_feat, value, log_gates, chunk_size)
+    initial, shift = None, None
+    if state is not None:
+      initial, shift, k_feat = _continued(state, k_feat, value.shape[-1], key_shift)
+    out, final = _causal_chunk_scan(q_feat, k_feat, value, log_gates, chunk_size, initial)
   else:
-    state = jnp.einsum("bshf,bshd->bhfd", k_feat, value)
-    out = jnp.einsum("bthf,bhfd->bthd", q_feat, state)
+    sums = jnp.einsum("bshf,bshd->bhfd", k_feat, value)
+    out = jnp.einsum("bthf,bhfd->bthd", q_feat, sums)
   denominator = out[..., -1] if normalizer is None else normalizer(out[..., -1])
-  return _safe_ratio(out[..., :-1], denominator)
+  out = _safe_ratio(out[..., :-1], denominator)
+  if state is None:
+    return out
+  return out, {"sums": final, "shift": shift, "started": jnp.ones_like(shift)}
+
+
+def _continued(state: Mapping[str, Array], k_feat: Array, value_dim: int,
+               key_shift: Optional[Array]):
+  """The state's sums and the new key features brought to one constant:
+  `(sums [B, H, F, Dv + 1], shift [B, H], k_feat)`."""
+  batch, _, heads, features = k_feat.shape
+  sums = state.get("sums", jnp.zeros((batch, heads, features, value_dim), k_feat.dtype))
+  if sums.shape != (batch, heads, features, value_dim):
+    raise ValueError(f"state['sums'] must be [B, H, F, Dv + 1] = "
+                     f"{[batch, heads, features, value_dim]}, got shape {list(sums.shape)}.")
+  started = state.get("started", jnp.zeros((batch, heads), k_feat.dtype)) > 0
+  old_shift = state.get("shift", jnp.zeros((batch, heads), k_feat.dtype))
+  new_shift = (jnp.zeros((batch, heads), k_feat.dtype) if key_shift is None
+               else jnp.broadcast_to(key_shift[:, 0, :, 0], (batch, heads)))
+  shift = jnp.where(started, jnp.maximum(old_shift, new_shift), new_shift)
+  sums = sums * jnp.exp(jnp.where(started, old_shift - shift, 0.0))[..., None, None]
+  k_feat = k_feat * jnp.exp(new_shift - shift)[:, None, :, None]
+  return sums, shift, k_feat
 
 
 def _prepare(variant: str, query: Array, key: Array, bias, mask, is_causal, segment_ids,
@@ -193,7 +235,8 @@ def linear_attention(query: Array, key: Array, value: Array, bias: Optional[Arra
                      query_seq_lengths: Optional[Array] = None,
                      key_value_seq_lengths: Optional[Array] = None, segment_ids=None,
                      chunk_size: int = DEFAULT_CHUNK_SIZE, epsilon: float = 0.0,
-                     mask_padding: bool = True) -> Array:
+                     mask_padding: bool = True,
+                     recurrent_state: Optional[Mapping[str, Array]] = None):
   """Linear attention phi(Q) (phi(K)^T V) / (phi(Q) sum phi(K) + epsilon), phi = elu + 1.
 
   Args:
@@ -208,9 +251,12 @@ def linear_attention(query: Array, key: Array, value: Array, bias: Optional[Arra
     mask_padding: apply the padding (lengths or key-padding mask). False
       ignores it, as the LRA release's linear attention does: padded keys are
       attended like any other and padded queries get outputs.
+    recurrent_state: causal decoding: the state the keys before these left
+      (`feature_attention`'s; `{}` for none), in O(F Dv) per head whatever
+      their number; the function then returns `(out, the new state)`.
 
   Returns:
-    `[B, Tq, H, Dv]`.
+    `[B, Tq, H, Dv]` (and the state, with `recurrent_state`).
   """
   key_valid = _prepare("linear", query, key, bias, mask, is_causal, segment_ids,
                        key_value_seq_lengths, mask_padding)
@@ -220,8 +266,18 @@ def linear_attention(query: Array, key: Array, value: Array, bias: Optional[Arra
                           common.repeat_kv_heads(elu_feature_map(key), heads),
                           common.repeat_kv_heads(value, heads), is_causal=is_causal,
                           key_valid=key_valid, chunk_size=chunk_size,
-                          normalizer=(lambda r: r + epsilon) if epsilon else None)
-  return _padded_queries_zeroed(out.astype(query.dtype), query_seq_lengths, mask_padding)
+                          normalizer=(lambda r: r + epsilon) if epsilon else None,
+                          state=recurrent_state)
+  return _with_state(out, recurrent_state, lambda out: _padded_queries_zeroed(
+      out.astype(query.dtype), query_seq_lengths, mask_padding))
+
+
+def _with_state(out, recurrent_state, finish: Callable[[Array], Array]):
+  """`finish(out)`, with the new state beside it when decoding from one."""
+  if recurrent_state is None:
+    return finish(out)
+  out, state = out
+  return finish(out), state
 
 
 # ----------------------------------------------------------------------------
@@ -296,6 +352,10 @@ def performer_features(query: Array, key: Array, projection: Array,
   query row for the queries, and one constant per (batch, head) over all valid
   keys for the keys (a per-key factor would not cancel). The constants are
   treated as such (stop_gradient).
+
+  Returns:
+    `(phi(q) [B, Tq, H, m], phi(k) [B, Tk, Hkv, m], the keys' constant
+    [B, 1, Hkv, 1])`: phi(k) is divided by exp of it.
   """
   q_logits = positive_feature_logits(query, projection)
   k_logits = positive_feature_logits(key, projection)
@@ -304,7 +364,7 @@ def performer_features(query: Array, key: Array, projection: Array,
       key_valid[:, :, None, None], k_logits, -jnp.inf)
   k_max = jnp.max(valid_logits, axis=(1, 3), keepdims=True)
   k_max = jax.lax.stop_gradient(jnp.where(jnp.isfinite(k_max), k_max, 0.0))
-  return jnp.exp(q_logits - q_max), jnp.exp(k_logits - k_max)
+  return jnp.exp(q_logits - q_max), jnp.exp(k_logits - k_max), k_max
 
 
 def stabilized_performer_features(query: Array, key: Array, projection: Array,
@@ -357,7 +417,8 @@ def performer_attention(query: Array, key: Array, value: Array, bias: Optional[A
                         projection: Optional[Array] = None, kernel: str = "softmax",
                         scale: Optional[float] = None, kernel_epsilon: float = 0.0,
                         numerical_stabilizer: float = 0.0, mask_padding: bool = True,
-                        chunk_size: int = DEFAULT_CHUNK_SIZE) -> Array:
+                        chunk_size: int = DEFAULT_CHUNK_SIZE,
+                        recurrent_state: Optional[Mapping[str, Array]] = None):
   """Performer attention in O(T m): phi(Q) (phi(K)^T V) / (phi(Q) sum phi(K)).
 
   kernel="softmax" (FAVOR+, the paper's method): phi are positive orthogonal
@@ -386,9 +447,15 @@ def performer_attention(query: Array, key: Array, value: Array, bias: Optional[A
       Performer does (it never applies its attention bias): padded keys are
       attended and padded queries get outputs.
     chunk_size: chunk of the causal scan.
+    recurrent_state: causal decoding: the state the keys before these left
+      (`feature_attention`'s; `{}` for none), in O(F Dv) per head whatever
+      their number; the function then returns `(out, the new state)`.
+      Not with `numerical_stabilizer`: its key constant is the largest
+      projection over every key, later ones included, which no state of the
+      earlier keys can know.
 
   Returns:
-    `[B, Tq, H, Dv]`.
+    `[B, Tq, H, Dv]` (and the state, with `recurrent_state`).
   """
   key_valid = _prepare("performer", query, key, bias, mask, is_causal, segment_ids,
                        key_value_seq_lengths, mask_padding)
@@ -396,7 +463,7 @@ def performer_attention(query: Array, key: Array, value: Array, bias: Optional[A
   kernel_epsilon = _check_epsilon("kernel_epsilon", kernel_epsilon)
   numerical_stabilizer = _check_epsilon("numerical_stabilizer", numerical_stabilizer)
   scaled_q, scaled_k = _scaled(query.astype(jnp.float32), key.astype(jnp.float32), scale)
-  normalizer = None
+  normalizer, key_shift = None, None
   if kernel == "relu":
     if numerical_stabilizer:
       raise ValueError(f"numerical_stabilizer is an option of the softmax kernel, got "
@@ -412,19 +479,27 @@ def performer_attention(query: Array, key: Array, value: Array, bias: Optional[A
       raise ValueError("performer's softmax kernel needs projection, its [m, D] random "
                        "features (MultiHeadAttention's extras module supplies them).")
     projection = projection.astype(jnp.float32)
+    if numerical_stabilizer and recurrent_state is not None:
+      raise ValueError(f"performer with numerical_stabilizer={numerical_stabilizer} cannot "
+                       f"decode from a recurrent state: the stabiliser's key constant is the "
+                       f"largest projection over every key, later ones included; use 0.")
     if numerical_stabilizer:
       q_feat, k_feat = stabilized_performer_features(scaled_q, scaled_k, projection, key_valid,
                                                      numerical_stabilizer)
       eps = numerical_stabilizer
       normalizer = lambda r: r + 2 * eps * (jnp.abs(r) <= eps)
     else:
-      q_feat, k_feat = performer_features(scaled_q, scaled_k, projection, key_valid)
+      q_feat, k_feat, key_shift = performer_features(scaled_q, scaled_k, projection,
+                                                     key_valid)
   heads = query.shape[2]
   out = feature_attention(q_feat, common.repeat_kv_heads(k_feat, heads),
                           common.repeat_kv_heads(value.astype(jnp.float32), heads),
                           is_causal=is_causal, key_valid=key_valid, chunk_size=chunk_size,
-                          normalizer=normalizer)
-  return _padded_queries_zeroed(out.astype(query.dtype), query_seq_lengths, mask_padding)
+                          normalizer=normalizer, state=recurrent_state,
+                          key_shift=None if key_shift is None else common.repeat_kv_heads(
+                              key_shift, heads))
+  return _with_state(out, recurrent_state, lambda out: _padded_queries_zeroed(
+      out.astype(query.dtype), query_seq_lengths, mask_padding))
 
 
 class PerformerFeatures(nn.Module):
@@ -482,7 +557,8 @@ def rfa_attention(query: Array, key: Array, value: Array, bias: Optional[Array] 
                   projection: Array, gate_kernel: Optional[Array] = None,
                   gate_bias: Optional[Array] = None, normalize: bool = True,
                   scale: Optional[float] = None,
-                  chunk_size: int = DEFAULT_CHUNK_SIZE) -> Array:
+                  chunk_size: int = DEFAULT_CHUNK_SIZE,
+                  recurrent_state: Optional[Mapping[str, Array]] = None):
   """Random feature attention: estimates softmax(q k^T * scale) v in O(T m).
 
   With `normalize` (the paper's setting) q and k are l2-normalised first, so the
@@ -505,9 +581,12 @@ def rfa_attention(query: Array, key: Array, value: Array, bias: Optional[Array] 
     normalize: l2-normalise q and k.
     scale: see above.
     chunk_size: chunk of the causal scan.
+    recurrent_state: causal decoding: the state the keys before these left
+      (`feature_attention`'s; `{}` for none), in O(F Dv) per head whatever
+      their number; the function then returns `(out, the new state)`.
 
   Returns:
-    `[B, Tq, H, Dv]`. Fourier features are not positive, so with few features
+    `[B, Tq, H, Dv]` (and the state, with `recurrent_state`). Fourier features are not positive, so with few features
     the normaliser can come near zero (a known weakness of RFA's estimator).
   """
   key_valid = _prepare("rfa", query, key, bias, mask, is_causal, segment_ids,
@@ -539,8 +618,10 @@ def rfa_attention(query: Array, key: Array, value: Array, bias: Optional[Array] 
       common.repeat_kv_heads(value.astype(jnp.float32), heads), is_causal=is_causal,
       key_valid=key_valid,
       gates=None if gates is None else common.repeat_kv_heads(gates[..., None], heads)[..., 0],
-      chunk_size=chunk_size)
-  return common.zero_padded_queries(out.astype(value.dtype), query_seq_lengths)
+      chunk_size=chunk_size, state=recurrent_state,
+      key_shift=common.repeat_kv_heads(norm_max, heads))
+  return _with_state(out, recurrent_state, lambda out: common.zero_padded_queries(
+      out.astype(value.dtype), query_seq_lengths))
 
 
 class RfaFeatures(nn.Module):
@@ -574,14 +655,9 @@ class RfaFeatures(nn.Module):
     return arrays
 
 
-_LINEAR = dict(
-    family="linear", subquadratic=True, exact=False, causal=True, cross=True,
-    # One token at a time over a KV cache they do give their causal pass, but
-    # a prompt of several tokens needs a pairwise causal mask, which they do
-    # not take; their O(1) recurrent state is the way, not written yet.
-    not_decodable="a prompt of several tokens against the KV cache needs a pairwise causal "
-                  "mask, which linear attention does not take, and its recurrent state is not "
-                  "kept in the cache yet")
+# They decode from a recurrent state (`recurrent_state`), which
+# MultiHeadAttention keeps in the cache instead of the keys and values.
+_LINEAR = dict(family="linear", subquadratic=True, exact=False, causal=True, cross=True)
 _CHUNK = dict(chunk_size="causal form: positions per chunk of the prefix-sum scan")
 _MASK_PADDING = dict(mask_padding="apply the padding; False ignores it (the LRA release)")
 _FEATURES = dict(num_features="random features m",

@@ -351,3 +351,51 @@ def test_gates_need_causal():
   with pytest.raises(ValueError, match="is_causal=True"):
     linear.rfa_attention(query, key, value, projection=jnp.ones((4, 8)),
                          gate_kernel=jnp.ones((2, 8)), gate_bias=jnp.ones((2,)))
+
+
+def _decode_in_pieces(layer, params, random, x, pieces):
+  """The decoding layer fed `x` in consecutive pieces of the given lengths."""
+  variables = {"params": params, **random}
+  cache = layer.init(jax.random.PRNGKey(0), x)["cache"]
+  outputs = []
+  start = 0
+  for length in pieces:
+    out, mutated = layer.apply({**variables, "cache": cache}, x[:, start:start + length],
+                               mutable=["cache"])
+    cache, start = mutated["cache"], start + length
+    outputs.append(out)
+  return jnp.concatenate(outputs, axis=1), cache
+
+
+@pytest.mark.property("linear")
+@pytest.mark.property("performer")
+@pytest.mark.property("rfa")
+@pytest.mark.parametrize("name,options", [
+    ("linear", {}), ("linear", {"epsilon": 1e-6}), ("performer", {}),
+    ("performer", {"kernel": "relu", "kernel_epsilon": 1e-3, "scale": 1.0}),
+    ("rfa", {}), ("rfa", {"gated": True, "normalize": False})])
+@pytest.mark.parametrize("num_kv_heads", [H, 2])
+def test_decoding_from_the_recurrent_state_equals_the_causal_pass(name, options, num_kv_heads):
+  x = jax.random.normal(jax.random.PRNGKey(1), (B, T, 16))
+  full = attention_jax.MultiHeadAttention(num_heads=H, num_kv_heads=num_kv_heads,
+                                          attention=name, attention_options=options,
+                                          position="rope")
+  variables = full.init(jax.random.PRNGKey(2), x, is_causal=True)
+  params = jax.tree.map(lambda p: p + 0.1, nn.meta.unbox(variables["params"]))
+  random = {k: v for k, v in variables.items() if k not in ("params", "cache")}
+  expected = full.apply({"params": params, **random}, x, is_causal=True)
+  # A prompt of 5 in one call, then one token at a time, then 3 at once.
+  pieces = [5] + [1] * (T - 8) + [3]
+  decoded, cache = _decode_in_pieces(full.clone(decode=True), params, random, x, pieces)
+  assert_close(decoded, expected, rtol=1e-4, atol=1e-4)
+  # The state is the same size whatever the length: no keys or values kept.
+  assert "cached_key" not in cache and int(cache["cache_index"]) == T
+  assert all(T not in leaf.shape[1:] for leaf in jax.tree.leaves(cache["recurrent_state"]))
+
+
+def test_performer_with_the_reference_stabiliser_refuses_to_decode():
+  x = jnp.ones((1, 4, 16))
+  layer = attention_jax.MultiHeadAttention(num_heads=H, attention="performer", decode=True,
+                                           attention_options={"numerical_stabilizer": 1e-6})
+  with pytest.raises(ValueError, match="numerical_stabilizer=1e-06 cannot decode"):
+    layer.init(jax.random.PRNGKey(0), x)
