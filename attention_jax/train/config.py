@@ -175,13 +175,22 @@ def check_config(config: ml_collections.ConfigDict) -> None:
 def config_differences(saved: Dict[str, Any], current: Dict[str, Any]) -> List[Tuple[str, Any,
                                                                                     Any]]:
   """`(key, saved value, current value)` for each key where two configs (as
-  `to_dict()`s) differ in something that changes what a run computes."""
+  `to_dict()`s) differ in something that changes what a run computes.
+
+  A model field the saved config lacks is no difference when the current
+  config leaves it at its default: a field added to `ModelConfig` after the
+  run started defaults to what the model did before it, so a killed run
+  still resumes."""
   flat = lambda d, p="": {k2: v2 for k, v in d.items() for k2, v2 in (
       flat(v, f"{p}{k}.").items() if isinstance(v, dict) and f"{p}{k}" not in FREE_FORM
       else [(f"{p}{k}", v)])}
   a, b = flat(saved), flat(current)
+  defaults = flat({"model": default_model_config().to_dict()})
+  added_at_default = {key for key in set(b) - set(a)
+                      if key in defaults and _normalise(b[key]) == _normalise(defaults[key])}
   return [(key, a.get(key), b.get(key)) for key in sorted(set(a) | set(b))
-          if key not in RESTARTABLE and _normalise(a.get(key)) != _normalise(b.get(key))]
+          if key not in RESTARTABLE and key not in added_at_default
+          and _normalise(a.get(key)) != _normalise(b.get(key))]
 
 
 def _normalise(value: Any) -> Any:

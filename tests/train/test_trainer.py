@@ -17,7 +17,7 @@ import pytest
 
 from attention_jax.train import checkpoints, metrics
 from attention_jax.train import trainer as train_trainer
-from attention_jax.train.config import default_config
+from attention_jax.train.config import config_differences, default_config
 from attention_jax.train.trainer import WorkdirConflictError, train_and_evaluate
 
 ROOT = pathlib.Path(__file__).parents[2]
@@ -279,6 +279,26 @@ def _safe_read(workdir):
 def _snapshot(folder):
   return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*"))
           if p.is_file()}
+
+
+def test_a_model_field_added_after_a_run_started_at_its_default_is_no_difference():
+  """A run killed before a new ModelConfig field existed resumes: its saved
+  config lacks the field, and the default is what the model did then."""
+  current = json.loads(default_config_dict_with(decode=False))
+  saved = json.loads(default_config_dict_with(decode=False))
+  del saved["model"]["decode"]
+  assert config_differences(saved, current) == []
+  current["model"]["decode"] = True  # set to something else, it is one
+  assert config_differences(saved, current) == [("model.decode", None, True)]
+  current["model"]["decode"] = False
+  current["model"]["embed_dim"] = 999  # and fields both have still compare
+  assert [key for key, *_ in config_differences(saved, current)] == ["model.embed_dim"]
+
+
+def default_config_dict_with(**model_fields):
+  config = default_config()
+  config.model.update(model_fields)
+  return config.to_json()
 
 
 def test_a_workdir_of_another_config_is_refused_untouched_unless_overwritten(finished_run,
