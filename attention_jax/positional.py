@@ -4,7 +4,8 @@ relative scores.
 Absolute schemes (sinusoidal, learned) are added to the token embeddings at the
 model's input. Relative schemes act inside attention: RoPE rotates queries and
 keys; ALiBi, T5 and Transformer-XL's relative scores add a `[B|1, H, Tq, Tk]`
-bias to the attention logits.
+bias to the attention logits; Shaw et al.'s embeddings of the clipped
+distance join the keys and the values (`variants.dense.shaw_relative_attention`).
 
 Positions are token indices, `[T]` (shared by the batch) or `[B, T]` (e.g.
 restarting at each packed segment); every function here is jit-compatible.
@@ -26,10 +27,11 @@ Array = jnp.ndarray
 Dtype = Any
 Initializer = Callable[..., Array]
 
-POSITION_ENCODINGS = ("none", "sinusoidal", "learned", "rope", "alibi", "t5", "xl_relative")
+POSITION_ENCODINGS = ("none", "sinusoidal", "learned", "rope", "alibi", "t5", "xl_relative",
+                      "shaw")
 # Schemes that act inside attention (on queries and keys, or as a logits bias);
 # the others are added to the token embeddings by the model's input layer.
-RELATIVE_POSITIONS = ("rope", "alibi", "t5", "xl_relative")
+RELATIVE_POSITIONS = ("rope", "alibi", "t5", "xl_relative", "shaw")
 
 
 def check_position_encoding(name: str) -> str:
@@ -453,3 +455,42 @@ class XLRelativePosition(nn.Module):
   def _init_kernel(self, rng, shape, dtype):
     # As a dense [E, H * D] projection, then split into heads.
     return self.kernel_init(rng, (shape[0], shape[1] * shape[2]), dtype).reshape(shape)
+
+
+# ---------------------------------------------------------------------------
+# Shaw et al. 2018: learned embeddings of the clipped relative distance.
+# ---------------------------------------------------------------------------
+
+
+def shaw_relative_index(q_positions: Array, k_positions: Array, max_distance: int) -> Array:
+  """clip(k_pos - q_pos, -k, k) + k, the row of each pair's embedding:
+  `[B|1, Tq, Tk]` int32 in `[0, 2k]`."""
+  if not isinstance(max_distance, int) or isinstance(max_distance, bool) or max_distance < 1:
+    raise ValueError(f"max_distance must be a positive int (the clipping distance k), got "
+                     f"{max_distance!r}.")
+  relative = _relative_positions(q_positions, k_positions)
+  return (jnp.clip(relative, -max_distance, max_distance) + max_distance).astype(jnp.int32)
+
+
+class ShawRelativeEmbeddings(nn.Module):
+  """The tables a^K and a^V of Shaw et al. 2018: one `[2k + 1, D]` row per
+  clipped distance, shared by the heads (as in the paper).
+
+  Attributes:
+    max_distance: k, the clipping distance.
+    embedding_init: initialiser of both tables.
+    param_dtype: their dtype.
+  """
+
+  max_distance: int = 16
+  embedding_init: Initializer = nn.initializers.normal(stddev=0.02)
+  param_dtype: Dtype = jnp.float32
+
+  @nn.compact
+  def __call__(self, head_dim: int, value_dim: int):
+    """Returns `(key_embeddings [2k + 1, D], value_embeddings [2k + 1, Dv])`."""
+    rows = 2 * self.max_distance + 1
+    table = lambda name, width: self.param(
+        name, nn.with_logical_partitioning(self.embedding_init, ("relpos_buckets", "kv")),
+        (rows, width), self.param_dtype)
+    return table("key_embeddings", head_dim), table("value_embeddings", value_dim)

@@ -15,6 +15,7 @@ from flax.core import FrozenDict
 
 from attention_jax import axes, positional, registry
 from attention_jax.core.masks import make_attention_mask
+from attention_jax.variants import dense
 from attention_jax.variants.common import check_size, mixer_output
 
 Array = jnp.ndarray
@@ -216,6 +217,7 @@ class MultiHeadAttention(nn.Module):
       self._init_cache(key, value)
       is_causal = True
 
+    attention_fn = spec.fn
     if self.position == "rope":
       wavelength = self.position_options.get("max_wavelength", 10_000.0)
       query = _unless_unused(query, lambda q: positional.apply_rope(
@@ -224,6 +226,9 @@ class MultiHeadAttention(nn.Module):
           k, k_positions, max_wavelength=wavelength))
     elif self.position in ("alibi", "t5"):
       bias = _add(bias, self._position_bias(_batched(q_positions), _batched(k_positions)))
+    elif self.position == "shaw":
+      attention_fn = self._shaw_relative(spec, q_positions, k_positions, head_dim,
+                                         value.shape[-1])
     elif self.position == "xl_relative":
       bias = _add(bias, self._xl_relative_bias(query, key, q_positions, k_positions,
                                                x.shape[-1]))
@@ -256,7 +261,7 @@ class MultiHeadAttention(nn.Module):
       has_state = self.has_variable("cache", "recurrent_state")
       options["recurrent_state"] = (self.get_variable("cache", "recurrent_state") if has_state
                                     else {})
-    attend = functools.partial(spec.fn, query, key, bias=bias, mask=mask, is_causal=is_causal,
+    attend = functools.partial(attention_fn, query, key, bias=bias, mask=mask, is_causal=is_causal,
                                query_seq_lengths=query_seq_lengths,
                                key_value_seq_lengths=key_value_seq_lengths,
                                segment_ids=segment_ids, **options)
@@ -303,6 +308,22 @@ class MultiHeadAttention(nn.Module):
     return positional.T5RelativePositionBias(
         num_heads=self.num_heads, name="relative_position_bias",
         **dict(self.position_options))(q_positions, k_positions)
+
+  def _shaw_relative(self, spec: registry.VariantSpec, q_positions: Array, k_positions: Array,
+                     head_dim: int, value_dim: int) -> Callable[..., Array]:
+    """dot-product attention with Shaw et al.'s relative embeddings in its keys and values."""
+    if spec.name != "dot_product":
+      raise ValueError(f"position='shaw' adds embeddings to the values weighted by the "
+                       f"attention weights, which only dot_product attention computes here; "
+                       f"got attention={self.attention!r}. Use another position scheme.")
+    embeddings = positional.ShawRelativeEmbeddings(param_dtype=self.param_dtype,
+                                                   name="relative_position",
+                                                   **dict(self.position_options))
+    key_embeddings, value_embeddings = embeddings(head_dim, value_dim)
+    index = positional.shaw_relative_index(_batched(q_positions), _batched(k_positions),
+                                           embeddings.max_distance)
+    return functools.partial(dense.shaw_relative_attention, key_embeddings=key_embeddings,
+                             value_embeddings=value_embeddings, relative_index=index)
 
   def _xl_relative_bias(self, query: Array, key: Array, q_positions: Array,
                         k_positions: Array, features: int) -> Array:

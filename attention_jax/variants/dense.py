@@ -349,6 +349,69 @@ def dot_product_attention(
   return returned_outputs(_IMPLEMENTATIONS[implementation].fn(inputs, **options), unbatched)
 
 
+def shaw_relative_attention(query: Array, key: Array, value: Array, bias: Optional[Array] = None,
+                            mask: Optional[Array] = None, *, key_embeddings: Array,
+                            value_embeddings: Array, relative_index: Array,
+                            scale: Optional[float] = None, is_causal: bool = False,
+                            query_seq_lengths: Optional[Array] = None,
+                            key_value_seq_lengths: Optional[Array] = None,
+                            segment_ids: SegmentIds = None, dropout_rate: float = 0.0,
+                            dropout_rng: Optional[jax.Array] = None) -> Array:
+  """Attention with relative position representations (Shaw et al. 2018, eqs. 3-5):
+
+      e_ij = q_i . (k_j + a^K_ij) * scale,   z_i = sum_j softmax_j(e_ij) (v_j + a^V_ij)
+
+  with a_ij the row `relative_index[i, j]` (the clipped distance,
+  `positional.shaw_relative_index`) of each table. The `[Tq, Tk, D]` array
+  a_ij is never built: q_i . a^K_r is computed for the 2k + 1 rows r and
+  gathered to `[Tq, Tk]`, and sum_j w_ij a^V_ij = sum_r (sum of the w_ij in
+  row r) a^V_r, one `[Tq, Tk]` reduction per row: O(T^2 (D + k)), memory
+  O(T^2 + T k), as the paper's efficient form.
+
+  Args:
+    query: `[B, Tq, H, D]`; key: `[B, Tk, Hkv, D]`; value: `[B, Tk, Hkv, Dv]`.
+    bias, mask, scale, is_causal, query_seq_lengths, key_value_seq_lengths,
+    segment_ids, dropout_rate, dropout_rng: as `dot_product_attention`'s.
+    key_embeddings: a^K `[2k + 1, D]`; value_embeddings: a^V `[2k + 1, Dv]`.
+    relative_index: `[B|1, Tq, Tk]` int, the row of each pair.
+
+  Returns:
+    `[B, Tq, H, Dv]` in query's dtype.
+  """
+  inputs, unbatched = prepare_inputs(
+      query, key, value, bias, mask, scale=scale, is_causal=is_causal,
+      query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
+      segment_ids=segment_ids)
+  if unbatched:
+    raise ValueError(f"query must be [B, Tq, H, D] for relative positions, got shape "
+                     f"{list(jnp.shape(query))}.")
+  batch, q_len, num_heads, head_dim = inputs.query.shape
+  kv_len, value_dim = inputs.key.shape[1], inputs.value.shape[-1]
+  rows = key_embeddings.shape[0]
+  if key_embeddings.shape != (rows, head_dim) or value_embeddings.shape != (rows, value_dim):
+    raise ValueError(f"key_embeddings and value_embeddings must be [2k + 1, D] = [{rows}, "
+                     f"{head_dim}] and [2k + 1, Dv] = [{rows}, {value_dim}], got shapes "
+                     f"{list(key_embeddings.shape)} and {list(value_embeddings.shape)}.")
+  if jnp.ndim(relative_index) != 3 or tuple(jnp.shape(relative_index))[1:] != (q_len, kv_len):
+    raise ValueError(f"relative_index must be [B|1, Tq, Tk] = [B|1, {q_len}, {kv_len}], got "
+                     f"shape {list(jnp.shape(relative_index))}.")
+  query32 = inputs.query.astype(jnp.float32)
+  keys = common.repeat_kv_heads(inputs.key, num_heads).astype(jnp.float32)
+  index = jnp.broadcast_to(relative_index[:, None], (batch, num_heads, q_len, kv_len))
+  by_row = jnp.einsum("bqhd,rd->bhqr", query32, key_embeddings.astype(jnp.float32))
+  logits = (jnp.einsum("bqhd,bkhd->bhqk", query32, keys)
+            + jnp.take_along_axis(by_row, index, axis=-1)) * inputs.scale
+  if inputs.bias is not None:
+    logits = logits + inputs.bias.astype(jnp.float32)
+  weights, _ = masked_softmax_and_logsumexp(logits, inputs.dense_mask())
+  weights = common.dropout_weights(weights, dropout_rate, dropout_rng)
+  row_weights = jnp.stack([jnp.sum(jnp.where(index == r, weights, 0.0), axis=-1)
+                           for r in range(rows)], axis=-1)  # [B, H, Tq, 2k + 1]
+  out = common.weighted_values(weights, inputs.value) + jnp.einsum(
+      "bhqr,rd->bqhd", row_weights, value_embeddings.astype(jnp.float32))
+  return out.astype(inputs.query.dtype)
+
+
 def returned_outputs(result, unbatched: bool):
   """An implementation's result as `dot_product_attention` returns it.
 
