@@ -2,7 +2,8 @@
 relative scores.
 
 Absolute schemes (sinusoidal, learned) are added to the token embeddings at the
-model's input. Relative schemes act inside attention: RoPE rotates queries and
+model's input; complex-valued word embeddings (Wang et al. 2020) replace them,
+each word a wave over the positions. Relative schemes act inside attention: RoPE rotates queries and
 keys; ALiBi, T5 and Transformer-XL's relative scores add a `[B|1, H, Tq, Tk]`
 bias to the attention logits; Shaw et al.'s embeddings of the clipped
 distance join the keys and the values (`variants.dense.shaw_relative_attention`).
@@ -27,8 +28,8 @@ Array = jnp.ndarray
 Dtype = Any
 Initializer = Callable[..., Array]
 
-POSITION_ENCODINGS = ("none", "sinusoidal", "learned", "rope", "alibi", "t5", "xl_relative",
-                      "shaw")
+POSITION_ENCODINGS = ("none", "sinusoidal", "learned", "complex", "rope", "alibi", "t5",
+                      "xl_relative", "shaw")
 # Schemes that act inside attention (on queries and keys, or as a logits bias);
 # the others are added to the token embeddings by the model's input layer.
 RELATIVE_POSITIONS = ("rope", "alibi", "t5", "xl_relative", "shaw")
@@ -494,3 +495,68 @@ class ShawRelativeEmbeddings(nn.Module):
         name, nn.with_logical_partitioning(self.embedding_init, ("relpos_buckets", "kv")),
         (rows, width), self.param_dtype)
     return table("key_embeddings", head_dim), table("value_embeddings", value_dim)
+
+
+# ---------------------------------------------------------------------------
+# Complex-valued word embeddings (Wang et al. 2020).
+# ---------------------------------------------------------------------------
+
+
+def complex_word_embedding(amplitude: Array, frequency: Array, phase: Array,
+                           positions: Array) -> Array:
+  """f(j, pos)_d = r_{j,d} exp(i (w_{j,d} pos + theta_{j,d})), as real numbers.
+
+  Each dimension is a wave in the position whose amplitude, frequency and
+  phase belong to the word, so f(j, pos + k) = f(j, pos) * exp(i w_j k): the
+  embedding at a shifted position is a fixed linear map (a rotation per
+  dimension) of the one at the original position, whatever that position.
+
+  Args:
+    amplitude, frequency, phase: r, w, theta of each token `[B, T, E/2]`.
+    positions: `[T]` or `[B, T]`.
+
+  Returns:
+    `[B, T, E]` float32: the real parts, then the imaginary parts.
+  """
+  positions = jnp.asarray(positions, jnp.float32)
+  positions = positions[None, :, None] if positions.ndim == 1 else positions[..., None]
+  angle = frequency * positions + phase
+  return jnp.concatenate([amplitude * jnp.cos(angle), amplitude * jnp.sin(angle)], axis=-1)
+
+
+class ComplexWordEmbedding(nn.Module):
+  """Token embedding by `complex_word_embedding`: tables of amplitudes,
+  frequencies and phases `[V, E/2]` (Wang et al. 2020, "Encoding word order in
+  complex embeddings"). Replaces the token embedding and the position
+  embedding both.
+
+  Attributes:
+    vocab_size: V.
+    features: E, even (E/2 complex dimensions).
+    param_dtype: dtype of the tables.
+  """
+
+  vocab_size: int
+  features: int
+  param_dtype: Dtype = jnp.float32
+
+  @nn.compact
+  def __call__(self, tokens: Array, positions: Optional[Array] = None) -> Array:
+    """tokens: `[B, T]` ids; positions: `[T]`, `[B, T]` or None (`arange(T)`). Returns `[B, T, E]`."""
+    if not isinstance(self.features, int) or self.features <= 0 or self.features % 2:
+      raise ValueError(f"features must be a positive even int (real and imaginary halves), "
+                       f"got {self.features!r}.")
+    batch, length = tokens.shape
+    if positions is None:
+      positions = jnp.arange(length)
+    _check_positions(positions, batch, length)
+    shape = (self.vocab_size, self.features // 2)
+    table = lambda name, init: jnp.take(self.param(
+        name, nn.with_logical_partitioning(init, ("vocab", "embed")), shape, self.param_dtype),
+        tokens, axis=0)
+    amplitude = table("amplitude", nn.initializers.normal(stddev=1.0))
+    # Frequencies on the scale of the sinusoids' (wavelengths of a few to
+    # thousands of positions); phases uniform on a turn.
+    frequency = table("frequency", nn.initializers.uniform(scale=1.0))
+    phase = table("phase", nn.initializers.uniform(scale=2 * math.pi))
+    return complex_word_embedding(amplitude, frequency, phase, positions)

@@ -302,8 +302,64 @@ def test_t5_module_equal_offsets_equal_bias():
 
 
 def test_check_position_encoding():
-  for name in ("none", "sinusoidal", "learned", "rope", "alibi", "t5"):
+  for name in ("none", "sinusoidal", "learned", "complex", "rope", "alibi", "t5", "xl_relative",
+               "shaw"):
     assert positional.check_position_encoding(name) == name
   with pytest.raises(ValueError, match=r"unknown position encoding 'xpos'. Valid names are: "
-                                       r"none, sinusoidal, learned, rope, alibi, t5"):
+                                       r"none, sinusoidal, learned, complex, rope, alibi, t5, "
+                                       r"xl_relative, shaw"):
     positional.check_position_encoding("xpos")
+
+
+# --------------------------------------------------------------------------- complex
+
+
+def _complex_params(vocab=7, features=8, seed=3):
+  module = positional.ComplexWordEmbedding(vocab, features)
+  tokens = jnp.zeros((1, 3), jnp.int32)
+  return module, nn.meta.unbox(module.init(jax.random.PRNGKey(seed), tokens)["params"])
+
+
+def test_complex_embedding_matches_the_complex_formula():
+  module, params = _complex_params()
+  tokens = jnp.array([[3, 1, 3, 6]])
+  positions = jnp.array([0, 5, 9, 2])
+  got = module.apply({"params": params}, tokens, positions)
+  r, w, theta = (np.asarray(params[name], np.float64) for name in ("amplitude", "frequency",
+                                                                    "phase"))
+  for t, (token, pos) in enumerate(zip(np.asarray(tokens[0]), np.asarray(positions))):
+    wave = r[token] * np.exp(1j * (w[token] * pos + theta[token]))
+    np.testing.assert_allclose(got[0, t], np.concatenate([wave.real, wave.imag]), rtol=1e-5,
+                               atol=1e-5)
+
+
+def test_complex_embedding_shift_is_a_fixed_rotation_of_each_dimension():
+  """f(j, pos + k) = f(j, pos) * exp(i w_j k), the same map for every pos."""
+  module, params = _complex_params()
+  tokens = jnp.array([[2, 5, 2]])
+  shift = 4
+  at = lambda pos: np.asarray(module.apply({"params": params}, tokens, pos), np.float64)
+  as_complex = lambda x: x[..., :4] + 1j * x[..., 4:]
+  rotation = np.exp(1j * np.asarray(params["frequency"], np.float64)[np.asarray(tokens)] * shift)
+  for start in (0, 11):
+    positions = jnp.arange(3) + start
+    np.testing.assert_allclose(as_complex(at(positions + shift)),
+                               as_complex(at(positions)) * rotation, rtol=1e-4, atol=1e-4)
+
+
+def test_complex_embedding_in_a_model_and_bad_features():
+  from attention_jax.models import ModelConfig, build_model  # pylint: disable=import-outside-toplevel
+  config = ModelConfig.from_config(dict(kind="language_model", vocab_size=11, num_layers=1,
+                                        embed_dim=16, num_heads=2, mlp_dim=32, max_length=8,
+                                        position="complex"))
+  model = build_model(config)
+  tokens = jnp.ones((2, 8), jnp.int32)
+  variables = model.init(jax.random.PRNGKey(0), tokens)
+  assert set(variables["params"]["encoder"]["token_embedding"]) == {"amplitude", "frequency",
+                                                                    "phase"}
+  # The same token at two positions embeds differently: the order is in the embedding.
+  logits = model.apply(variables, tokens)
+  assert np.abs(np.asarray(logits[:, 0] - logits[:, 5])).max() > 1e-4
+  with pytest.raises(ValueError, match="features must be a positive even int"):
+    positional.ComplexWordEmbedding(5, 7).init(jax.random.PRNGKey(0), jnp.zeros((1, 2),
+                                                                                 jnp.int32))

@@ -72,8 +72,8 @@ class ModelConfig:
       every layer uses `attention`. Options go to every scheduled variant
       that declares them.
     position: one of `positional.POSITION_ENCODINGS`; "sinusoidal" and "learned"
-      are added to the embeddings, "rope", "alibi", "t5" and "xl_relative" act
-      in every mixer.
+      are added to the embeddings, "complex" replaces them (Wang et al.
+      2020), "rope", "alibi", "t5", "xl_relative" and "shaw" act in every mixer.
     position_options: options of the position scheme.
     residual: one of `RESIDUALS`.
     norm: one of `NORMS`.

@@ -21,7 +21,8 @@ class Encoder(nn.Module):
 
   Attributes:
     config: the model config. "sinusoidal" and "learned" positions are added
-      to the token embeddings here; "rope", "alibi" and "t5" act in every
+      to the token embeddings here, "complex" replaces them by waves over the
+      positions; "rope", "alibi" and "t5" act in every
       block's mixer; "none" uses no positions.
   """
 
@@ -57,13 +58,16 @@ class Encoder(nn.Module):
     self._check_inputs(tokens, padding_mask, prefix)
     batch, length = tokens.shape
     dtype = config.jnp_dtype
-    embed = nn.Embed(
-        config.vocab_size, config.embed_dim, dtype=dtype,
-        embedding_init=nn.with_logical_partitioning(nn.initializers.normal(stddev=1.0),
-                                                    (axes.VOCAB, axes.EMBED)),
-        name="token_embedding")
-    x = embed(tokens)
     positions = self._decoded_positions(length) if config.decode else None
+    if config.position == "complex":
+      x = positional.ComplexWordEmbedding(config.vocab_size, config.embed_dim,
+                                          name="token_embedding")(tokens, positions).astype(dtype)
+    else:
+      x = nn.Embed(
+          config.vocab_size, config.embed_dim, dtype=dtype,
+          embedding_init=nn.with_logical_partitioning(nn.initializers.normal(stddev=1.0),
+                                                      (axes.VOCAB, axes.EMBED)),
+          name="token_embedding")(tokens)
     if config.position == "sinusoidal":
       x = positional.SinusoidalPositionEmbedding(name="position_embedding")(x, positions)
     elif config.position == "learned":

@@ -31,10 +31,9 @@ def _model_and_variables(config, seed=0):
 
 
 @pytest.mark.parametrize("overrides", [
-    dict(position="sinusoidal"), dict(position="learned"), dict(position="rope"),
-    dict(position="alibi"), dict(position="t5"), dict(position="xl_relative"),
-    dict(position="shaw"),
-    dict(position="rope", scan_layers=True),
+    dict(position="sinusoidal"), dict(position="learned"), dict(position="complex"),
+    dict(position="rope"), dict(position="alibi"), dict(position="t5"),
+    dict(position="xl_relative"), dict(position="shaw"), dict(position="rope", scan_layers=True),
     dict(num_kv_heads=1)])
 def test_greedy_generation_is_the_argmax_of_the_full_forward_pass(overrides):
   model, variables, tokens = _model_and_variables(_config(**overrides))
