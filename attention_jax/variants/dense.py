@@ -349,6 +349,17 @@ def dot_product_attention(
   return returned_outputs(_IMPLEMENTATIONS[implementation].fn(inputs, **options), unbatched)
 
 
+def prepare_batched_inputs(variant: str, query, key, value, bias=None, mask=None,
+                           **kwargs) -> AttentionInputs:
+  """`prepare_inputs` for a variant that needs a batch axis (its own
+  per-example arrays: carried maps, relative indices); refuses `[Tq, H, D]`."""
+  inputs, unbatched = prepare_inputs(query, key, value, bias, mask, **kwargs)
+  if unbatched:
+    raise ValueError(f"{variant} takes a batched query [B, Tq, H, D], got shape "
+                     f"{list(jnp.shape(query))}.")
+  return inputs
+
+
 def shaw_relative_attention(query: Array, key: Array, value: Array, bias: Optional[Array] = None,
                             mask: Optional[Array] = None, *, key_embeddings: Array,
                             value_embeddings: Array, relative_index: Array,
@@ -378,13 +389,10 @@ def shaw_relative_attention(query: Array, key: Array, value: Array, bias: Option
   Returns:
     `[B, Tq, H, Dv]` in query's dtype.
   """
-  inputs, unbatched = prepare_inputs(
-      query, key, value, bias, mask, scale=scale, is_causal=is_causal,
-      query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
-      segment_ids=segment_ids)
-  if unbatched:
-    raise ValueError(f"query must be [B, Tq, H, D] for relative positions, got shape "
-                     f"{list(jnp.shape(query))}.")
+  inputs = prepare_batched_inputs(
+      "shaw_relative_attention", query, key, value, bias, mask, scale=scale,
+      is_causal=is_causal, query_seq_lengths=query_seq_lengths,
+      key_value_seq_lengths=key_value_seq_lengths, segment_ids=segment_ids)
   batch, q_len, num_heads, head_dim = inputs.query.shape
   kv_len, value_dim = inputs.key.shape[1], inputs.value.shape[-1]
   rows = key_embeddings.shape[0]

@@ -68,7 +68,7 @@ from attention_jax import registry
 from attention_jax.core.masks import make_attention_mask, split_segment_ids
 from attention_jax.core.softmax import masked_softmax
 from attention_jax.variants import common, sparse
-from attention_jax.variants.dense import dot_product_attention, prepare_inputs
+from attention_jax.variants.dense import dot_product_attention, prepare_batched_inputs
 
 Array = jnp.ndarray
 Dtype = Any
@@ -1035,13 +1035,10 @@ def realformer_attention(
   Returns:
     `([B, Tq, H, Dv] in the query dtype, {"attention_scores": S_l float32})`.
   """
-  inputs, unbatched = prepare_inputs(
-      query, key, value, bias, mask, scale=scale, is_causal=is_causal,
+  inputs = prepare_batched_inputs(
+      "realformer", query, key, value, bias, mask, scale=scale, is_causal=is_causal,
       query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
       segment_ids=segment_ids)
-  if unbatched:
-    raise ValueError(f"realformer takes batched query [B, Tq, H, D], got shape "
-                     f"{list(jnp.shape(query))}.")
   scores = _scaled_scores(inputs)
   previous = _carried_map(carry, SCORES, scores.shape, "scores")
   if previous is not None:
@@ -1157,13 +1154,10 @@ def predictive_attention(
   if not 0.0 <= previous_weight <= 1.0:
     raise ValueError(f"previous_weight must be in [0, 1] (the weight a of the predicted "
                      f"map), got {previous_weight}.")
-  inputs, unbatched = prepare_inputs(
-      query, key, value, bias, mask, scale=scale, is_causal=is_causal,
+  inputs = prepare_batched_inputs(
+      "predictive", query, key, value, bias, mask, scale=scale, is_causal=is_causal,
       query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
       segment_ids=segment_ids)
-  if unbatched:
-    raise ValueError(f"predictive takes batched query [B, Tq, H, D], got shape "
-                     f"{list(jnp.shape(query))}.")
   num_heads = inputs.query.shape[2]
   size = jnp.shape(conv_kernel)[0]
   common.check_per_head("conv_kernel", conv_kernel, (size, size, num_heads, num_heads))
