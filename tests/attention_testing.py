@@ -213,6 +213,30 @@ def perturbed(params, seed=7):
       tree, [leaf + 0.3 * rng.standard_normal(leaf.shape, np.float32) for leaf in leaves])
 
 
+def segment_training_step(model, vocab_size):
+  """A jitted training step of language model `model` on one segment of a
+  stream, with the "memory" of the segments before it (Transformer-XL,
+  compressive): `step(params, memory, segment [B, T]) -> (loss, sown, grads,
+  new memory)`, the loss being the next-token cross-entropy plus `sown`, the
+  sum of the losses the layers sow into "losses" (0 if none)."""
+
+  @jax.jit
+  def step(params, memory, segment):
+    def loss(params):
+      logits, state = model.apply({"params": params, "memory": memory}, segment,
+                                  mutable=["memory", "losses"])
+      labels = jax.nn.one_hot(segment[:, 1:], vocab_size)
+      cross_entropy = -jnp.mean(jnp.sum(jax.nn.log_softmax(logits[:, :-1]) * labels, -1))
+      sown = sum((jnp.sum(leaf) for leaf in jax.tree.leaves(state.get("losses", {}))),
+                 jnp.zeros((), jnp.float32))
+      return cross_entropy + sown, (sown, state["memory"])
+
+    (value, (sown, memory)), grads = jax.value_and_grad(loss, has_aux=True)(params)
+    return value, sown, grads, memory
+
+  return step
+
+
 # numpy re-creations of the LRA release's layers (tests/variants/test_lra_release_*.py).
 
 
