@@ -464,3 +464,43 @@ def test_sorted_table_lists_unrun_variants_and_who_beats_the_majority_class(tmp_
   assert verdict == ["listops method: 1 of 2 finished variants beat the majority class (12.6%) "
                      "in every seed; not: dot_product (10.0) (worst seed). No finished run: "
                      "local."]
+
+
+RECALL = str(REPO / "configs" / "tables" / "recall.py")
+
+
+def test_recall_table_is_every_causal_mixer_with_accuracy_per_pair_count(tmp_path):
+  from attention_jax import registry
+  table = tables.load_table(RECALL)
+  causal = {v for v in registry.list_variants("mixer") if registry.get_variant(v).causal}
+  assert set(table.variants) | set(table.not_run) == causal
+  out = tmp_path / "out"
+  cells = tables.expand(table, out)
+  # The task's presets reach its cells: one config file, one column per length.
+  t128 = next(c for c in cells if c.key["task"] == "mqar_T128" and c.key["variant"] == "linear")
+  assert "--config=configs/recall/recall.py:linear,mqar,T128,method" in t128.command
+
+  # dot_product keeps recall as the pairs grow, linear loses it (fake results).
+  def write(variant, seed, per_pairs):
+    results = fake_training_results(seed, sum(per_pairs.values()) / len(per_pairs))
+    results["metrics"]["test"].update({f"pairs{p}_accuracy": a for p, a in per_pairs.items()})
+    path = out / "runs" / "mqar_T64" / variant / "method" / f"seed{seed}" / "results.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(results))
+
+  for seed in (0, 1):
+    write("dot_product", seed, {2: 1.0, 4: 0.99, 8: 0.97 + 0.01 * seed})
+    write("linear", seed, {2: 0.9, 4: 0.5, 8: 0.2 + 0.02 * seed})
+  assert reproduce.main([f"--table={RECALL}", f"--results={out}", "--norun",
+                         f"--data_dir={tmp_path / 'data'}"]) == 0
+  lines = (out / "table.md").read_text().splitlines()
+  head = next(line for line in lines if line.startswith("| variant |"))
+  assert head.startswith("| variant | mqar_T64 pairs2 | mqar_T64 pairs4 | mqar_T64 pairs8 | "
+                         "mqar_T64 all | mqar_T128 all |")
+  dense = next(line for line in lines if line.startswith("| dot_product |"))
+  assert dense.startswith("| dot_product | 100.0 ± 0.0 (n=2) | 99.0 ± 0.0 (n=2) | "
+                          "97.5 ± 0.7 (n=2) |")
+  linear = next(line for line in lines if line.startswith("| linear |"))
+  assert linear.startswith("| linear | 90.0 ± 0.0 (n=2) | 50.0 ± 0.0 (n=2) | 21.0 ± 1.4 (n=2) |")
+  assert lines.index(dense) < lines.index(linear)  # sorted by accuracy
+  assert (out / "accuracy_by_group.png").stat().st_size > 1000

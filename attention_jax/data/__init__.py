@@ -1,4 +1,4 @@
-"""The Long-Range-Arena tasks and the generated sequence-to-sequence ones, by name.
+"""The Long-Range-Arena tasks and the generated sequence-to-sequence and recall ones, by name.
 
   task = attention_jax.data.get_task("listops")
   task.prepare(data_dir)                 # generate / convert, once
@@ -31,6 +31,10 @@ _TASKS: Dict[str, Tuple[str, Dict[str, Any]]] = {
     # Generated sequence-to-sequence tasks (not LRA): for the RNN encoder-decoder.
     "reverse": ("attention_jax.data.seq2seq", {"kind": "reverse"}),
     "sort": ("attention_jax.data.seq2seq", {"kind": "sort"}),
+    # Generated recall tasks (not LRA): for causal language models.
+    "mqar": ("attention_jax.data.recall", {"kind": "mqar"}),
+    "induction_heads": ("attention_jax.data.recall", {"kind": "induction_heads"}),
+    "selective_copying": ("attention_jax.data.recall", {"kind": "selective_copying"}),
 }
 
 

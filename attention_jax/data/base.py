@@ -35,6 +35,9 @@ class TaskInfo:
     target_len: for a sequence-to-sequence task, the length of every `targets`
       row (tokens over the same vocabulary); 0 for a classification task.
     split_sizes: the number of examples of each split at the release's size.
+    eval_groups: names of the groups evaluation reports apart ("<name>_accuracy",
+      e.g. recall per number of key-value pairs); an example's `group` array
+      holds its index here. Empty: no groups.
   """
 
   name: str
@@ -45,6 +48,7 @@ class TaskInfo:
   dual: bool = False
   target_len: int = 0
   split_sizes: Mapping[str, int] = dataclasses.field(default_factory=dict)
+  eval_groups: Tuple[str, ...] = ()
 
 
 class ExampleSource(abc.ABC):

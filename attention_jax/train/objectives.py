@@ -78,9 +78,13 @@ def _next_token_logits(module: nn.Module, batch: Batch, deterministic: bool) -> 
 
 
 def _next_tokens(batch: Batch) -> Tuple[jax.Array, jax.Array]:
-  """Labels: tokens 1..T-1; weighted by the example weight, 0 where the target is padding."""
+  """Labels: tokens 1..T-1; weighted by the example weight, 0 where the target is
+  padding, and, when the task marks the tokens it scores (`target_mask [B, T]`,
+  e.g. the answers of a recall task), 0 on the others."""
   labels = batch["inputs"][:, 1:]
   weights = (labels != PAD_ID).astype(jnp.float32) * batch["weight"][:, None]
+  if "target_mask" in batch:
+    weights = weights * batch["target_mask"][:, 1:].astype(jnp.float32)
   return labels, weights
 
 

@@ -116,19 +116,26 @@ def make_train_step(model: nn.Module, optimizer: optax.GradientTransformation, m
 
 def make_eval_step(model: nn.Module, mesh: Mesh, state_shardings: TrainState, *,
                    rules: Sequence[Tuple[str, Any]] = partitioning.LOGICAL_AXIS_RULES,
-                   objective: Objective = CLASSIFY) -> Callable[[TrainState, Batch], Metrics]:
+                   objective: Objective = CLASSIFY,
+                   eval_groups: Sequence[str] = ()) -> Callable[[TrainState, Batch], Metrics]:
   """`step(state, batch) -> sums` without dropout, for adding up over a split.
 
   The sums are "loss_sum" (weighted cross-entropy), "correct" and "count" (sum of
-  the weights), and the objective's `eval_sums`; `summarize_eval` turns their
-  totals into means.
+  the weights), the objective's `eval_sums`, and for each name of the task's
+  `eval_groups` "<name>_correct" and "<name>_count" over the examples whose
+  `group` is its index; `summarize_eval` turns their totals into means.
   """
 
   def eval_step(state: TrainState, batch: Batch) -> Metrics:
     variables = {"params": state.params, **state.collections}
     logits = model.apply(variables, batch, True, method=objective.model_call)
-    loss_sum, correct, count = weighted_cross_entropy(logits, *objective.targets(batch))
+    labels, weights = objective.targets(batch)
+    loss_sum, correct, count = weighted_cross_entropy(logits, labels, weights)
     sums = dict(loss_sum=loss_sum, correct=correct, count=count)
+    for index, name in enumerate(eval_groups):
+      in_group = (batch["group"] == index).reshape((-1,) + (1,) * (weights.ndim - 1))
+      _, sums[f"{name}_correct"], sums[f"{name}_count"] = weighted_cross_entropy(
+          logits, labels, weights * in_group)
     if objective.eval_sums is not None:
       sums.update(objective.eval_sums(model, variables, batch))
     return sums

@@ -180,7 +180,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
     state, start_step = restored
   train_step = make_train_step(model, optimizer, mesh, shardings, seed=config.seed, rules=rules,
                                rng_streams=tuple(config.rng_streams), objective=objective)
-  eval_step = make_eval_step(model, mesh, shardings, rules=rules, objective=objective)
+  eval_step = make_eval_step(model, mesh, shardings, rules=rules, objective=objective,
+                             eval_groups=task.info.eval_groups)
 
   def evaluate(state, split: str) -> Dict[str, float]:
     source = splits[split]

@@ -4,6 +4,8 @@ A table config (`configs/tables/*.py`, `get_config()`) names its `kind`, and
 the module of that kind says what its cells are and what its table shows:
 
 * `accuracy`: tasks x variants x seeds of `experiments.train`;
+* `grouped_accuracy`: the same cells, accuracy per evaluation group of each
+  task (recall per number of key-value pairs);
 * `speed`: variants x lengths of `experiments.benchmark_lra_speed`;
 * `kernels`: lengths of `experiments.benchmark_attention`.
 
@@ -22,10 +24,11 @@ from types import ModuleType
 from typing import Any, List, Optional
 
 from attention_jax.train.config import load_config_module
-from experiments.tables import accuracy, kernels, speed
+from experiments.tables import accuracy, grouped, kernels, speed
 from experiments.tables.cells import Cell
 
-KINDS = {"accuracy": accuracy, "speed": speed, "kernels": kernels}
+KINDS = {"accuracy": accuracy, "grouped_accuracy": grouped, "speed": speed,
+         "kernels": kernels}
 
 
 def kind_of(table: Any) -> ModuleType:

@@ -17,7 +17,10 @@ registered variant, `{label: {"variant": name, "overrides": {...}}}` (the
 variant's config with the overrides, e.g. the encoder-decoder without
 attention), listed in `variants` by their label; `sort_by_accuracy=True`
 to order the rows and the plot by mean test accuracy (best first), for a
-table of many variants; `not_run`, `{variant: reason}` for variants the
+table of many variants; a `tasks` value may name presets of its config file
+after a colon (`"configs/recall/recall.py:mqar,T128"`), so one file serves
+several columns; `task_order`, the tasks in the order the table shows and
+runs them (a ConfigDict sorts the keys of `tasks`); `not_run`, `{variant: reason}` for variants the
 table leaves out, listed under it with the reason (never dropped silently).
 With the majority class known, the table says which variants beat it in
 every seed.
@@ -66,6 +69,22 @@ def training_command(config_file: str, variant: str, presets: Sequence[str],
           f"--workdir={workdir}", *flags)
 
 
+def task_names(table: Any) -> Tuple[str, ...]:
+  """The table's tasks in display order: `task_order` when given (a ConfigDict
+  keeps its keys sorted), else as `tasks` lists them."""
+  order = tuple(table.get("task_order", ()))
+  if order and sorted(order) != sorted(table.tasks):
+    raise ValueError(f"task_order {order} must list the tasks {tuple(table.tasks)} once each.")
+  return order or tuple(table.tasks)
+
+
+def task_config(value: str) -> Tuple[str, Tuple[str, ...]]:
+  """A `tasks` entry, `"<config file>[:preset,...]"`, as (file, the task's own
+  presets): one config file serves several columns (e.g. recall at two lengths)."""
+  path, _, presets = value.partition(":")
+  return path, tuple(p for p in presets.split(",") if p)
+
+
 def attention_presets(table: Any) -> Tuple[str, ...]:
   """The table's attention presets, checked against the registry."""
   from attention_jax.registry import PRESETS, unknown_name_error  # pylint: disable=g-import-not-at-top
@@ -88,7 +107,8 @@ def expand(table: Any, runs: pathlib.Path, *, data_dir: str = "data",
   presets = tuple(table.get("presets", ()))
   cells = []
   for seed in table.seeds:
-    for task, config_file in table.tasks.items():
+    for task in task_names(table):
+      config_file, task_presets = task_config(table.tasks[task])
       for label in table.variants:
         baseline = baselines.get(label, {})
         variant = baseline.get("variant", label)
@@ -102,8 +122,8 @@ def expand(table: Any, runs: pathlib.Path, *, data_dir: str = "data",
                    "--config.progress=False", *table.get("flags", ()))
           cells.append(Cell(
               key=dict(task=task, variant=label, preset=preset, seed=seed), workdir=workdir,
-              command=training_command(config_file, variant, (*presets, preset), workdir, flags,
-                                       cell_overrides)))
+              command=training_command(config_file, variant, (*presets, *task_presets, preset),
+                                       workdir, flags, cell_overrides)))
   return cells
 
 
@@ -152,7 +172,7 @@ def ordered_variants(table: Any, rows: Sequence[Dict[str, Any]]) -> List[str]:
   variants = list(table.variants)
   if not table.get("sort_by_accuracy", False):
     return variants
-  first = (next(iter(table.tasks)), attention_presets(table)[0])
+  first = (task_names(table)[0], attention_presets(table)[0])
   by = {r["variant"]: (r.get("test") or {}).get("mean")
         for r in rows if (r["task"], r["preset"]) == first}
   return sorted(variants, key=lambda v: (by.get(v) is None, -(by.get(v) or 0.0)))
@@ -210,11 +230,14 @@ def majority_class(config_file: str, presets: Sequence[str], data_dir: str,
 def markdown(table: Any, rows: Sequence[Dict[str, Any]], data_dir: str = "data") -> List[str]:
   """The majority class of each task and who beats it, test accuracy (variants x tasks) beside
   the paper's, then validation accuracy, steps/s and memory per cell."""
-  tasks = list(table.tasks)
+  tasks = list(task_names(table))
   presets = attention_presets(table)
   by = {(r["task"], r["variant"], r["preset"]): r for r in rows}
-  majority = {task: majority_class(table.tasks[task], tuple(table.get("presets", ())), data_dir)
-              for task in tasks}
+  majority = {}
+  for task in tasks:
+    config_file, task_presets = task_config(table.tasks[task])
+    majority[task] = majority_class(config_file, (*table.get("presets", ()), *task_presets),
+                                    data_dir)
   lines = []
   known = [f"{task} {value:.1f}%" for task, value in majority.items() if value is not None]
   if known:
@@ -263,7 +286,7 @@ def plot(table: Any, rows: Sequence[Dict[str, Any]], out: pathlib.Path) -> List[
   one bar group per task, error bars of one std over seeds, the paper's number
   as a black tick."""
   plt = report.pyplot()
-  groups = [(t, p) for t in table.tasks for p in attention_presets(table)
+  groups = [(t, p) for t in task_names(table) for p in attention_presets(table)
             if any(r["task"] == t and r["preset"] == p and r["test"]["n"] for r in rows)]
   if not groups:
     return []

@@ -1,0 +1,63 @@
+"""A causal language model on a generated recall task (attention_jax.data.recall).
+
+  python -m experiments.train --config=configs/recall/recall.py:linear,mqar,T128 --workdir=...
+  python -m experiments.train --config=configs/recall/recall.py:dot_product,induction_heads ...
+
+The argument is `variant[,task][,length]`: the task is one of "mqar"
+(multi-query associative recall, the default), "induction_heads" or
+"selective_copying"; the length one of T64 (default), T128, T256. The model is
+Zoology's small one (Arora et al. 2023 train 2 layers of width 64 to 512 on
+MQAR): 2 layers, width 64, 4 heads, learned positions, no dropout, trained
+on the scored tokens only (the answers; the keys, values and noise are
+unpredictable by construction). MQAR trains on a mixture of 2 to T/8
+key-value pairs (the largest has the pairs filling a quarter of the
+sequence) and evaluation reports test accuracy per pair count
+("pairs<n>_accuracy"), as Zoology's plots of accuracy against pairs.
+
+Sizes fit a 2-core CPU: 20,000 training examples, 2,000 steps of batch 64,
+about a minute per run at T64 for dense attention.
+"""
+
+from attention_jax.train.config import attention_preset_of, default_config, parse_config_arg
+
+TASKS = ("mqar", "induction_heads", "selective_copying")
+LENGTHS = {"T64": 64, "T128": 128, "T256": 256}
+PRESETS = TASKS + tuple(LENGTHS)
+
+
+def pair_counts(seq_len: int):
+  """2, 4, ... up to seq_len / 8: the pairs take at most a quarter of the sequence
+  (and their queries a quarter more)."""
+  counts, pairs = [], 2
+  while pairs <= seq_len // 8:
+    counts.append(pairs)
+    pairs *= 2
+  return tuple(counts)
+
+
+def get_config(arg: str = "dot_product"):
+  variant, presets = parse_config_arg(arg, PRESETS)
+  tasks = [p for p in presets if p in TASKS]
+  lengths = [LENGTHS[p] for p in presets if p in LENGTHS]
+  if len(tasks) > 1 or len(lengths) > 1:
+    raise ValueError(f"config argument {arg!r} names more than one task or length; expected "
+                     f"'variant[,task][,length]' with a task of {TASKS} and a length of "
+                     f"{tuple(LENGTHS)}.")
+  task = tasks[0] if tasks else "mqar"
+  seq_len = lengths[0] if lengths else 64
+  config = default_config(variant, attention_preset_of(presets))
+  config.task = task
+  config.task_options = dict(train_size=20_000, validation_size=1_000, test_size=1_000,
+                             seq_len=seq_len)
+  if task == "mqar":
+    config.task_options.update(pair_counts=pair_counts(seq_len), num_keys=64, num_values=64)
+  config.model.update(kind="language_model", num_layers=2, embed_dim=64, num_heads=4,
+                      mlp_dim=128, position="learned", dropout_rate=0.0,
+                      attention_dropout_rate=0.0)
+  config.num_train_steps = 2000
+  config.batch_size = 64
+  config.optimizer.update(learning_rate=3e-3, warmup_steps=100, schedule="cosine",
+                          weight_decay=0.01, grad_clip_norm=1.0)
+  config.eval_every = config.checkpoint_every = 500
+  config.log_every = 100
+  return config

@@ -1,0 +1,141 @@
+"""The "grouped_accuracy" table: the cells of an accuracy table (tasks x
+variants x seeds of `experiments.train`), each task's test accuracy broken
+down by the task's evaluation groups (`TaskInfo.eval_groups`, e.g. recall per
+number of key-value pairs), with a plot of accuracy against the group per
+variant.
+
+A group is read from the results' test metrics, "<group>_accuracy" in the
+order evaluation wrote them; a task without groups shows its accuracy in one
+column. Rows follow `accuracy.ordered_variants` (by mean test accuracy of the
+first task with `sort_by_accuracy`). `group_axis`, optional, labels the
+plots' x axis (default "group"); a group name ending in a number ("pairs8")
+is plotted at that number.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any, Dict, List, Sequence, Tuple
+
+from experiments.tables import accuracy, report
+from experiments.tables.cells import Cell, read_results
+
+REQUIRED = accuracy.REQUIRED
+PAPER = False
+expand = accuracy.expand
+OVERALL = "all"  # the column of a task's accuracy over every group
+
+
+def _groups(test_metrics: Dict[str, float], metric: str) -> List[str]:
+  """The group names of one run's test metrics, in the order written."""
+  suffix = f"_{metric}"
+  return [name[:-len(suffix)] for name in test_metrics
+          if name.endswith(suffix) and name != metric]
+
+
+def summarize(table: Any, cells: Sequence[Cell]) -> List[Dict[str, Any]]:
+  """One row per (task, variant, preset, group), the group "all" included:
+  the spread of test accuracy (%) over seeds."""
+  metric = table.get("metric", "accuracy")
+  runs: Dict[Tuple[str, str, str], List[Dict[str, float]]] = {}
+  for cell in cells:
+    key = (cell.key["task"], cell.key["variant"], cell.key["preset"])
+    runs.setdefault(key, [])
+    results = read_results(cell.results_path)
+    if results is not None and "test" in results.get("metrics", {}):
+      runs[key].append(results["metrics"]["test"])
+  rows = []
+  for (task, variant, preset), tests in runs.items():
+    groups = _groups(tests[0], metric) if tests else []
+    for group in (*groups, OVERALL):
+      name = metric if group == OVERALL else f"{group}_{metric}"
+      rows.append(dict(task=task, variant=variant, preset=preset, group=group,
+                       test=report.spread([100 * t[name] for t in tests if name in t])))
+  return rows
+
+
+def _columns(table: Any, rows: Sequence[Dict[str, Any]]) -> List[Tuple[str, str, str]]:
+  """(task, preset, group) columns: per task and preset its groups (if any),
+  then "all"."""
+  columns = []
+  for task in accuracy.task_names(table):
+    for preset in accuracy.attention_presets(table):
+      groups = [g for g in dict.fromkeys(r["group"] for r in rows
+                                          if (r["task"], r["preset"]) == (task, preset))
+                if g != OVERALL]
+      columns += [(task, preset, group) for group in (*groups, OVERALL)]
+  return columns
+
+
+def _overall_rows(rows: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
+  """The rows of the whole task (what `accuracy.ordered_variants` sorts by)."""
+  return [r for r in rows if r["group"] == OVERALL]
+
+
+def markdown(table: Any, rows: Sequence[Dict[str, Any]], data_dir: str = "data") -> List[str]:
+  """Test accuracy per variant (rows) and task x group (columns)."""
+  del data_dir
+  by = {(r["task"], r["variant"], r["preset"], r["group"]): r for r in rows}
+  columns = _columns(table, rows)
+  several_presets = len(accuracy.attention_presets(table)) > 1
+  names = [" ".join([task, *([preset] if several_presets else []), group])
+           for task, preset, group in columns]
+  metric = table.get("metric", "accuracy").replace("_", " ")
+  lines = [f"## Test {metric} (%) per group: mean ± std (n seeds)", "",
+           *report.markdown_head(["variant", *names]),
+           *report.variant_rows(
+               accuracy.ordered_variants(table, _overall_rows(rows)), columns,
+               lambda variant, column: report.spread_text(
+                   by.get((column[0], variant, column[1], column[2]), {}).get("test")))]
+  not_run = accuracy.plain(table.get("not_run", {})) or {}
+  if not_run:
+    lines += ["", "## Not run here", "", *report.markdown_head(["variant", "reason"]),
+              *(report.markdown_row([variant, reason]) for variant, reason in not_run.items())]
+  return lines
+
+
+def _position(group: str, index: int) -> float:
+  """Where a group sits on the x axis: its trailing number, else its index."""
+  match = re.search(r"(\d+)$", group)
+  return float(match.group(1)) if match else float(index)
+
+
+def plot(table: Any, rows: Sequence[Dict[str, Any]], out) -> List[str]:
+  """`accuracy_by_group.png`: one panel per variant, test accuracy against the
+  group (log2 axis when the groups are numbers), a line per task with more
+  than one group, error bars of one std over seeds."""
+  grouped = [(task, preset) for task in accuracy.task_names(table)
+             for preset in accuracy.attention_presets(table)
+             if len({r["group"] for r in rows if (r["task"], r["preset"]) == (task, preset)}) > 2]
+  if not grouped:
+    return []
+  plt = report.pyplot()
+  variants = accuracy.ordered_variants(table, _overall_rows(rows))
+  per_row = min(8, len(variants))
+  num_rows = math.ceil(len(variants) / per_row)
+  fig, axes = plt.subplots(num_rows, per_row, figsize=(2.2 * per_row, 2.0 * num_rows),
+                           sharex=True, sharey=True, squeeze=False)
+  by = {(r["task"], r["variant"], r["preset"], r["group"]): r for r in rows}
+  for ax, variant in zip(axes.flat, variants):
+    for task, preset in grouped:
+      groups = [g for t, p, g in _columns(table, rows) if (t, p) == (task, preset)
+                and g != OVERALL]
+      stats = [by.get((task, variant, preset, g), {}).get("test") or {} for g in groups]
+      points = [(_position(g, i), s["mean"], s["std"]) for i, (g, s) in enumerate(zip(groups, stats))
+                if s.get("n")]
+      if points:
+        xs, means, stds = zip(*points)
+        ax.errorbar(xs, means, yerr=stds, marker="o", markersize=3, capsize=2, label=task)
+    ax.set_title(variant, fontsize=8)
+    ax.set_ylim(0, 105)
+    if all(re.search(r"\d+$", g) for _, _, g in _columns(table, rows) if g != OVERALL):
+      ax.set_xscale("log", base=2)
+    ax.tick_params(labelsize=7)
+  for ax in list(axes.flat)[len(variants):]:
+    ax.axis("off")
+  axes.flat[0].legend(fontsize=6)
+  fig.supxlabel(table.get("group_axis", "group"))
+  fig.supylabel(f"test {table.get('metric', 'accuracy').replace('_', ' ')} (%)")
+  fig.suptitle(table.get("description", table.name), fontsize=10)
+  return [report.save_figure(fig, out, "accuracy_by_group.png")]
