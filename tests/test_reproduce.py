@@ -489,13 +489,13 @@ def test_recall_table_is_every_causal_mixer_with_accuracy_per_pair_count(tmp_pat
     path.write_text(json.dumps(results))
 
   for seed in (0, 1):
-    write("dot_product", seed, {2: 1.0, 4: 0.99, 8: 0.97 + 0.01 * seed})
-    write("linear", seed, {2: 0.9, 4: 0.5, 8: 0.2 + 0.02 * seed})
+    write("dot_product", seed, {2: 1.0, 4: 0.99, 16: 0.97 + 0.01 * seed})
+    write("linear", seed, {2: 0.9, 4: 0.5, 16: 0.2 + 0.02 * seed})
   assert reproduce.main([f"--table={RECALL}", f"--results={out}", "--norun",
                          f"--data_dir={tmp_path / 'data'}"]) == 0
   lines = (out / "table.md").read_text().splitlines()
   head = next(line for line in lines if line.startswith("| variant |"))
-  assert head.startswith("| variant | mqar_T64 pairs2 | mqar_T64 pairs4 | mqar_T64 pairs8 | "
+  assert head.startswith("| variant | mqar_T64 pairs2 | mqar_T64 pairs4 | mqar_T64 pairs16 | "
                          "mqar_T64 all | mqar_T128 all |")
   dense = next(line for line in lines if line.startswith("| dot_product |"))
   assert dense.startswith("| dot_product | 100.0 ± 0.0 (n=2) | 99.0 ± 0.0 (n=2) | "

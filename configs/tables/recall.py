@@ -6,7 +6,7 @@ The variants are a registry query (`registry.list_variants("mixer")` with
 `causal`), so a causal variant registered later joins the table by itself;
 one that cannot train here goes into `NOT_RUN` with the reason. Each is the
 attention of the small language model of `configs/recall/recall.py` (2
-layers, width 64, 2,000 steps of batch 64), 2 seeds, on
+layers, width 64, 1,500 steps of batch 32), 2 seeds, on
 
 * multi-query associative recall (Zoology, Arora et al. 2023) at T = 64 and
   128, trained on a mixture of 2 to T/8 key-value pairs, with test accuracy

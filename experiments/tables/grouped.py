@@ -4,8 +4,8 @@ down by the task's evaluation groups (`TaskInfo.eval_groups`, e.g. recall per
 number of key-value pairs), with a plot of accuracy against the group per
 variant.
 
-A group is read from the results' test metrics, "<group>_accuracy" in the
-order evaluation wrote them; a task without groups shows its accuracy in one
+A group is read from the results' test metrics, "<group>_accuracy" (ordered
+by a trailing number, else by name); a task without groups shows its accuracy in one
 column. Rows follow `accuracy.ordered_variants` (by mean test accuracy of the
 first task with `sort_by_accuracy`). `group_axis`, optional, labels the
 plots' x axis (default "group"); a group name ending in a number ("pairs8")
@@ -28,10 +28,14 @@ OVERALL = "all"  # the column of a task's accuracy over every group
 
 
 def _groups(test_metrics: Dict[str, float], metric: str) -> List[str]:
-  """The group names of one run's test metrics, in the order written."""
+  """The group names of one run's test metrics: by their trailing numbers when
+  all have one ("pairs2" before "pairs16"), else by name."""
   suffix = f"_{metric}"
-  return [name[:-len(suffix)] for name in test_metrics
-          if name.endswith(suffix) and name != metric]
+  groups = sorted(name[:-len(suffix)] for name in test_metrics
+                  if name.endswith(suffix) and name != metric)
+  if all(re.search(r"\d+$", group) for group in groups):
+    groups.sort(key=lambda group: _position(group, 0))
+  return groups
 
 
 def summarize(table: Any, cells: Sequence[Cell]) -> List[Dict[str, Any]]:
