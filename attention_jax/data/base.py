@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import json
 import pathlib
-from typing import Dict, Iterator, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, Mapping, Optional, Tuple
 
 import numpy as np
 
@@ -127,6 +128,30 @@ class Task(abc.ABC):
   @abc.abstractmethod
   def splits(self, data_dir: pathlib.Path) -> Dict[str, ExampleSource]:
     """The prepared splits; raises FileNotFoundError naming the missing path."""
+
+
+def prepare_generated(name: str, data_dir: pathlib.Path,
+                      settings_of: Callable[[str], Dict[str, Any]],
+                      generate: Callable[[int, str], Dict[str, np.ndarray]], *,
+                      progress: bool = True) -> Dict[str, int]:
+  """`Task.prepare` of a generated task: each split of `data_dir/<name>/` made by
+  `generate(split_index, split)` unless its `settings.json` already equals
+  `settings_of(split)` (a split generated with other settings is stale and made
+  again). Returns the examples written per split (0 for those kept)."""
+  written = {}
+  for index, split in enumerate(SPLITS):
+    folder = pathlib.Path(data_dir) / name / split
+    settings, wanted = folder / "settings.json", settings_of(split)
+    if settings.is_file() and json.loads(settings.read_text()) == wanted:
+      written[split] = 0
+      continue
+    source = ArraySource(generate(index, split))
+    source.save(folder)
+    settings.write_text(json.dumps(wanted, sort_keys=True) + "\n")
+    written[split] = len(source)
+    if progress:
+      print(f"{name} {split}: {len(source)} examples -> {folder}")
+  return written
 
 
 def load_splits(data_dir: pathlib.Path, task: str,

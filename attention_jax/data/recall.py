@@ -36,14 +36,13 @@ probability, and memorising the train set could not answer unseen pairs.
 
 from __future__ import annotations
 
-import json
 import pathlib
 from typing import Dict, Sequence, Tuple
 
 import numpy as np
 
-from attention_jax.data.base import (SPLITS, ArraySource, ExampleSource, Task, TaskInfo,
-                                     load_splits)
+from attention_jax.data.base import (ExampleSource, Task, TaskInfo, load_splits,
+                                     prepare_generated)
 
 PAD_ID, FILLER_ID, TRIGGER_ID, SEPARATOR_ID = 0, 1, 2, 3
 FIRST_SYMBOL = 4  # the first token id of keys / values / data tokens
@@ -120,31 +119,17 @@ class RecallTask(Task):
     self.info = TaskInfo(name=kind, vocab_size=vocab_size, num_classes=vocab_size,
                          seq_len=seq_len, split_sizes=dict(sizes), eval_groups=eval_groups)
 
-  def _folder(self, data_dir: pathlib.Path, split: str) -> pathlib.Path:
-    return pathlib.Path(data_dir) / self.info.name / split
-
   def _settings(self, split: str) -> dict:
     return dict(self.generation, kind=self.kind, seed=self.seed, size=self.sizes[split])
 
   def prepare(self, data_dir: pathlib.Path, *, progress: bool = True) -> Dict[str, int]:
-    written = {}
     make = {"mqar": mqar, "induction_heads": induction_heads,
             "selective_copying": selective_copying}[self.kind]
-    for index, split in enumerate(SPLITS):
-      folder = self._folder(data_dir, split)
-      settings = folder / "settings.json"
-      # A split generated with other settings is stale: made again.
-      if settings.is_file() and json.loads(settings.read_text()) == self._settings(split):
-        written[split] = 0
-        continue
-      arrays = make(self.sizes[split], np.random.default_rng((self.seed, index)),
-                    **self.generation)
-      ArraySource(arrays).save(folder)
-      settings.write_text(json.dumps(self._settings(split), sort_keys=True) + "\n")
-      written[split] = self.sizes[split]
-      if progress:
-        print(f"{self.info.name} {split}: {self.sizes[split]} examples -> {folder}")
-    return written
+    return prepare_generated(
+        self.info.name, data_dir, self._settings,
+        lambda index, split: make(self.sizes[split], np.random.default_rng((self.seed, index)),
+                                  **self.generation),
+        progress=progress)
 
   def splits(self, data_dir: pathlib.Path) -> Dict[str, ExampleSource]:
     return load_splits(data_dir, self.info.name, ARRAYS)

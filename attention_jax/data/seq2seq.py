@@ -19,14 +19,13 @@ below 1e-10 per pair.
 
 from __future__ import annotations
 
-import json
 import pathlib
 from typing import Dict
 
 import numpy as np
 
-from attention_jax.data.base import (SPLITS, ArraySource, ExampleSource, Task, TaskInfo,
-                                     load_splits)
+from attention_jax.data.base import (ExampleSource, Task, TaskInfo, load_splits,
+                                     prepare_generated)
 
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
 FIRST_SYMBOL = 3  # symbol s is token FIRST_SYMBOL + s
@@ -83,28 +82,14 @@ class Seq2SeqTask(Task):
                          seq_len=max_length + 1, target_len=max_length + 1,
                          split_sizes=dict(sizes))
 
-  def _folder(self, data_dir: pathlib.Path, split: str) -> pathlib.Path:
-    return pathlib.Path(data_dir) / self.info.name / split
-
   def _settings(self, split: str) -> dict:
     return dict(self.generation, seed=self.seed, size=self.sizes[split])
 
   def prepare(self, data_dir: pathlib.Path, *, progress: bool = True) -> Dict[str, int]:
-    written = {}
-    for index, split in enumerate(SPLITS):
-      folder = self._folder(data_dir, split)
-      settings = folder / "settings.json"
-      # A split generated with other settings is stale: made again.
-      if settings.is_file() and json.loads(settings.read_text()) == self._settings(split):
-        written[split] = 0
-        continue
-      arrays = generate(self.sizes[split], (self.seed, index), **self.generation)
-      ArraySource(arrays).save(folder)
-      settings.write_text(json.dumps(self._settings(split), sort_keys=True) + "\n")
-      written[split] = self.sizes[split]
-      if progress:
-        print(f"{self.info.name} {split}: {self.sizes[split]} examples -> {folder}")
-    return written
+    return prepare_generated(
+        self.info.name, data_dir, self._settings,
+        lambda index, split: generate(self.sizes[split], (self.seed, index), **self.generation),
+        progress=progress)
 
   def splits(self, data_dir: pathlib.Path) -> Dict[str, ExampleSource]:
     return load_splits(data_dir, self.info.name, ARRAYS)
