@@ -16,7 +16,7 @@ import inspect
 from typing import Any, Dict, Tuple
 
 from attention_jax.data.base import (SPLITS, ArraySource, ExampleSource, Task, TaskInfo,
-                                     batches)
+                                     batches, stream_batches)
 
 # name -> (module, keyword arguments of its `make_task`).
 _TASKS: Dict[str, Tuple[str, Dict[str, Any]]] = {
@@ -35,6 +35,8 @@ _TASKS: Dict[str, Tuple[str, Dict[str, Any]]] = {
     "mqar": ("attention_jax.data.recall", {"kind": "mqar"}),
     "induction_heads": ("attention_jax.data.recall", {"kind": "induction_heads"}),
     "selective_copying": ("attention_jax.data.recall", {"kind": "selective_copying"}),
+    # A character corpus in consecutive segments (not LRA): language modelling.
+    "chars": ("attention_jax.data.chars", {}),
 }
 
 
@@ -60,4 +62,4 @@ def get_task(name: str, **options) -> Task:
 
 
 __all__ = ["SPLITS", "ArraySource", "ExampleSource", "Task", "TaskInfo", "batches", "get_task",
-           "list_tasks", "task_parameters"]
+           "list_tasks", "stream_batches", "task_parameters"]

@@ -36,6 +36,9 @@ class TaskInfo:
     target_len: for a sequence-to-sequence task, the length of every `targets`
       row (tokens over the same vocabulary); 0 for a classification task.
     split_sizes: the number of examples of each split at the release's size.
+    stream: the examples of a split are consecutive segments of one corpus:
+      the trainer reads them with `stream_batches` (each row continues its own
+      stream) and carries a model's "memory" collection from step to step.
     eval_groups: names of the groups evaluation reports apart ("<name>_accuracy",
       e.g. recall per number of key-value pairs); an example's `group` array
       holds its index here. Empty: no groups.
@@ -49,6 +52,7 @@ class TaskInfo:
   dual: bool = False
   target_len: int = 0
   split_sizes: Mapping[str, int] = dataclasses.field(default_factory=dict)
+  stream: bool = False
   eval_groups: Tuple[str, ...] = ()
 
 
@@ -222,5 +226,45 @@ def batches(source: ExampleSource, *, batch_size: int, seed: int, start_step: in
     # Without shuffling the stream is one pass: rows past it repeat examples.
     batch["weight"] = (positions < size).astype(np.float32) if not shuffle else np.ones(
         rows_per_host, np.float32)
+    yield batch
+    step += 1
+
+
+def stream_batches(source: ExampleSource, *, batch_size: int, start_step: int = 0,
+                   num_steps: Optional[int] = None, process_index: int = 0,
+                   process_count: int = 1) -> Iterator[Dict[str, np.ndarray]]:
+  """This host's part of global batches in which each row continues a stream:
+  the source's examples (consecutive segments of a corpus, in order) are dealt
+  into `batch_size` lanes of `L = len(source) // batch_size` consecutive
+  examples, and row b of batch s is example `b L + (s mod L)`, the segment
+  after the one row b had at step s - 1 (what a recurrence memory carried
+  from step to step needs). After L steps every lane starts again; the last
+  `len(source) mod batch_size` examples are not used. Batch s is a pure
+  function of s, so a restarted run continues its streams exactly.
+
+  Args:
+    source: the split's examples, in stream order.
+    batch_size: the global batch size (lanes); each host gets its
+      `batch_size // process_count` consecutive rows.
+    start_step, num_steps: as `batches` (an evaluation pass over the split
+      is `num_steps = len(source) // batch_size` from step 0).
+    process_index, process_count: this host among all.
+
+  Yields:
+    The source's arrays for this host's rows, plus `weight [rows]` float32 (1).
+  """
+  if batch_size % process_count:
+    raise ValueError(f"batch_size={batch_size} must be a multiple of the number of hosts "
+                     f"{process_count}.")
+  lane_length = len(source) // batch_size
+  if lane_length == 0:
+    raise ValueError(f"a stream of batch_size={batch_size} lanes needs at least {batch_size} "
+                     f"examples, got {len(source)}.")
+  rows_per_host = batch_size // process_count
+  lanes = np.arange(process_index * rows_per_host, (process_index + 1) * rows_per_host)
+  step = start_step
+  while num_steps is None or step < start_step + num_steps:
+    batch = source.gather(lanes * lane_length + step % lane_length)
+    batch["weight"] = np.ones(rows_per_host, np.float32)
     yield batch
     step += 1

@@ -22,7 +22,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from attention_jax.train import partitioning
 from attention_jax.train.objectives import CLASSIFY, Objective
-from attention_jax.train.state import TrainState
+from attention_jax.train.state import MEMORY_COLLECTION, TrainState
 
 Batch = Dict[str, jax.Array]
 Metrics = Dict[str, jax.Array]
@@ -124,11 +124,20 @@ def make_eval_step(model: nn.Module, mesh: Mesh, state_shardings: TrainState, *,
   the weights), the objective's `eval_sums`, and for each name of the task's
   `eval_groups` "<name>_correct" and "<name>_count" over the examples whose
   `group` is its index; `summarize_eval` turns their totals into means.
+
+  When the state carries a "memory" collection (a stream, see
+  `create_sharded_state`), the step returns `(sums, memory)`: the memory after
+  this batch, for the next batch of the same streams.
   """
+  carries_memory = MEMORY_COLLECTION in state_shardings.collections
 
   def eval_step(state: TrainState, batch: Batch) -> Metrics:
     variables = {"params": state.params, **state.collections}
-    logits = model.apply(variables, batch, True, method=objective.model_call)
+    if carries_memory:
+      logits, updates = model.apply(variables, batch, True, method=objective.model_call,
+                                    mutable=[MEMORY_COLLECTION])
+    else:
+      logits = model.apply(variables, batch, True, method=objective.model_call)
     labels, weights = objective.targets(batch)
     loss_sum, correct, count = weighted_cross_entropy(logits, labels, weights)
     sums = dict(loss_sum=loss_sum, correct=correct, count=count)
@@ -138,11 +147,13 @@ def make_eval_step(model: nn.Module, mesh: Mesh, state_shardings: TrainState, *,
           logits, labels, weights * in_group)
     if objective.eval_sums is not None:
       sums.update(objective.eval_sums(model, variables, batch))
-    return sums
+    return (sums, updates[MEMORY_COLLECTION]) if carries_memory else sums
 
+  replicated = NamedSharding(mesh, P())
   jitted = jax.jit(eval_step,
                    in_shardings=(state_shardings, partitioning.batch_sharding(mesh)),
-                   out_shardings=NamedSharding(mesh, P()))
+                   out_shardings=((replicated, state_shardings.collections[MEMORY_COLLECTION])
+                                  if carries_memory else replicated))
   return partitioning.under_mesh(jitted, mesh, rules)
 
 

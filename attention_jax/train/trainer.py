@@ -51,7 +51,8 @@ from attention_jax.train.config import (apply_attention_preset, check_config,
 from attention_jax.train.metrics import MetricsLogger, peak_memory
 from attention_jax.train.objectives import get_objective
 from attention_jax.train.optim import make_optimizer
-from attention_jax.train.state import abstract_state_and_shardings, create_sharded_state
+from attention_jax.train.state import (MEMORY_COLLECTION, abstract_state_and_shardings,
+                                       create_sharded_state)
 from attention_jax.train.steps import make_eval_step, make_train_step, summarize_eval
 
 CONFIG_FILE = "config.json"
@@ -163,18 +164,25 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
   splits = task.splits(data_dir)
   host = dict(process_index=jax.process_index(), process_count=jax.process_count())
   batch_sharding = partitioning.batch_sharding(mesh)
-  example_batch = next(lra_data.batches(splits["train"], batch_size=config.batch_size,
+  # A stream task's rows continue from step to step, and a model's memory with them.
+  stream = task.info.stream
+  memory_rows = config.batch_size if stream else None
+  example_batch = next(lra_data.stream_batches(splits["train"], batch_size=config.batch_size,
+                                               **host) if stream else
+                       lra_data.batches(splits["train"], batch_size=config.batch_size,
                                         seed=config.seed, **host))
 
   abstract_state, shardings = abstract_state_and_shardings(model, optimizer, example_batch, mesh,
-                                                           rules, objective=objective)
+                                                           rules, objective=objective,
+                                                           memory_rows=memory_rows)
   checkpointer = Checkpointer(workdir / "checkpoints", keep=config.keep_checkpoints,
                               best_metric="accuracy", best_mode="max",
                               async_save=config.async_checkpoints)
   restored = checkpointer.restore(abstract_state, shardings)
   if restored is None:
     state, _ = create_sharded_state(model, optimizer, example_batch, mesh, rules,
-                                    rng=jax.random.key(config.seed), objective=objective)
+                                    rng=jax.random.key(config.seed), objective=objective,
+                                    memory_rows=memory_rows)
     start_step = 0
   else:
     state, start_step = restored
@@ -185,13 +193,29 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
 
   def evaluate(state, split: str) -> Dict[str, float]:
     source = splits[split]
-    num_steps = config.eval_steps or math.ceil(len(source) / config.eval_batch_size)
+    if stream:
+      # The split's own streams, from an empty memory (its "filled" counts 0).
+      num_steps = config.eval_steps or len(source) // config.batch_size
+      batches = lra_data.stream_batches(source, batch_size=config.batch_size,
+                                        num_steps=num_steps, **host)
+      if MEMORY_COLLECTION in state.collections:
+        empty = jax.tree.map(jnp.zeros_like, state.collections[MEMORY_COLLECTION])
+        state = state.replace(collections={**state.collections, MEMORY_COLLECTION: empty})
+    else:
+      num_steps = config.eval_steps or math.ceil(len(source) / config.eval_batch_size)
+      batches = lra_data.batches(source, batch_size=config.eval_batch_size, seed=0,
+                                 shuffle=False, num_steps=num_steps, **host)
     sums = None
-    for batch in lra_data.batches(source, batch_size=config.eval_batch_size, seed=0,
-                                  shuffle=False, num_steps=num_steps, **host):
+    for batch in batches:
       out = eval_step(state, partitioning.shard_batch(batch, batch_sharding))
+      if isinstance(out, tuple):  # (sums, the memory after this batch)
+        out, memory = out
+        state = state.replace(collections={**state.collections, MEMORY_COLLECTION: memory})
       sums = out if sums is None else jax.tree.map(lambda a, b: a + b, sums, out)
-    return summarize_eval(sums)
+    summary = summarize_eval(sums)
+    if objective.name == "language_model":
+      summary["bits_per_token"] = summary["loss"] / math.log(2)
+    return summary
 
   total = config.num_train_steps
   tokens_per_example = sum(example_batch[key].shape[1] for key in objective.sequence_keys)
@@ -200,9 +224,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
                          description=f"{config.task}/{config.model.attention}")
   if start_step:
     logger.message(f"resumed from the checkpoint of step {start_step} in {workdir}")
-  train_batches: Iterator[Dict[str, np.ndarray]] = lra_data.batches(
-      splits["train"], batch_size=config.batch_size, seed=config.seed, start_step=start_step,
-      **host)
+  train_batches: Iterator[Dict[str, np.ndarray]] = (
+      lra_data.stream_batches(splits["train"], batch_size=config.batch_size,
+                              start_step=start_step, **host) if stream else
+      lra_data.batches(splits["train"], batch_size=config.batch_size, seed=config.seed,
+                       start_step=start_step, **host))
 
   # Throughput counts the time in train steps only, without the first step of
   # this process (compilation), evaluation and checkpointing.
@@ -392,7 +418,7 @@ def _completed(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   apply_attention_preset(config)
   info = lra_data.get_task(config.task, **task_options(config)).info
   kinds = (("dual_classifier",) if info.dual else ("rnn_seq2seq",) if info.target_len
-           else ("classifier", "language_model"))
+           else ("language_model",) if info.stream else ("classifier", "language_model"))
   if config.model.kind not in kinds:
     raise ValueError(f"task {config.task!r} needs model.kind {' or '.join(map(repr, kinds))}, "
                      f"got {config.model.kind!r}.")
@@ -412,6 +438,11 @@ def _completed(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
                      f"{config.task!r}'s sequences of {info.seq_len} tokens.")
   if config.eval_batch_size is None:
     config.eval_batch_size = config.batch_size
+  if info.stream and config.eval_batch_size != config.batch_size:
+    raise ValueError(f"task {config.task!r} is a stream of consecutive segments, evaluated in "
+                     f"the training batch's {config.batch_size} streams (a model's memory has "
+                     f"a row per stream); eval_batch_size must be {config.batch_size} or None, "
+                     f"got {config.eval_batch_size}.")
   # num_train_steps counts batches; the optimiser's schedule counts updates,
   # one per `grad_accum_steps` batches.
   accum = int(config.optimizer.grad_accum_steps)
