@@ -504,3 +504,25 @@ def test_recall_table_is_every_causal_mixer_with_accuracy_per_pair_count(tmp_pat
   assert linear.startswith("| linear | 90.0 ± 0.0 (n=2) | 50.0 ± 0.0 (n=2) | 21.0 ± 1.4 (n=2) |")
   assert lines.index(dense) < lines.index(linear)  # sorted by accuracy
   assert (out / "accuracy_by_group.png").stat().st_size > 1000
+
+
+def test_chars_table_shows_bits_per_character_unscaled_for_memory_and_no_memory(tmp_path):
+  table_path = str(REPO / "configs" / "tables" / "chars.py")
+  out = tmp_path / "out"
+  cells = tables.expand(tables.load_table(table_path), out)
+  no_memory = next(c for c in cells if c.key["variant"] == "no_memory")
+  assert '"memory_length": 0' in " ".join(no_memory.command)
+  for variant, bits in (("transformer_xl", (1.5, 1.7)), ("no_memory", (2.0, 2.2))):
+    for seed, value in enumerate(bits):
+      results = fake_training_results(seed, 0.5)
+      for split in ("test", "best_validation"):
+        results["metrics"][split]["bits_per_token"] = value
+      path = out / "runs" / "chars" / variant / "method" / f"seed{seed}" / "results.json"
+      path.parent.mkdir(parents=True)
+      path.write_text(json.dumps(results))
+  assert reproduce.main([f"--table={table_path}", f"--results={out}", "--norun",
+                         f"--data_dir={tmp_path / 'data'}"]) == 0
+  lines = (out / "table.md").read_text().splitlines()
+  assert "## Test bits per token: measured mean ± std (n seeds) per preset" in lines
+  assert "| transformer_xl | 1.600 ± 0.141 (n=2) |" in lines
+  assert "| no_memory | 2.100 ± 0.141 (n=2) |" in lines

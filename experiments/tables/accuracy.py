@@ -19,7 +19,8 @@ attention), listed in `variants` by their label; `sort_by_accuracy=True`
 to order the rows and the plot by mean test accuracy (best first), for a
 table of many variants; a `tasks` value may name presets of its config file
 after a colon (`"configs/recall/recall.py:mqar,T128"`), so one file serves
-several columns; `task_order`, the tasks in the order the table shows and
+several columns; `percent=False` for a metric shown as it is (bits per
+character) rather than as a percentage; `task_order`, the tasks in the order the table shows and
 runs them (a ConfigDict sorts the keys of `tasks`); `not_run`, `{variant: reason}` for variants the
 table leaves out, listed under it with the reason (never dropped silently).
 With the majority class known, the table says which variants beat it in
@@ -141,6 +142,7 @@ def summarize(table: Any, cells: Sequence[Cell]) -> List[Dict[str, Any]]:
   validation accuracy (%) (the table's `metric`), steps/s and peak memory
   (MiB), and the paper's number."""
   metric = table.get("metric", "accuracy")
+  scale = 100 if table.get("percent", True) else 1
   groups: Dict[Tuple[str, str, str], List[Dict[str, Any]]] = {}
   for cell in cells:
     group = (cell.key["task"], cell.key["variant"], cell.key["preset"])
@@ -151,11 +153,11 @@ def summarize(table: Any, cells: Sequence[Cell]) -> List[Dict[str, Any]]:
   rows = []
   for (task, variant, preset), runs in groups.items():
     metrics = [r["metrics"] for r in runs]
-    tests = [100 * m["test"][metric] for m in metrics if "test" in m]
+    tests = [scale * m["test"][metric] for m in metrics if "test" in m]
     rows.append(dict(
         task=task, variant=variant, preset=preset,
         test=report.spread(tests), worst_test=min(tests) if tests else None,
-        validation=report.spread([100 * m["best_validation"][metric] for m in metrics
+        validation=report.spread([scale * m["best_validation"][metric] for m in metrics
                                   if "best_validation" in m]),
         steps_per_s=report.spread([m.get("steps_per_s") for m in metrics]),
         memory_mib=report.spread([m["peak_memory_bytes"] / 2**20 for m in metrics
@@ -245,10 +247,13 @@ def markdown(table: Any, rows: Sequence[Dict[str, Any]], data_dir: str = "data")
     lines += [f"Majority class of the test split (always guessing it): {', '.join(known)}.", "",
               *majority_verdict(table, rows, majority), ""]
 
+  # A percentage to 0.1; a plain metric (bits per character) to 0.001.
+  digits = 1 if table.get("percent", True) else 3
+
   def test_cell(variant: str, column: Tuple[str, Optional[str]]) -> str:
     task, preset = column
     if preset is not None:
-      return report.spread_text(by.get((task, variant, preset), {}).get("test"))
+      return report.spread_text(by.get((task, variant, preset), {}).get("test"), digits=digits)
     paper = lra_paper.accuracy(variant, task)
     return "-" if paper is None else f"{paper:.2f}"
 
@@ -258,7 +263,8 @@ def markdown(table: Any, rows: Sequence[Dict[str, Any]], data_dir: str = "data")
              for preset in ((*presets, None) if paper else presets)]
   names = [f"{task} {preset or 'paper'}" for task, preset in columns]
   metric = table.get("metric", "accuracy").replace("_", " ")
-  lines += [f"## Test {metric} (%): measured mean ± std (n seeds) per preset"
+  unit = " (%)" if table.get("percent", True) else ""
+  lines += [f"## Test {metric}{unit}: measured mean ± std (n seeds) per preset"
             + (", and the LRA paper" if paper else ""),
             "", *report.markdown_head(["variant", *names]),
             *report.variant_rows(ordered_variants(table, rows), columns, test_cell)]
@@ -266,8 +272,8 @@ def markdown(table: Any, rows: Sequence[Dict[str, Any]], data_dir: str = "data")
   if not_run:
     lines += ["", "## Not run here", "", *report.markdown_head(["variant", "reason"]),
               *(report.markdown_row([variant, reason]) for variant, reason in not_run.items())]
-  lines += ["", f"## Best validation {metric} (%), train steps/s and peak memory (MiB)", "",
-            *report.markdown_head(["task", "variant", "preset", "best validation (%)",
+  lines += ["", f"## Best validation {metric}{unit}, train steps/s and peak memory (MiB)", "",
+            *report.markdown_head(["task", "variant", "preset", f"best validation{unit}",
                                    "steps/s", "peak memory (MiB)"])]
   for task in tasks:
     for variant in ordered_variants(table, rows):
@@ -275,7 +281,7 @@ def markdown(table: Any, rows: Sequence[Dict[str, Any]], data_dir: str = "data")
         row = by.get((task, variant, preset), {})
         source = " host RSS" if row.get("memory_source") == "host_rss" else ""
         lines.append(report.markdown_row([
-            task, variant, preset, report.spread_text(row.get("validation")),
+            task, variant, preset, report.spread_text(row.get("validation"), digits=digits),
             report.spread_text(row.get("steps_per_s")),
             report.spread_text(row.get("memory_mib"), digits=0) + source]))
   return lines
@@ -312,7 +318,8 @@ def plot(table: Any, rows: Sequence[Dict[str, Any]], out: pathlib.Path) -> List[
                  if i == 0 else None)
   ax.set_xticks(range(len(variants)))
   ax.set_xticklabels(variants, rotation=45, ha="right")
-  ax.set_ylabel(f"test {table.get('metric', 'accuracy').replace('_', ' ')} (%)")
+  ax.set_ylabel(f"test {table.get('metric', 'accuracy').replace('_', ' ')}"
+                + (" (%)" if table.get("percent", True) else ""))
   ax.set_title(table.get("description", table.name))
   ax.legend(fontsize=8)
   return [report.save_figure(fig, out, "accuracy.png")]
