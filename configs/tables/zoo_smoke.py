@@ -54,7 +54,10 @@ def get_config():
       "half the expression; Longformer uses dilation with undilated heads beside it, which "
       "`longformer`'s row is",
       "disagreement's regularisers are weighted 0.01 here, not 1 (docstring of "
-      "configs/tables/zoo_smoke.py)",)
+      "configs/tables/zoo_smoke.py)",
+      "transformer_xl and compressive train without a memory here (a classifier's batches are "
+      "independent examples), so both are the same relative-attention layer and their rows "
+      "are equal; their memories are measured by configs/tables/chars.py",)
   mean_pooled = {"model": {"pooling": "mean"}}
   config.cell_overrides = {"listops": {
       "bigbird": {"model": {"attention_options": {"block_size": 16}}},
