@@ -26,9 +26,20 @@ SUBQUADRATIC = [n for n in MIXERS if registry.get_variant(n).subquadratic]
 SUBQUADRATIC_NOT_MIXERS = [n for n in NOT_MIXERS if registry.get_variant(n).subquadratic]
 
 
-def _module(name):
+def _length_options(name, length):
+  """`{"max_length": length}` for a variant that declares the option (its
+  weights are sized by the sequence length: the Synthesizers, mlp_mixer,
+  gmlp), `{}` for the others."""
+  declared = {option.name for option in registry.variant_options(name)}
+  return {"max_length": length} if "max_length" in declared else {}
+
+
+def _module(name, length):
   spec = registry.get_variant(name)
-  return spec.module(num_heads=HEADS)
+  options = _length_options(name, length)
+  if spec.mixer is None or spec.mixer == registry.ATTENTION_MIXER:
+    return spec.module(num_heads=HEADS, attention_options=options)
+  return spec.module(num_heads=HEADS, **options)
 
 
 def _loss_of_params(module, x):
@@ -41,7 +52,8 @@ def _loss_of_params(module, x):
   def loss(params, x):
     return jnp.sum(module.apply({"params": params, **others}, x) ** 2)
 
-  return jax.grad(loss, argnums=(0, 1)), zeros["params"]
+  # A mixer without parameters (fnet) has no "params" collection.
+  return jax.grad(loss, argnums=(0, 1)), zeros.get("params", {})
 
 
 @pytest.mark.parametrize("name", MIXERS)
@@ -49,10 +61,9 @@ def test_runs_by_name_in_a_block_under_jit_forward_and_backward(name):
   """Every registered mixer through the same model block (the mixer contract),
   built from the model config by name, with finite outputs and gradients."""
   length = 256  # fits every default block size and pattern
-  options = {"max_length": length} if name.startswith("synthesizer") else {}
-  config = ModelConfig(attention=name, attention_options=options, num_layers=1,
-                       embed_dim=EMBED, num_heads=HEADS, mlp_dim=64, max_length=length,
-                       dropout_rate=0.0)
+  config = ModelConfig(attention=name, attention_options=_length_options(name, length),
+                       num_layers=1, embed_dim=EMBED, num_heads=HEADS, mlp_dim=64,
+                       max_length=length, dropout_rate=0.0)
   x = jax.random.normal(jax.random.PRNGKey(2), (1, length, EMBED))
   block = Block(config)
   variables = block.init(jax.random.PRNGKey(0), x, {})
@@ -75,7 +86,7 @@ def test_runs_by_name_in_a_block_under_jit_forward_and_backward(name):
 def test_subquadratic_variant_never_builds_a_length_squared_array(name):
   length = 4096
   x = jax.ShapeDtypeStruct((1, length, EMBED), jnp.float32)
-  module = _module(name)
+  module = _module(name, length)
   grad_fn, params = _loss_of_params(module, jnp.zeros(x.shape, x.dtype))
   largest = largest_intermediate(grad_fn, params, jnp.zeros(x.shape, x.dtype))
   # A quarter of T^2 leaves room for bands and blocks (e.g. [H, T, 2w] windows)
