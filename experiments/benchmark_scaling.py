@@ -124,13 +124,17 @@ def module_of(variant: str, num_heads: int, seq_len: int):
   Dense attention and its head layouts are pinned to the XLA implementation:
   `implementation=None` would pick blockwise on CPU for long sequences, and the
   reference must be the materialised T x T softmax. Variants whose parameters
-  are sized by a `max_length` (the Synthesizers) get `max_length = seq_len`.
+  are sized by a `max_length` (the Synthesizers, mlp_mixer, gmlp) get
+  `max_length = seq_len`.
   """
   spec = registry.get_mixer(variant)
   if variant == DENSE or spec.family == "heads":
     return spec.module(num_heads=num_heads, attention_options={"implementation": "xla"})
-  if spec.extras is not None and "max_length" in {f.name for f in dataclasses.fields(spec.extras)}:
+  fields = lambda cls: {f.name for f in dataclasses.fields(cls)} if cls is not None else set()
+  if "max_length" in fields(spec.extras):
     return spec.module(num_heads=num_heads, attention_options={"max_length": seq_len})
+  if spec.mixer is not None and "max_length" in fields(spec.mixer_class):
+    return spec.module(num_heads=num_heads, max_length=seq_len)
   return spec.module(num_heads=num_heads)
 
 

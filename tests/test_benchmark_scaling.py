@@ -100,3 +100,4 @@ def test_dense_reference_is_the_materialised_softmax():
   # Parameters sized by a maximum length are sized for the measured length.
   synthesizer = benchmark_scaling.module_of("synthesizer_random", 2, 2048)
   assert dict(synthesizer.attention_options) == {"max_length": 2048}
+  assert benchmark_scaling.module_of("gmlp", 2, 2048).max_length == 2048

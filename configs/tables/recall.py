@@ -21,8 +21,9 @@ state lose it. Here the fixed-state variants are the kernelised ones
 ...), whose state is the window. The notes say what this table shows.
 
 Cell overrides, where a default does not fit T = 64 or 128 tokens: block
-and window sizes of at most T / 4, a Synthesizer's length and an axial grid
-that divide the length (see `OVERRIDES`).
+and window sizes of at most T / 4, an axial grid that divides the length, and
+the length itself where a variant's weights are sized by it (the
+Synthesizers, gmlp) (see `_overrides`).
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ def _overrides(seq_len: int):
       "synthesizer_dense": {"max_length": seq_len},
       "synthesizer_random": {"max_length": seq_len},
       "synthesizer_factorized": {"max_length": seq_len},
+      "gmlp": {"max_length": seq_len},
       "bigbird": {"block_size": 8},
       "axial": {"shape": [8, seq_len // 8]},
   }

@@ -22,7 +22,9 @@ paper's 1: the paper adds them to a sentence's summed log-likelihood, and the
 position term is itself a sum over the queries (up to T = 101 here), so
 against one label's cross-entropy a weight of 1 made the regulariser the whole
 loss (seed 1 stayed at the majority class, its auxiliary loss 7.4 against a
-cross-entropy of 2); 0.01 is about 1 / T, the weight per query.
+cross-entropy of 2); 0.01 is about 1 / T, the weight per query. `mlp_mixer`
+and `gmlp` have weights sized by the sequence length, so their `max_length`
+is the 101 tokens.
 """
 
 from __future__ import annotations
@@ -65,5 +67,7 @@ def get_config():
       "memory_compressed": mean_pooled,
       "disagreement": {"model": {"attention_options": {"weight": 0.01}}},
       "nystromformer": {"model": {"pooling": "mean", "attention_options": {"num_landmarks": 20}}},
+      "mlp_mixer": {"model": {"attention_options": {"max_length": 101}}},
+      "gmlp": {"model": {"attention_options": {"max_length": 101}}},
   }}
   return config
