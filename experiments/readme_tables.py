@@ -37,6 +37,7 @@ SOURCES: Dict[str, Optional[str]] = {
     "results/kernels/table.md": "configs/tables/kernels.py",
     "results/seq2seq_smoke/table.md": "configs/tables/seq2seq_smoke.py",
     "results/zoo_smoke/table.md": "configs/tables/zoo_smoke.py",
+    "results/chars/table.md": "configs/tables/chars.py",
 }
 
 

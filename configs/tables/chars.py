@@ -30,5 +30,10 @@ def get_config():
   config.paper = False
   config.metric = "bits_per_token"
   config.percent = False
-  config.notes = ("bits_per_token is bits per character here: each token is one character",)
+  config.notes = (
+      "bits_per_token is bits per character here: each token is one character",
+      "at this budget (3,000 steps, 3 passes over the corpus) both models are near the "
+      "corpus's trigram level (a 3-gram model's conditional entropy on 1 M training "
+      "characters is 3.03 bits): they have not learned the 2,000-word vocabulary, which "
+      "limits what a memory of names can add",)
   return config
