@@ -17,6 +17,8 @@ VOCAB = "vocab"
 CLASSES = "classes"
 RELPOS_BUCKETS = "relpos_buckets"
 LAYERS = "layers"  # the stacked axis of scanned layers
+EXPERT = "expert"  # a mixture of experts' expert axis
+PRODUCT_KEYS = "product_keys"  # the value table of a product-key memory
 
 # Activations.
 ACTIVATION_BATCH = "activation_batch"
@@ -33,6 +35,10 @@ ACTIVATION_VOCAB = "activation_vocab"
 DATA_AXES = ("data", "fsdp")
 
 DEFAULT_RULES = (
+    # Expert parallelism (GShard): each "fsdp" device holds its share of the
+    # experts, whose other weight axes are then whole. First, so that an
+    # expert weight's "embed" does not claim "fsdp" before its "expert" axis.
+    (EXPERT, "fsdp"),
     (EMBED, "fsdp"),
     (HEADS, "tensor"),
     (MLP, "tensor"),
@@ -44,6 +50,9 @@ DEFAULT_RULES = (
     (CLASSES, None),
     (RELPOS_BUCKETS, None),
     (LAYERS, None),
+    # A product-key memory's value table is one large lookup table, split by
+    # rows as an embedding table is.
+    (PRODUCT_KEYS, "tensor"),
     (ACTIVATION_BATCH, DATA_AXES),
     # Splitting the sequence (sequence parallelism) would need every variant
     # to handle a split sequence.

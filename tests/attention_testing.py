@@ -148,25 +148,29 @@ def check_against_reference(attention_fn, case, num_kv_heads, with_bias_and_mask
     assert_close(got, want, rtol=rtol, atol=atol, err_msg=f"gradient of {name}")
 
 
-def largest_intermediate(fn, *args):
-  """Size of the largest array any equation of `fn`'s jaxpr produces (sub-jaxprs included).
+def intermediate_shapes(fn, *args):
+  """The shapes of the arrays the equations of `fn`'s jaxpr produce (sub-jaxprs
+  included), as a set.
 
   Tracing only, no compilation: cheap even at lengths where a T x T array
   would not fit in memory.
   """
   import jax.extend  # pylint: disable=import-outside-toplevel
-  largest = 0
+  shapes = set()
 
   def visit(jaxpr):
-    nonlocal largest
     for eqn in jaxpr.eqns:
-      for var in eqn.outvars:
-        largest = max(largest, int(np.prod(getattr(var.aval, "shape", ()))))
+      shapes.update(tuple(getattr(var.aval, "shape", ())) for var in eqn.outvars)
       for sub in jax.extend.core.jaxprs_in_params(eqn.params):
         visit(sub)
 
   visit(jax.make_jaxpr(fn)(*args).jaxpr)
-  return largest
+  return shapes
+
+
+def largest_intermediate(fn, *args):
+  """Size of the largest array any equation of `fn`'s jaxpr produces (`intermediate_shapes`)."""
+  return max((int(np.prod(shape)) for shape in intermediate_shapes(fn, *args)), default=0)
 
 
 def outputs_and_grads(fn, *arrays):

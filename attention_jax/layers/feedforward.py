@@ -46,9 +46,17 @@ _ACTIVATIONS = {
     "gelu": gelu,
     "swish": jax.nn.silu,
 }
-# Gated linear units (Shazeer 2020): act(x W) * (x V).
-_GATED = {"swiglu": "swish", "geglu": "gelu"}
-ACTIVATIONS = tuple(_ACTIVATIONS) + tuple(_GATED)
+# The gated linear units of Shazeer 2020, "GLU Variants Improve Transformer":
+# gate(x W) * (x V), the gate's function by name (Dauphin et al. 2017's GLU
+# gates with the sigmoid, the bilinear layer with none).
+_GATES = {
+    "glu": jax.nn.sigmoid,
+    "bilinear": lambda x: x,
+    "reglu": jax.nn.relu,
+    "geglu": gelu,
+    "swiglu": jax.nn.silu,
+}
+ACTIVATIONS = tuple(_ACTIVATIONS) + tuple(_GATES)
 
 
 def check_activation(activation: str) -> str:
@@ -59,13 +67,21 @@ def check_activation(activation: str) -> str:
 
 
 class FeedForward(nn.Module):
-  """`act(x W_i + b_i) W_o + b_o`, or for GLU variants `(act(x W_0) * (x W_1)) W_o`.
+  """`act(x W_i + b_i) W_o + b_o`, or for the gated units `(gate(x W_0) * (x W_1)) W_o`.
+
+  With `chunk_size`, the positions go through the layer `chunk_size` at a time
+  in a scan (Reformer's chunked feed-forward, Kitaev et al. 2020): the
+  `[B, T, F]` hidden activation is never whole, only `[B, chunk_size, F]`; the
+  output and its gradients are those of the unchunked layer, with the same
+  parameter tree.
 
   Attributes:
     mlp_dim: hidden size F.
-    activation: one of `ACTIVATIONS`; "swiglu" and "geglu" are gated.
+    activation: one of `ACTIVATIONS`; "glu", "bilinear", "reglu", "geglu" and
+      "swiglu" are gated.
     dropout_rate: dropout on the hidden activations.
     use_bias: biases in the projections.
+    chunk_size: positions per chunk (a divisor of T); None: all at once.
     dtype, param_dtype: computation and parameter dtypes.
     kernel_init, bias_init: initialisers of the projections.
   """
@@ -74,6 +90,7 @@ class FeedForward(nn.Module):
   activation: str = "gelu"
   dropout_rate: float = 0.0
   use_bias: bool = True
+  chunk_size: Optional[int] = None
   dtype: Optional[Dtype] = None
   param_dtype: Dtype = jnp.float32
   kernel_init: Callable[..., Array] = nn.initializers.xavier_uniform()
@@ -92,15 +109,35 @@ class FeedForward(nn.Module):
     check_activation(self.activation)
     if x.ndim != 3:
       raise ValueError(f"x must be [B, T, E], got shape {x.shape}.")
-    features = x.shape[-1]
-    if self.activation in _GATED:
-      act = _ACTIVATIONS[_GATED[self.activation]]
-      gate = self._dense(self.mlp_dim, (EMBED, MLP), "wi_0")(x)
-      linear = self._dense(self.mlp_dim, (EMBED, MLP), "wi_1")(x)
-      h = act(gate) * linear
+    batch, length, features = x.shape
+    if self.activation in _GATES:
+      layers = (self._dense(self.mlp_dim, (EMBED, MLP), "wi_0"),
+                self._dense(self.mlp_dim, (EMBED, MLP), "wi_1"))
     else:
-      h = _ACTIVATIONS[self.activation](self._dense(self.mlp_dim, (EMBED, MLP), "wi")(x))
-    h = nn.with_logical_constraint(h, (axes.ACTIVATION_BATCH, axes.ACTIVATION_LENGTH,
-                                       axes.ACTIVATION_MLP))
-    h = nn.Dropout(self.dropout_rate)(h, deterministic=deterministic)
-    return self._dense(features, (MLP, EMBED), "wo")(h)
+      layers = (self._dense(self.mlp_dim, (EMBED, MLP), "wi"),)
+    output = self._dense(features, (MLP, EMBED), "wo")
+    dropout = nn.Dropout(self.dropout_rate)
+
+    def positionwise(module, chunk):
+      del module  # the layers above are this module's; the scan lifts their scope
+      if self.activation in _GATES:
+        h = _GATES[self.activation](layers[0](chunk)) * layers[1](chunk)
+      else:
+        h = _ACTIVATIONS[self.activation](layers[0](chunk))
+      h = nn.with_logical_constraint(h, (axes.ACTIVATION_BATCH, axes.ACTIVATION_LENGTH,
+                                         axes.ACTIVATION_MLP))
+      return output(dropout(h, deterministic=deterministic))
+
+    if self.chunk_size is None or self.chunk_size >= length:
+      return positionwise(self, x)
+    if self.chunk_size < 1 or length % self.chunk_size:
+      raise ValueError(f"FeedForward chunk_size must be a positive divisor of the sequence "
+                       f"length {length}, got {self.chunk_size!r}.")
+    chunks = x.reshape(batch, length // self.chunk_size, self.chunk_size, features)
+    # One chunk per scan step: the parameters are broadcast (shared by every
+    # step), dropout draws a new mask per chunk.
+    scan = nn.scan(lambda module, carry, chunk: (carry, positionwise(module, chunk)),
+                   variable_broadcast="params", split_rngs={"params": False, "dropout": True},
+                   in_axes=1, out_axes=1)
+    _, y = scan(self, None, chunks)
+    return y.reshape(batch, length, features)

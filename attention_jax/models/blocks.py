@@ -24,8 +24,7 @@ import jax.numpy as jnp
 from flax.core import FrozenDict
 
 from attention_jax import axes, positional, registry
-from attention_jax.layers.feedforward import FeedForward
-from attention_jax.layers.norms import make_norm
+from attention_jax.layers import make_feed_forward, make_norm
 from attention_jax.models.config import ModelConfig
 
 Array = jnp.ndarray
@@ -84,7 +83,6 @@ def _post_norm(x: Array, branch: Callable[[Array], Array], norm: nn.Module) -> A
 
 # residual name -> (x, branch, norm) -> new x; `branch` includes its dropout.
 RESIDUAL_ARRANGEMENTS = {"pre_norm": _pre_norm, "post_norm": _post_norm}
-FEED_FORWARD_LAYERS = {"mlp": FeedForward}
 
 
 class Block(nn.Module):
@@ -118,11 +116,12 @@ class Block(nn.Module):
       raise ValueError(f"x must be [B, T, E], got shape {x.shape}.")
     config, dtype = self.config, self.config.jnp_dtype
     mixer = make_mixer(config, self.attention or config.attention, name="attention")
-    mlp = FEED_FORWARD_LAYERS[config.feed_forward](
-        config.mlp_dim, activation=config.activation, dropout_rate=config.dropout_rate,
-        dtype=dtype, name="mlp")
-    attention_norm = make_norm(config.norm, dtype, name="attention_norm")
-    mlp_norm = make_norm(config.norm, dtype, name="mlp_norm")
+    mlp = make_feed_forward(config.feed_forward, mlp_dim=config.mlp_dim,
+                            activation=config.activation, dropout_rate=config.dropout_rate,
+                            dtype=dtype, options=config.feed_forward_options, name="mlp")
+    attention_norm = make_norm(config.norm, dtype, deterministic=deterministic,
+                               name="attention_norm")
+    mlp_norm = make_norm(config.norm, dtype, deterministic=deterministic, name="mlp_norm")
     dropout = nn.Dropout(config.dropout_rate)
     residual = RESIDUAL_ARRANGEMENTS[config.residual]
     mixer_arguments = {k: v for k, v in sequence_arguments.items() if v is not None}

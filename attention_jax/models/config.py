@@ -23,8 +23,7 @@ import ml_collections
 from flax.core import FrozenDict
 
 from attention_jax import positional, registry
-from attention_jax.layers.feedforward import ACTIVATIONS
-from attention_jax.layers.norms import NORMS
+from attention_jax.layers import ACTIVATIONS, FEED_FORWARD_LAYERS, NORMS, feed_forward_options
 
 # What `build_model` makes: a classifier of one sequence, of a pair of sequences
 # (retrieval), a causal language model, or an RNN encoder-decoder with attention.
@@ -37,7 +36,7 @@ POOLING_VARIANTS = {"attention": "attention_pooling"}
 # How a block combines a sub-layer f with its input: pre-LN (Xiong et al. 2020),
 # x + f(norm(x)); post-LN (Vaswani et al. 2017), norm(x + f(x)).
 RESIDUALS = ("pre_norm", "post_norm")
-FEED_FORWARDS = ("mlp",)
+FEED_FORWARDS = tuple(FEED_FORWARD_LAYERS)
 # Rematerialisation of each block in the backward pass: what the forward keeps.
 REMAT_POLICIES = {
     "none": None,  # no remat: every activation is kept
@@ -76,9 +75,15 @@ class ModelConfig:
       2020), "rope", "alibi", "t5", "xl_relative" and "shaw" act in every mixer.
     position_options: options of the position scheme.
     residual: one of `RESIDUALS`.
-    norm: one of `NORMS`.
-    feed_forward: one of `FEED_FORWARDS`.
-    activation: the feed-forward activation, one of `ACTIVATIONS`.
+    norm: one of `NORMS`: "layernorm", "rmsnorm", "scalenorm", "powernorm"
+      (batch statistics in the "batch_stats" collection), "adanorm".
+    feed_forward: one of `FEED_FORWARDS`: "mlp" (`FeedForward`, chunked with
+      the option `chunk_size`), "moe" (`MixtureOfExperts`), "product_key"
+      (`ProductKeyMemory`).
+    feed_forward_options: the options of that layer
+      (`layers.feed_forward_options(kind)`), e.g. `num_experts`, `top_k`.
+    activation: the feed-forward activation, one of `ACTIVATIONS` (the gated
+      units "glu", "bilinear", "reglu", "geglu", "swiglu" among them).
     pooling: how a classifier pools the encoder's outputs, one of `POOLINGS`:
       "cls" reads a prepended [CLS] token, "mean" and "max" reduce over the
       real tokens, "attention" is `AttentionPooling` (learned queries; HAN's
@@ -122,6 +127,7 @@ class ModelConfig:
   residual: str = "pre_norm"
   norm: str = "layernorm"
   feed_forward: str = "mlp"
+  feed_forward_options: Mapping[str, Any] = FrozenDict()
   activation: str = "gelu"
   pooling: str = "cls"
   pooling_options: Mapping[str, Any] = FrozenDict()
@@ -153,6 +159,11 @@ class ModelConfig:
     # from the command line) whatever the pooling; those left unset are dropped.
     object.__setattr__(self, "pooling_options", FrozenDict(_set_options(
         self.pooling_options, tuple(POOLING_VARIANTS.values()))))
+    if self.feed_forward in FEED_FORWARD_LAYERS:
+      defaults = feed_forward_options(self.feed_forward)
+      object.__setattr__(self, "feed_forward_options", FrozenDict({
+          k: v for k, v in self.feed_forward_options.items()
+          if v is not None and (k not in defaults or _normalised(v) != _normalised(defaults[k]))}))
     self.check()
 
   @classmethod
@@ -209,6 +220,12 @@ class ModelConfig:
     _one_of("residual", self.residual, RESIDUALS)
     _one_of("norm", self.norm, NORMS)
     _one_of("feed_forward", self.feed_forward, FEED_FORWARDS)
+    valid = feed_forward_options(self.feed_forward)
+    for key in self.feed_forward_options:
+      if key not in valid:
+        raise ValueError(f"model.feed_forward_options has {key!r}, which feed_forward "
+                         f"{self.feed_forward!r} does not take.{registry.did_you_mean(key, valid)} "
+                         f"Its options are: {', '.join(sorted(valid))}.")
     _one_of("activation", self.activation, ACTIVATIONS)
     _one_of("pooling", self.pooling, POOLINGS)
     if self.pooling in POOLING_VARIANTS:
@@ -270,7 +287,23 @@ def default_model_config() -> ml_collections.ConfigDict:
       config[field.name] = field.default
   config.attention_options = attention_options_config(config.attention)
   config.pooling_options = attention_options_config(*POOLING_VARIANTS.values())
+  config.feed_forward_options = feed_forward_options_config(config.feed_forward)
   return config
+
+
+def feed_forward_options_config(kind: str) -> ml_collections.ConfigDict:
+  """The options of feed-forward layer `kind` at their defaults, as a
+  ConfigDict (`config.model.feed_forward_options`), so that each can be set
+  with `--config.model.feed_forward_options.<name>=<value>`."""
+  hints = typing.get_type_hints(FEED_FORWARD_LAYERS[kind])
+  options = ml_collections.ConfigDict()
+  for name, default in feed_forward_options(kind).items():
+    if default is None:
+      (inner,) = [t for t in typing.get_args(hints[name]) if t is not type(None)]
+      options[name] = ml_collections.config_dict.placeholder(inner)
+    else:
+      options[name] = default
+  return options
 
 
 def attention_options_config(*variants: str) -> ml_collections.ConfigDict:

@@ -87,7 +87,7 @@ class Encoder(nn.Module):
     mask = None if padding_mask is None else padding_mask[:, None, None, :]
     x, _ = run_layers(config, x, mask=mask, is_causal=is_causal, deterministic=deterministic)
     if config.residual == "pre_norm":  # Pre-LN leaves the residual stream unnormalised.
-      x = make_norm(config.norm, dtype, name="final_norm")(x)
+      x = make_norm(config.norm, dtype, deterministic=deterministic, name="final_norm")(x)
     return x
 
   def _decoded_positions(self, length: int) -> Optional[Array]:

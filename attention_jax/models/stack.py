@@ -99,7 +99,7 @@ def run_layers(config: ModelConfig, x: Array, carry: Optional[Carry] = None, *,
   period = len(config.schedule_period)
   scanned = nn.scan(
       _Period, variable_axes={"params": 0, "intermediates": 0, "losses": 0, "cache": 0,
-                              "memory": 0, RANDOM_COLLECTION: 0},
+                              "memory": 0, "batch_stats": 0, RANDOM_COLLECTION: 0},
       split_rngs={"params": True, "dropout": True, "attention": True},
       in_axes=(nn.broadcast,), length=config.num_layers // period,
       metadata_params={nn.PARTITION_NAME: axes.LAYERS})

@@ -170,7 +170,7 @@ def test_block_unknown_names_raise():
                      r".*dot_product"):
     _config(attention="nope")
   with pytest.raises(ValueError, match=r"unknown norm 'nope'\. Valid names are: layernorm, "
-                     r"rmsnorm\.$"):
+                     r"rmsnorm, scalenorm, powernorm, adanorm\.$"):
     _config(norm="nope")
   with pytest.raises(ValueError, match=r"unknown residual 'pre'\..*Valid names are: pre_norm, "
                      r"post_norm\.$"):
@@ -180,3 +180,45 @@ def test_block_unknown_names_raise():
     build_model(ModelConfig(norm="nope"))
   with pytest.raises(ValueError, match=r"x must be \[B, T, E\]"):
     _block().init(jax.random.PRNGKey(0), _inputs()[0])
+
+
+@pytest.mark.parametrize("norm", ["scalenorm", "powernorm", "adanorm"])
+def test_block_takes_every_norm_by_name_and_only_powernorm_keeps_statistics(norm):
+  """Norm layers are named attention_norm and mlp_norm; PowerNorm's running
+  statistic changes in training (deterministic=False) and not in evaluation."""
+  block, x = _block(norm=norm), _inputs()
+  variables = nn.meta.unbox(block.init(jax.random.PRNGKey(1), x))
+  if norm != "powernorm":
+    assert set(variables) == {"params"}
+    return
+  stats = variables["batch_stats"]
+  assert set(stats) == {"attention_norm", "mlp_norm"}
+  _, evaluated = block.apply(variables, x, mutable=["batch_stats"])
+  assert jax.tree.all(jax.tree.map(np.array_equal, evaluated["batch_stats"], stats))
+  _, trained = block.apply(variables, x, deterministic=False, mutable=["batch_stats"])
+  assert not np.allclose(trained["batch_stats"]["attention_norm"]["quadratic_mean"],
+                         stats["attention_norm"]["quadratic_mean"])
+
+
+@pytest.mark.parametrize("feed_forward,options", [
+    ("mlp", dict(chunk_size=4)), ("moe", dict(num_experts=2, top_k=1)),
+    ("product_key", dict(num_keys=8, top_k=2))])
+def test_block_takes_every_feed_forward_by_name_with_its_options(feed_forward, options):
+  block, x = _block(feed_forward=feed_forward, feed_forward_options=options), _inputs()
+  params = _params(block, x)
+  out = _apply(block, params, x)
+  assert out.shape == x.shape and np.all(np.isfinite(out))
+  # The block's mlp is the layer the options describe: rebuilt alone, it gives
+  # the block's feed-forward branch (pre-norm: x + mlp(mlp_norm(h))).
+  from attention_jax.layers import make_feed_forward  # pylint: disable=import-outside-toplevel
+  layer = make_feed_forward(feed_forward, mlp_dim=F, activation="gelu", dropout_rate=0.0,
+                            dtype=jnp.float32, options=options)
+  assert jax.tree.structure(_params(layer, x)) == jax.tree.structure(params["mlp"])
+
+
+def test_feed_forward_options_are_checked_against_the_layer():
+  with pytest.raises(ValueError, match=r"feed_forward_options has 'num_experts', which "
+                     r"feed_forward 'product_key' does not take\..*Its options are: .*num_keys"):
+    _config(feed_forward="product_key", feed_forward_options=dict(num_experts=4))
+  with pytest.raises(ValueError, match=r"unknown feed_forward 'moe2'.*Did you mean 'moe'"):
+    _config(feed_forward="moe2")
