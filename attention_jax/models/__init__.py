@@ -11,14 +11,17 @@ from attention_jax.models.config import (MODEL_KINDS, POOLINGS, REMAT_POLICIES, 
                                          ModelConfig, attention_options_config,
                                          default_model_config)
 from attention_jax.models.encoder import Encoder
+from attention_jax.models.encoder_decoder import TransformerEncoderDecoder
 from attention_jax.models.language_model import LanguageModel
 from attention_jax.models.seq2seq import RNNEncoderDecoder
 from attention_jax.models.stack import LayerStack, initial_carry, run_layers
 
-Model = Union[SequenceClassifier, DualEncoderClassifier, LanguageModel, RNNEncoderDecoder]
+Model = Union[SequenceClassifier, DualEncoderClassifier, LanguageModel, RNNEncoderDecoder,
+              TransformerEncoderDecoder]
 
 _MODELS = {"classifier": SequenceClassifier, "dual_classifier": DualEncoderClassifier,
-           "language_model": LanguageModel, "rnn_seq2seq": RNNEncoderDecoder}
+           "language_model": LanguageModel, "rnn_seq2seq": RNNEncoderDecoder,
+           "transformer_seq2seq": TransformerEncoderDecoder}
 
 
 def build_model(config: Union[Mapping[str, Any], ModelConfig]) -> Model:
@@ -30,7 +33,7 @@ def build_model(config: Union[Mapping[str, Any], ModelConfig]) -> Model:
   `DualEncoderClassifier`, "language_model" a `LanguageModel` (which ignores
   the classifier keys `num_classes`, `pooling` and `head_mlp_dim`),
   "rnn_seq2seq" an `RNNEncoderDecoder` (which reads only the keys its
-  docstring lists).
+  docstring lists), "transformer_seq2seq" a `TransformerEncoderDecoder`.
 
   Raises:
     ValueError: on an unknown key, name or option (with the closest valid
@@ -41,7 +44,7 @@ def build_model(config: Union[Mapping[str, Any], ModelConfig]) -> Model:
   return _MODELS[model_config.kind](model_config)
 
 
-__all__ = ["Block", "DualEncoderClassifier", "Encoder", "LanguageModel", "LayerStack",
-           "MODEL_KINDS", "ModelConfig", "POOLINGS", "REMAT_POLICIES", "RESIDUALS",
-           "RNNEncoderDecoder", "SequenceClassifier", "attention_options_config", "build_model",
-           "default_model_config", "initial_carry", "make_mixer", "run_layers"]
+__all__ = ["Block", "DualEncoderClassifier", "Encoder", "LanguageModel", "LayerStack", "MODEL_KINDS",
+           "ModelConfig", "POOLINGS", "REMAT_POLICIES", "RESIDUALS", "RNNEncoderDecoder",
+           "SequenceClassifier", "TransformerEncoderDecoder", "attention_options_config",
+           "build_model", "default_model_config", "initial_carry", "make_mixer", "run_layers"]

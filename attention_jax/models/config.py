@@ -26,8 +26,11 @@ from attention_jax import positional, registry
 from attention_jax.layers import ACTIVATIONS, FEED_FORWARD_LAYERS, NORMS, feed_forward_options
 
 # What `build_model` makes: a classifier of one sequence, of a pair of sequences
-# (retrieval), a causal language model, or an RNN encoder-decoder with attention.
-MODEL_KINDS = ("classifier", "dual_classifier", "language_model", "rnn_seq2seq")
+# (retrieval), a causal language model, an RNN encoder-decoder with attention,
+# or a Transformer encoder-decoder.
+MODEL_KINDS = ("classifier", "dual_classifier", "language_model", "rnn_seq2seq",
+               "transformer_seq2seq")
+SEQ2SEQ_KINDS = ("rnn_seq2seq", "transformer_seq2seq")
 RNN_CELLS = ("gru", "lstm")
 POOLINGS = ("cls", "mean", "max", "attention")
 # The registered pooling module (role "pooling") of each pooling that has one;
@@ -104,6 +107,10 @@ class ModelConfig:
       with `attention`; False: the final encoder states are its only context.
     beam_size: the RNN encoder-decoder's decoding in evaluation: 1 greedy,
       more a beam search of that many hypotheses.
+    cross_attention: the Transformer encoder-decoder's attention to the
+      source, a variant with a cross-attention form; None: `attention`.
+    transparent_attention: the Transformer decoder's layer j attends to a
+      learned mix of every encoder layer's output (Bapna et al. 2018).
     decode: build the language model for incremental decoding (each mixer
       keeps its cache in the "cache" collection, absolute positions count
       from the tokens already decoded); `generation.generate` sets it.
@@ -140,6 +147,8 @@ class ModelConfig:
   rnn_cell: str = "gru"
   decoder_attention: bool = True
   beam_size: int = 1
+  cross_attention: Optional[str] = None
+  transparent_attention: bool = False
   decode: bool = False
 
   def __post_init__(self):
@@ -153,8 +162,10 @@ class ModelConfig:
     registry.get_mixer(self.attention)
     for name in self.layer_attention:
       registry.get_mixer(name)
+    if self.cross_attention is not None:
+      registry.get_mixer(self.cross_attention)
     object.__setattr__(self, "attention_options", FrozenDict(_set_options(
-        self.attention_options, tuple(self.layer_attention) or (self.attention,))))
+        self.attention_options, self.attention_variants)))
     # The default config lists every pooling option (so that each can be set
     # from the command line) whatever the pooling; those left unset are dropped.
     object.__setattr__(self, "pooling_options", FrozenDict(_set_options(
@@ -196,6 +207,20 @@ class ModelConfig:
     return tuple(self.layer_attention) or (self.attention,)
 
   @property
+  def cross_variant(self) -> str:
+    """The encoder-decoder's cross-attention variant."""
+    return self.cross_attention or self.attention
+
+  @property
+  def attention_variants(self) -> Tuple[str, ...]:
+    """Every variant the model runs (the schedule's, and the cross-attention's
+    in an encoder-decoder): the ones `attention_options` may address."""
+    variants = tuple(self.layer_attention) or (self.attention,)
+    if self.cross_attention is not None and self.cross_attention not in variants:
+      variants += (self.cross_attention,)
+    return variants
+
+  @property
   def jnp_dtype(self) -> jnp.dtype:
     return jnp.dtype(self.dtype)
 
@@ -209,12 +234,14 @@ class ModelConfig:
     _one_of("model kind", self.kind, MODEL_KINDS)
     for name in set(self.schedule_period) | {self.attention}:
       registry.get_mixer(name)
-    _check_options(self.attention_options, self.schedule_period)
-    if self.kind == "language_model":
+    _check_options(self.attention_options, self.attention_variants)
+    if self.kind in ("language_model", "transformer_seq2seq"):
       for name in self.schedule_period:
         if not registry.get_variant(name).causal:
           causal = [n for n in registry.list_variants("mixer") if registry.get_variant(n).causal]
-          raise ValueError(f"a language model needs causal attention; attention {name!r} has "
+          what = "a language model" if self.kind == "language_model" else (
+              "the Transformer decoder's self-attention")
+          raise ValueError(f"{what} needs causal attention; attention {name!r} has "
                            f"no causal form. Causal variants: {', '.join(causal)}.")
     positional.check_position_encoding(self.position)
     _one_of("residual", self.residual, RESIDUALS)
@@ -236,6 +263,17 @@ class ModelConfig:
                        f"pooling does.")
     _one_of("remat_policy", self.remat_policy, tuple(REMAT_POLICIES))
     _one_of("rnn_cell", self.rnn_cell, RNN_CELLS)
+    if self.kind == "transformer_seq2seq" and not registry.get_variant(self.cross_variant).cross:
+      crossing = [n for n in registry.list_variants("mixer") if registry.get_variant(n).cross]
+      raise ValueError(f"model.cross_attention {self.cross_variant!r} has no cross-attention "
+                       f"form; variants with one: {', '.join(crossing)}.")
+    if self.cross_attention is not None and self.kind != "transformer_seq2seq":
+      raise ValueError(f"model.cross_attention={self.cross_attention!r} is set, but only "
+                       f"kind 'transformer_seq2seq' has cross-attention; got kind {self.kind!r}.")
+    if self.transparent_attention and self.kind != "transformer_seq2seq":
+      raise ValueError(f"model.transparent_attention is set, but only kind "
+                       f"'transformer_seq2seq' has a decoder to attend to every encoder layer; "
+                       f"got kind {self.kind!r}.")
     if self.kind == "rnn_seq2seq" and self.decoder_attention and not registry.get_variant(
         self.attention).cross:
       raise ValueError(f"the RNN decoder attends to the encoder (cross-attention); attention "

@@ -97,6 +97,11 @@ def decode(model: nn.Module, variables: Any, inputs: Array, max_length: int,
     raise ValueError(f"beam_size must be a positive integer, got {beam_size!r}.")
   if not isinstance(max_length, int) or max_length < 1:
     raise ValueError(f"max_length must be a positive integer, got {max_length!r}.")
+  # A model that decodes into a fixed buffer says how long it is.
+  limit = getattr(model, "max_decode_length", None)
+  if limit is not None and max_length > limit:
+    raise ValueError(f"max_length={max_length} decoding steps do not fit the model's buffer of "
+                     f"{limit} tokens (model.max_length).")
   if beam_size == 1:
     return greedy_decode(model, variables, inputs, max_length)
   return beam_search(model, variables, inputs, max_length, beam_size)

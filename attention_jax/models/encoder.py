@@ -11,9 +11,34 @@ from attention_jax import axes, positional
 from attention_jax.layers.norms import make_norm
 from attention_jax.models.blocks import EMBEDDED
 from attention_jax.models.config import ModelConfig
-from attention_jax.models.stack import run_layers
+from attention_jax.models.stack import LAYER_OUTPUTS, run_layers
 
 Array = jnp.ndarray
+
+
+def embed_tokens(config: ModelConfig, tokens: Array, positions: Optional[Array] = None) -> Array:
+  """Token embeddings with the absolute position scheme of `config.position`:
+  `[B, T]` ids -> `[B, T, E]`. Called inside a compact method: the submodules
+  "token_embedding" and "position_embedding" are the caller's.
+
+  `positions`: `[T]` or `[B, T]` positions (None: 0..T-1).
+  """
+  dtype = config.jnp_dtype
+  if config.position == "complex":
+    x = positional.ComplexWordEmbedding(config.vocab_size, config.embed_dim,
+                                        name="token_embedding")(tokens, positions).astype(dtype)
+  else:
+    x = nn.Embed(
+        config.vocab_size, config.embed_dim, dtype=dtype,
+        embedding_init=nn.with_logical_partitioning(nn.initializers.normal(stddev=1.0),
+                                                    (axes.VOCAB, axes.EMBED)),
+        name="token_embedding")(tokens)
+  if config.position == "sinusoidal":
+    x = positional.SinusoidalPositionEmbedding(name="position_embedding")(x, positions)
+  elif config.position == "learned":
+    x = positional.LearnedPositionEmbedding(config.max_length,
+                                            name="position_embedding")(x, positions)
+  return x
 
 
 class Encoder(nn.Module):
@@ -37,7 +62,8 @@ class Encoder(nn.Module):
       is_causal: bool = False,
       deterministic: bool = True,
       prefix: Optional[Array] = None,
-  ) -> Array:
+      return_layer_outputs: bool = False,
+  ):
     """Encodes `tokens`.
 
     Args:
@@ -50,29 +76,19 @@ class Encoder(nn.Module):
       prefix: `[B|1, P, E]` embeddings placed before the tokens' (e.g. a learned
         [CLS] embedding). They get no absolute position embedding, are never
         padded, and count as positions `0..P-1` for relative schemes.
+      return_layer_outputs: also return every layer's output (transparent
+        attention reads them).
 
     Returns:
-      `[B, P + T, E]`.
+      `[B, P + T, E]`; with `return_layer_outputs`, `(that, [B, L + 1, P + T, E])`,
+      the embeddings and each of the L blocks' outputs (before the final norm).
     """
     config = self.config
     self._check_inputs(tokens, padding_mask, prefix)
     batch, length = tokens.shape
     dtype = config.jnp_dtype
     positions = self._decoded_positions(length) if config.decode else None
-    if config.position == "complex":
-      x = positional.ComplexWordEmbedding(config.vocab_size, config.embed_dim,
-                                          name="token_embedding")(tokens, positions).astype(dtype)
-    else:
-      x = nn.Embed(
-          config.vocab_size, config.embed_dim, dtype=dtype,
-          embedding_init=nn.with_logical_partitioning(nn.initializers.normal(stddev=1.0),
-                                                      (axes.VOCAB, axes.EMBED)),
-          name="token_embedding")(tokens)
-    if config.position == "sinusoidal":
-      x = positional.SinusoidalPositionEmbedding(name="position_embedding")(x, positions)
-    elif config.position == "learned":
-      x = positional.LearnedPositionEmbedding(config.max_length,
-                                              name="position_embedding")(x, positions)
+    x = embed_tokens(config, tokens, positions)
 
     if prefix is not None:
       prefix = jnp.broadcast_to(prefix, (batch,) + prefix.shape[1:]).astype(x.dtype)
@@ -85,9 +101,12 @@ class Encoder(nn.Module):
 
     # Padding need not be a suffix, so it becomes a key mask, not sequence lengths.
     mask = None if padding_mask is None else padding_mask[:, None, None, :]
-    x, _ = run_layers(config, x, mask=mask, is_causal=is_causal, deterministic=deterministic)
+    x, carry = run_layers(config, x, mask=mask, is_causal=is_causal,
+                          deterministic=deterministic, keep_layer_outputs=return_layer_outputs)
     if config.residual == "pre_norm":  # Pre-LN leaves the residual stream unnormalised.
       x = make_norm(config.norm, dtype, deterministic=deterministic, name="final_norm")(x)
+    if return_layer_outputs:
+      return x, carry[LAYER_OUTPUTS]
     return x
 
   def _decoded_positions(self, length: int) -> Optional[Array]:

@@ -25,6 +25,8 @@ from attention_jax.variants.common import RANDOM_COLLECTION
 
 Array = jnp.ndarray
 Carry = Dict[str, Any]
+# The carry's entry of every layer's output (`run_layers(keep_layer_outputs=True)`).
+LAYER_OUTPUTS = "layer_outputs"
 
 
 def initial_carry(config: ModelConfig, batch: int, length: int) -> Carry:
@@ -57,20 +59,25 @@ class _Period(nn.Module):
   config: ModelConfig
   is_causal: bool
   deterministic: bool
+  keep_layer_outputs: bool = False
 
   @nn.compact
   def __call__(self, state: Tuple[Array, Carry], mask: Optional[Array]):
     x, carry = state
     block = _block_class(self.config)
+    outputs = []
     for i, variant in enumerate(self.config.schedule_period):
       x, carry = block(self.config, variant, name=f"block_{i}")(
           x, carry, mask, self.is_causal, self.deterministic)
-    return (x, carry), None
+      outputs.append(x)
+    # The scan stacks each step's [period, B, T, E] outputs when asked.
+    return (x, carry), (jnp.stack(outputs) if self.keep_layer_outputs else None)
 
 
 def run_layers(config: ModelConfig, x: Array, carry: Optional[Carry] = None, *,
                mask: Optional[Array] = None, is_causal: bool = False,
-               deterministic: bool = True) -> Tuple[Array, Carry]:
+               deterministic: bool = True,
+               keep_layer_outputs: bool = False) -> Tuple[Array, Carry]:
   """Runs `config.num_layers` blocks following `config.schedule`.
 
   Called inside a module's compact method; the blocks become that module's
@@ -84,17 +91,25 @@ def run_layers(config: ModelConfig, x: Array, carry: Optional[Carry] = None, *,
     carry: the first block's carry; None for `initial_carry`.
     mask: the mixers' mask (key padding `[B, 1, 1, T]` from the encoder).
     is_causal, deterministic: as the blocks take them.
+    keep_layer_outputs: hand every layer's output on in the returned carry, as
+      `carry[LAYER_OUTPUTS]` `[B, num_layers + 1, T, E]` (the stack's input
+      first): what transparent attention mixes.
 
   Returns:
     `(x [B, T, E], the last block's carry)`.
   """
   if carry is None:
     carry = initial_carry(config, x.shape[0], x.shape[1])
+  inputs = x
   if not config.scan_layers:
     block = _block_class(config)
+    outputs = []
     for i, variant in enumerate(config.schedule):
       x, carry = block(config, variant, name=f"block_{i}")(x, carry, mask, is_causal,
                                                             deterministic)
+      outputs.append(x)
+    if keep_layer_outputs:
+      carry = {**carry, LAYER_OUTPUTS: jnp.stack([inputs] + outputs, axis=1)}
     return x, carry
   period = len(config.schedule_period)
   scanned = nn.scan(
@@ -103,7 +118,11 @@ def run_layers(config: ModelConfig, x: Array, carry: Optional[Carry] = None, *,
       split_rngs={"params": True, "dropout": True, "attention": True},
       in_axes=(nn.broadcast,), length=config.num_layers // period,
       metadata_params={nn.PARTITION_NAME: axes.LAYERS})
-  (x, carry), _ = scanned(config, is_causal, deterministic, name="blocks")((x, carry), mask)
+  (x, carry), stacked = scanned(config, is_causal, deterministic, keep_layer_outputs,
+                                name="blocks")((x, carry), mask)
+  if keep_layer_outputs:  # [steps, period, B, T, E] -> [B, num_layers, T, E]
+    stacked = jnp.moveaxis(stacked.reshape((-1,) + stacked.shape[2:]), 0, 1)
+    carry = {**carry, LAYER_OUTPUTS: jnp.concatenate([inputs[:, None], stacked], axis=1)}
   return x, carry
 
 

@@ -123,6 +123,8 @@ OBJECTIVES: Dict[str, Objective] = {
     "language_model": Objective("language_model", _next_token_logits, _next_tokens),
     "rnn_seq2seq": Objective("rnn_seq2seq", _teacher_forced, _target_tokens,
                              sequence_keys=("inputs", "targets"), eval_sums=_decoded),
+    "transformer_seq2seq": Objective("transformer_seq2seq", _teacher_forced, _target_tokens,
+                                     sequence_keys=("inputs", "targets"), eval_sums=_decoded),
 }
 CLASSIFY = OBJECTIVES["classifier"]
 

@@ -44,6 +44,7 @@ import numpy as np
 
 from attention_jax import data as lra_data
 from attention_jax.models import build_model
+from attention_jax.models.config import SEQ2SEQ_KINDS
 from attention_jax.train import partitioning
 from attention_jax.train.checkpoints import Checkpointer
 from attention_jax.train.config import (apply_attention_preset, check_config,
@@ -417,7 +418,7 @@ def _completed(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   config = ml_collections.ConfigDict(config.to_dict())  # unlocked copy, references resolved
   apply_attention_preset(config)
   info = lra_data.get_task(config.task, **task_options(config)).info
-  kinds = (("dual_classifier",) if info.dual else ("rnn_seq2seq",) if info.target_len
+  kinds = (("dual_classifier",) if info.dual else SEQ2SEQ_KINDS if info.target_len
            else ("language_model",) if info.stream else ("classifier", "language_model"))
   if config.model.kind not in kinds:
     raise ValueError(f"task {config.task!r} needs model.kind {' or '.join(map(repr, kinds))}, "
