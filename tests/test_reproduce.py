@@ -528,3 +528,59 @@ def test_chars_table_shows_bits_per_character_unscaled_for_memory_and_no_memory(
   assert "## Test bits per token: measured mean ± std (n seeds) per preset" in lines
   assert "| transformer_xl | 1.600 ± 0.141 (n=2) |" in lines
   assert "| no_memory | 2.100 ± 0.141 (n=2) |" in lines
+
+
+ARCHITECTURES = """
+import ml_collections
+def get_config():
+  c = ml_collections.ConfigDict()
+  c.name = "arch"
+  c.kind = "architectures"
+  c.rows = {
+      "plain": dict(config="configs/lra/listops.py:dot_product,smoke", chance=20.0,
+                    chance_reason="a stated level"),
+      "moe": dict(config="configs/lra/listops.py:dot_product,smoke", chance=20.0,
+                  chance_reason="a stated level",
+                  overrides={"model": {"feed_forward": "moe"}}),
+      "seq": dict(config="configs/seq2seq/transformer.py:additive,smoke", chance=10.0,
+                  chance_reason="a guess", metric="decoded_token_accuracy"),
+  }
+  c.row_order = ("seq", "plain", "moe")
+  c.seeds = (0, 1)
+  return c
+"""
+
+
+def test_architectures_table_is_one_config_per_row_against_its_chance_level(tmp_path):
+  table_path = write_table(tmp_path, ARCHITECTURES)
+  out = tmp_path / "out"
+  cells = tables.expand(tables.load_table(table_path), out)
+  assert [(c.key["row"], c.key["seed"]) for c in cells] == [
+      ("seq", 0), ("plain", 0), ("moe", 0), ("seq", 1), ("plain", 1), ("moe", 1)]
+  assert "--config=configs/seq2seq/transformer.py:additive,smoke" in cells[0].command
+  moe = next(c for c in cells if c.key["row"] == "moe")
+  assert any("cell.py:configs/lra/listops.py|dot_product,smoke|" in part and '"moe"' in part
+             for part in moe.command)
+
+  def write(row, seed, metrics):
+    results = fake_training_results(seed, 0.0)
+    results["metrics"]["test"] = metrics
+    path = out / "runs" / row / f"seed{seed}" / "results.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(results))
+
+  for seed in (0, 1):
+    write("plain", seed, {"accuracy": 0.5 + 0.1 * seed})
+    write("moe", seed, {"accuracy": 0.15 + 0.2 * seed})  # seed 0 below chance
+    write("seq", seed, {"accuracy": 0.9, "decoded_token_accuracy": 0.3})
+  assert reproduce.main([f"--table={table_path}", f"--results={out}", "--norun",
+                         f"--data_dir={tmp_path / 'data'}"]) == 0
+  lines = (out / "table.md").read_text().splitlines()
+  row = lambda name: next(line for line in lines if line.startswith(f"| {name} |"))
+  assert row("seq").startswith("| seq | `configs/seq2seq/transformer.py:additive,smoke` | "
+                               "decoded token accuracy | 30.0 ± 0.0 (n=2) | 10.0 | yes |")
+  assert row("plain").startswith("| plain | `configs/lra/listops.py:dot_product,smoke` | "
+                                 "accuracy | 55.0 ± 7.1 (n=2) | 20.0 | yes |")
+  assert "| 25.0 ± 14.1 (n=2) | 20.0 | no |" in row("moe")
+  assert lines.index(row("seq")) < lines.index(row("plain"))  # row_order
+  assert (out / "architectures.png").stat().st_size > 1000

@@ -142,7 +142,10 @@ class DualEncoderClassifier(nn.Module):
 
   Both sequences go through the same encoder and pooling (shared weights); the
   head sees `[u, v, u * v, u - v]` of the pooled vectors u, v, as in the Long
-  Range Arena matching model. As `SequenceClassifier` otherwise.
+  Range Arena matching model, or with `config.pair_features="sentence_bert"`
+  `[u, v, |u - v|]`, Sentence-BERT's classification objective (Reimers &
+  Gurevych 2019), whose pooling ([CLS], mean or max) is `config.pooling`.
+  As `SequenceClassifier` otherwise.
 
   Attributes:
     config: the model config.
@@ -164,5 +167,8 @@ class DualEncoderClassifier(nn.Module):
     pooling = _pooling_module(self.config, "pooling")
     u = _encode_pooled(encoder, tokens, padding_mask, prefix, pooling, deterministic)
     v = _encode_pooled(encoder, tokens2, padding_mask2, prefix, pooling, deterministic)
-    features = jnp.concatenate([u, v, u * v, u - v], axis=-1)  # [B, 4F]
+    if self.config.pair_features == "sentence_bert":
+      features = jnp.concatenate([u, v, jnp.abs(u - v)], axis=-1)  # [B, 3F]
+    else:
+      features = jnp.concatenate([u, v, u * v, u - v], axis=-1)  # [B, 4F]
     return _classifier_head(features, self.config, deterministic)

@@ -33,6 +33,10 @@ MODEL_KINDS = ("classifier", "dual_classifier", "language_model", "rnn_seq2seq",
 SEQ2SEQ_KINDS = ("rnn_seq2seq", "transformer_seq2seq")
 RNN_CELLS = ("gru", "lstm")
 POOLINGS = ("cls", "mean", "max", "attention")
+# What a dual classifier's head sees of the pooled pair u, v: the LRA matching
+# model's [u, v, u * v, u - v], or Sentence-BERT's [u, v, |u - v|] (Reimers &
+# Gurevych 2019).
+PAIR_FEATURES = ("lra", "sentence_bert")
 # The registered pooling module (role "pooling") of each pooling that has one;
 # `pooling_options` are its declared options.
 POOLING_VARIANTS = {"attention": "attention_pooling"}
@@ -94,6 +98,8 @@ class ModelConfig:
     pooling_options: the declared options of the pooling's registered module
       (`POOLING_VARIANTS`; e.g. `num_queries`), set only for a pooling that
       has one.
+    pair_features: a dual classifier's combination of the pooled pair, one of
+      `PAIR_FEATURES`.
     head_mlp_dim: a hidden layer of this size in the classifier head; None: linear.
     dropout_rate: on embeddings, sub-layer outputs and feed-forward activations.
     attention_dropout_rate: on the attention weights.
@@ -138,6 +144,7 @@ class ModelConfig:
   activation: str = "gelu"
   pooling: str = "cls"
   pooling_options: Mapping[str, Any] = FrozenDict()
+  pair_features: str = "lra"
   head_mlp_dim: Optional[int] = None
   dropout_rate: float = 0.1
   attention_dropout_rate: float = 0.0
@@ -255,6 +262,7 @@ class ModelConfig:
                          f"Its options are: {', '.join(sorted(valid))}.")
     _one_of("activation", self.activation, ACTIVATIONS)
     _one_of("pooling", self.pooling, POOLINGS)
+    _one_of("pair_features", self.pair_features, PAIR_FEATURES)
     if self.pooling in POOLING_VARIANTS:
       registry.check_options(POOLING_VARIANTS[self.pooling], self.pooling_options)
     elif self.pooling_options:

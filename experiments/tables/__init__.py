@@ -7,7 +7,9 @@ the module of that kind says what its cells are and what its table shows:
 * `grouped_accuracy`: the same cells, accuracy per evaluation group of each
   task (recall per number of key-value pairs);
 * `speed`: variants x lengths of `experiments.benchmark_lra_speed`;
-* `kernels`: lengths of `experiments.benchmark_attention`.
+* `kernels`: lengths of `experiments.benchmark_attention`;
+* `architectures`: one smoke config per architecture (its own task and
+  metric) x seeds, against each task's chance level.
 
 Each kind module has the same parts: `REQUIRED` (the config keys it needs),
 `PAPER` (whether the LRA paper's numbers stand beside its cells), `expand`
@@ -24,11 +26,11 @@ from types import ModuleType
 from typing import Any, List, Optional
 
 from attention_jax.train.config import load_config_module
-from experiments.tables import accuracy, grouped, kernels, speed
+from experiments.tables import accuracy, architectures, grouped, kernels, speed
 from experiments.tables.cells import Cell
 
 KINDS = {"accuracy": accuracy, "grouped_accuracy": grouped, "speed": speed,
-         "kernels": kernels}
+         "kernels": kernels, "architectures": architectures}
 
 
 def kind_of(table: Any) -> ModuleType:

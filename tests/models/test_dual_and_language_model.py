@@ -35,9 +35,11 @@ def _perturbed(variables, seed=3):
       tree, [leaf + 0.3 * rng.standard_normal(leaf.shape, np.float32) for leaf in leaves])
 
 
-@pytest.mark.parametrize("pooling", ["cls", "mean"])
-def test_dual_classifier_is_the_head_on_u_v_product_and_difference(pooling):
-  config = _small(num_classes=3, pooling=pooling, head_mlp_dim=8)
+@pytest.mark.parametrize("pooling,pair_features", [("cls", "lra"), ("mean", "lra"),
+                                                   ("max", "sentence_bert")])
+def test_dual_classifier_is_the_head_on_its_pair_features(pooling, pair_features):
+  """LRA: [u, v, u * v, u - v]; Sentence-BERT: [u, v, |u - v|]."""
+  config = _small(num_classes=3, pooling=pooling, head_mlp_dim=8, pair_features=pair_features)
   model = DualEncoderClassifier(config)
   tokens, tokens2 = _tokens(0), _tokens(1, length=T - 2)
   mask = jnp.arange(T)[None] < jnp.array([[T], [6], [3]])
@@ -54,10 +56,17 @@ def test_dual_classifier_is_the_head_on_u_v_product_and_difference(pooling):
   def tower(x, m):
     prefix = params["cls"] if pooling == "cls" else None
     out = encoder.apply({"params": params["encoder"]}, x, padding_mask=m, prefix=prefix)
-    return out[:, 0] if pooling == "cls" else masked_mean(out, m)
+    if pooling == "cls":
+      return out[:, 0]
+    if pooling == "mean":
+      return masked_mean(out, m)
+    return jnp.max(jnp.where(m[..., None], out, -jnp.inf), axis=1)
 
   u, v = tower(tokens, mask), tower(tokens2, mask2)
-  features = jnp.concatenate([u, v, u * v, u - v], axis=-1)
+  if pair_features == "lra":
+    features = jnp.concatenate([u, v, u * v, u - v], axis=-1)
+  else:
+    features = jnp.concatenate([u, v, jnp.abs(u - v)], axis=-1)
   hidden = jax.nn.relu(features @ params["head_hidden"]["kernel"] + params["head_hidden"]["bias"])
   expected = hidden @ params["head"]["kernel"] + params["head"]["bias"]
   assert logits.shape == (B, 3)
