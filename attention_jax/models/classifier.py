@@ -45,11 +45,21 @@ def masked_max(x: Array, mask: Optional[Array]) -> Array:
 
 def _cls_prefix(module: nn.Module, config: ModelConfig) -> Optional[Array]:
   """The learned [CLS] embedding `[1, 1, E]` for "cls" pooling (a parameter of
-  `module`), else None."""
+  `module`), else None.
+
+  Initialised as a token embedding is (normal, stddev 1), not at zero: the
+  prefix gets no position embedding, so a zero [CLS] would reach the first
+  pre-norm LayerNorm as an all-zero vector, where the norm's derivative is
+  1/sqrt(epsilon) = 1000. That made the gradient norm at initialisation ~70x
+  the mean-pooling model's with dot_product and ~10^12 with gmlp and xca
+  (their own normalisations of the zero token multiply it), so global-norm
+  clipping scaled every other gradient to almost nothing.
+  """
   if config.pooling != "cls":
     return None
   return module.param(
-      "cls", nn.with_logical_partitioning(nn.initializers.zeros_init(), (None, None, axes.EMBED)),
+      "cls", nn.with_logical_partitioning(nn.initializers.normal(stddev=1.0),
+                                          (None, None, axes.EMBED)),
       (1, 1, config.embed_dim), jnp.float32)
 
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from attention_jax.models import (DualEncoderClassifier, Encoder, LanguageModel, ModelConfig,
-                                  build_model)
+                                  SequenceClassifier, build_model)
 from attention_jax.models.classifier import masked_mean
 from attention_testing import assert_close
 
@@ -114,3 +114,30 @@ def test_build_model_makes_each_kind_and_refuses_a_non_causal_language_model():
     build_model({**common, "kind": "seq2seq"})
   with pytest.raises(ValueError, match="'linformer' has no causal form"):
     build_model({**common, "kind": "language_model", "attention": "linformer"})
+
+
+@pytest.mark.parametrize("attention,options", [("dot_product", {}), ("gmlp", {"max_length": T + 1}),
+                                               ("xca", {})])
+def test_cls_pooling_starts_with_gradients_of_the_size_of_mean_pooling(attention, options):
+  """A [CLS] initialised at zero reaches the first pre-norm LayerNorm as a zero
+  vector (it has no position embedding), whose derivative there is
+  1/sqrt(epsilon): the gradient norm at initialisation was ~70x mean
+  pooling's (dot_product) and ~10^12 (gmlp, xca), and global-norm clipping
+  then left the other gradients at nothing."""
+  import optax  # pylint: disable=import-outside-toplevel
+  tokens = _tokens(0)
+  norms = {}
+  for pooling in ("cls", "mean"):
+    # gmlp's weights are sized by the length: T tokens, one more with [CLS].
+    sized = {"max_length": T + (pooling == "cls")} if "max_length" in options else {}
+    config = _small(num_classes=4, pooling=pooling, attention=attention,
+                    attention_options=sized, dropout_rate=0.0)
+    model = SequenceClassifier(config)
+    params = nn.meta.unbox(model.init(jax.random.PRNGKey(0), tokens))["params"]
+    # The zero-initialised head passes no gradient down; a random one does.
+    params["head"]["kernel"] = jax.random.normal(jax.random.PRNGKey(1),
+                                                 params["head"]["kernel"].shape)
+    grads = jax.grad(lambda p: jnp.mean(jax.nn.log_softmax(
+        model.apply({"params": p}, tokens))[:, 0]))(params)
+    norms[pooling] = float(optax.tree.norm(grads))
+  assert norms["cls"] < 5 * norms["mean"], norms
