@@ -26,7 +26,7 @@ from flax.core import FrozenDict
 from attention_jax import axes, positional, registry
 from attention_jax.layers.feedforward import FeedForward
 from attention_jax.layers.norms import make_norm
-from attention_jax.models.config import ModelConfig
+from attention_jax.models.config import REMAT_POLICIES, ModelConfig
 
 Array = jnp.ndarray
 Carry = Dict[str, Any]
@@ -87,6 +87,22 @@ RESIDUAL_ARRANGEMENTS = {"pre_norm": _pre_norm, "post_norm": _post_norm}
 FEED_FORWARD_LAYERS = {"mlp": FeedForward}
 
 
+def make_feed_forward(config: ModelConfig, **module_kwargs) -> nn.Module:
+  """The block's feed-forward layer (`config.feed_forward`), configured from `config`."""
+  return FEED_FORWARD_LAYERS[config.feed_forward](
+      config.mlp_dim, activation=config.activation, dropout_rate=config.dropout_rate,
+      dtype=config.jnp_dtype, **module_kwargs)
+
+
+def block_class(config: ModelConfig):
+  """`Block`, or `nn.remat(Block)` keeping what `config.remat_policy` names."""
+  if config.remat_policy == "none":
+    return Block
+  # mask (3) is an array; is_causal (4) and deterministic (5) are Python flags
+  # (argument indices count the module as 0).
+  return nn.remat(Block, policy=REMAT_POLICIES[config.remat_policy], static_argnums=(4, 5))
+
+
 class Block(nn.Module):
   """Mixer and feed-forward sub-layers, each in a residual branch.
 
@@ -118,9 +134,7 @@ class Block(nn.Module):
       raise ValueError(f"x must be [B, T, E], got shape {x.shape}.")
     config, dtype = self.config, self.config.jnp_dtype
     mixer = make_mixer(config, self.attention or config.attention, name="attention")
-    mlp = FEED_FORWARD_LAYERS[config.feed_forward](
-        config.mlp_dim, activation=config.activation, dropout_rate=config.dropout_rate,
-        dtype=dtype, name="mlp")
+    mlp = make_feed_forward(config, name="mlp")
     attention_norm = make_norm(config.norm, dtype, name="attention_norm")
     mlp_norm = make_norm(config.norm, dtype, name="mlp_norm")
     dropout = nn.Dropout(config.dropout_rate)
