@@ -24,8 +24,9 @@ import jax.numpy as jnp
 from flax.core import FrozenDict
 
 from attention_jax import axes, positional, registry
-from attention_jax.layers import make_feed_forward, make_norm
-from attention_jax.models.config import ModelConfig
+from attention_jax import layers
+from attention_jax.layers import make_norm
+from attention_jax.models.config import REMAT_POLICIES, ModelConfig
 
 Array = jnp.ndarray
 Carry = Dict[str, Any]
@@ -85,6 +86,24 @@ def _post_norm(x: Array, branch: Callable[[Array], Array], norm: nn.Module) -> A
 RESIDUAL_ARRANGEMENTS = {"pre_norm": _pre_norm, "post_norm": _post_norm}
 
 
+def make_feed_forward(config: ModelConfig, **module_kwargs) -> nn.Module:
+  """The block's feed-forward layer (`config.feed_forward` with its
+  `feed_forward_options`), configured from `config`."""
+  return layers.make_feed_forward(
+      config.feed_forward, mlp_dim=config.mlp_dim, activation=config.activation,
+      dropout_rate=config.dropout_rate, dtype=config.jnp_dtype,
+      options=config.feed_forward_options, **module_kwargs)
+
+
+def block_class(config: ModelConfig):
+  """`Block`, or `nn.remat(Block)` keeping what `config.remat_policy` names."""
+  if config.remat_policy == "none":
+    return Block
+  # mask (3) is an array; is_causal (4) and deterministic (5) are Python flags
+  # (argument indices count the module as 0).
+  return nn.remat(Block, policy=REMAT_POLICIES[config.remat_policy], static_argnums=(4, 5))
+
+
 class Block(nn.Module):
   """Mixer and feed-forward sub-layers, each in a residual branch.
 
@@ -116,9 +135,7 @@ class Block(nn.Module):
       raise ValueError(f"x must be [B, T, E], got shape {x.shape}.")
     config, dtype = self.config, self.config.jnp_dtype
     mixer = make_mixer(config, self.attention or config.attention, name="attention")
-    mlp = make_feed_forward(config.feed_forward, mlp_dim=config.mlp_dim,
-                            activation=config.activation, dropout_rate=config.dropout_rate,
-                            dtype=dtype, options=config.feed_forward_options, name="mlp")
+    mlp = make_feed_forward(config, name="mlp")
     attention_norm = make_norm(config.norm, dtype, deterministic=deterministic,
                                name="attention_norm")
     mlp_norm = make_norm(config.norm, dtype, deterministic=deterministic, name="mlp_norm")

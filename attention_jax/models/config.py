@@ -45,6 +45,14 @@ POOLING_VARIANTS = {"attention": "attention_pooling"}
 RESIDUALS = ("pre_norm", "post_norm")
 FEED_FORWARDS = tuple(FEED_FORWARD_LAYERS)
 # Rematerialisation of each block in the backward pass: what the forward keeps.
+# How the layers are stacked (docs/ARCHITECTURE.md, "Layer stacks"): "standard",
+# `num_layers` blocks in sequence; "reversible", Reformer's reversible residual
+# layers (Kitaev et al. 2020), activations recomputed in the backward pass;
+# "universal", one block applied `num_layers` times with ACT halting
+# (Dehghani et al. 2019).
+STACKS = ("standard", "reversible", "universal")
+# The model kinds built on `stack.run_layers` (the RNN encoder-decoder is not).
+STACKED_KINDS = ("classifier", "dual_classifier", "language_model")
 REMAT_POLICIES = {
     "none": None,  # no remat: every activation is kept
     "full": jax.checkpoint_policies.nothing_saveable,  # only the blocks' inputs
@@ -108,6 +116,21 @@ class ModelConfig:
       parameters) instead of unrolled; the schedule's period is scanned.
     remat_policy: rematerialise each block in the backward pass, one of
       `REMAT_POLICIES` ("none": keep every activation).
+    stack: how the layers are stacked, one of `STACKS`: "standard" (the
+      blocks in sequence), "reversible" (Reformer's two-stream reversible
+      layers, pre-norm; no scan, remat or carry) or "universal" (one block
+      applied `num_layers` times, with ACT halting when `act_halting`).
+    layer_drop_rate: LayerDrop (Fan et al. 2019), standard stack only: in
+      training each block is skipped with this probability (one Bernoulli per
+      block and step from the "dropout" stream); evaluation runs every block.
+    act_halting: the universal stack halts each position with Adaptive
+      Computation Time (Graves 2016); False: every position takes
+      `num_layers` steps.
+    act_threshold: a position halts at the first step where its summed
+      halting probabilities reach this (1 - epsilon of Graves 2016), or at
+      step `num_layers`; in (0, 1].
+    ponder_cost_weight: the ponder cost (N + R, averaged over real
+      positions) times this is sown into "losses"; 0: none.
     rnn_cell: the RNN encoder-decoder's cell, one of `RNN_CELLS`.
     decoder_attention: the RNN decoder attends to the encoder's annotations
       with `attention`; False: the final encoder states are its only context.
@@ -151,6 +174,11 @@ class ModelConfig:
   dtype: str = "float32"
   scan_layers: bool = False
   remat_policy: str = "none"
+  stack: str = "standard"
+  layer_drop_rate: float = 0.0
+  act_halting: bool = True
+  act_threshold: float = 0.99
+  ponder_cost_weight: float = 0.01
   rnn_cell: str = "gru"
   decoder_attention: bool = True
   beam_size: int = 1
@@ -282,6 +310,7 @@ class ModelConfig:
       raise ValueError(f"model.transparent_attention is set, but only kind "
                        f"'transformer_seq2seq' has a decoder to attend to every encoder layer; "
                        f"got kind {self.kind!r}.")
+    self._check_stack()
     if self.kind == "rnn_seq2seq" and self.decoder_attention and not registry.get_variant(
         self.attention).cross:
       raise ValueError(f"the RNN decoder attends to the encoder (cross-attention); attention "
@@ -311,6 +340,52 @@ class ModelConfig:
     except TypeError as e:
       raise ValueError(f"model.dtype must name a JAX dtype such as 'float32' or 'bfloat16', "
                        f"got {self.dtype!r}.") from e
+
+  def _check_stack(self) -> None:
+    """The stack and its fields; each error names the field, the value and what
+    would be accepted."""
+    _one_of("stack", self.stack, STACKS)
+    if not 0.0 <= self.layer_drop_rate <= 1.0:
+      raise ValueError(f"model.layer_drop_rate must be in [0, 1], got {self.layer_drop_rate!r}.")
+    if not 0.0 < self.act_threshold <= 1.0:
+      raise ValueError(f"model.act_threshold must be in (0, 1] (1 - epsilon of ACT), got "
+                       f"{self.act_threshold!r}.")
+    if not self.ponder_cost_weight >= 0.0:
+      raise ValueError(f"model.ponder_cost_weight must be >= 0, got "
+                       f"{self.ponder_cost_weight!r}.")
+    if self.stack == "standard":
+      return
+    if self.kind not in STACKED_KINDS:
+      raise ValueError(f"model.stack={self.stack!r} stacks the layers of the models built on the "
+                       f"layer stack ({', '.join(STACKED_KINDS)}); model.kind={self.kind!r} has "
+                       f"none: use stack='standard'.")
+    if self.layer_drop_rate > 0.0:
+      raise ValueError(f"model.layer_drop_rate={self.layer_drop_rate} skips blocks of the "
+                       f"standard stack; model.stack={self.stack!r} takes 0.")
+    if self.scan_layers:
+      raise ValueError(f"model.scan_layers scans the standard stack's blocks; model.stack="
+                       f"{self.stack!r} runs its own loop over the layers: set scan_layers=False.")
+    if self.stack == "universal" and self.decode:
+      raise ValueError("model.stack='universal' cannot decode one token at a time (its one block "
+                       "would need a cache per step); decode must be False.")
+    if self.stack == "universal" and len(self.schedule_period) > 1:
+      raise ValueError(f"model.stack='universal' shares one block over its steps; "
+                       f"model.layer_attention={tuple(self.layer_attention)} schedules several: "
+                       f"leave it empty and set model.attention.")
+    if self.stack != "reversible":
+      return
+    if self.residual != "pre_norm":
+      raise ValueError(f"model.stack='reversible' computes y1 = x1 + F(norm(x2)), y2 = x2 + "
+                       f"G(norm(y1)), a pre-norm arrangement; model.residual={self.residual!r} "
+                       f"must be 'pre_norm'.")
+    if self.remat_policy != "none":
+      raise ValueError(f"model.stack='reversible' already recomputes every layer in the backward "
+                       f"pass; model.remat_policy={self.remat_policy!r} must be 'none'.")
+    carrying = [name for name in self.schedule_period if registry.get_variant(name).carries]
+    if carrying:
+      raise ValueError(f"model.stack='reversible' cannot pass a carry between layers (a layer "
+                       f"is inverted from its outputs alone); attention {carrying[0]!r} carries "
+                       f"{registry.get_variant(carrying[0]).carries}: use stack='standard'.")
 
 
 def default_model_config() -> ml_collections.ConfigDict:

@@ -1,5 +1,9 @@
 """The layer stack: `num_layers` blocks, unrolled or scanned, with a carry.
 
+`config.stack` picks the arrangement: "standard" (this module: the blocks in
+sequence, optionally skipped by LayerDrop, `layer_drop.py`), "reversible"
+(`reversible.py`) or "universal" (`universal.py`).
+
 Unrolled, block i is the submodule `block_{i}` (the first wave's parameter
 tree). With `config.scan_layers` the schedule's period (one block, or e.g.
 local, local, local, dot_product) is one `nn.scan` body over
@@ -19,8 +23,11 @@ import jax
 import jax.numpy as jnp
 
 from attention_jax import axes, registry
-from attention_jax.models.blocks import Block
-from attention_jax.models.config import REMAT_POLICIES, ModelConfig
+from attention_jax.models.blocks import block_class
+from attention_jax.models.config import ModelConfig
+from attention_jax.models.layer_drop import run_or_skip
+from attention_jax.models.reversible import ReversibleStack
+from attention_jax.models.universal import UniversalStack
 from attention_jax.variants.common import RANDOM_COLLECTION
 
 Array = jnp.ndarray
@@ -44,15 +51,6 @@ def initial_carry(config: ModelConfig, batch: int, length: int) -> Carry:
   return carry
 
 
-def _block_class(config: ModelConfig):
-  policy = REMAT_POLICIES[config.remat_policy]
-  if config.remat_policy == "none":
-    return Block
-  # mask (3) is an array; is_causal (4) and deterministic (5) are Python flags
-  # (argument indices count the module as 0).
-  return nn.remat(Block, policy=policy, static_argnums=(4, 5))
-
-
 class _Period(nn.Module):
   """One period of the schedule as a scan body: `(x, carry) -> (x, carry)`."""
 
@@ -64,11 +62,12 @@ class _Period(nn.Module):
   @nn.compact
   def __call__(self, state: Tuple[Array, Carry], mask: Optional[Array]):
     x, carry = state
-    block = _block_class(self.config)
+    block = block_class(self.config)
     outputs = []
     for i, variant in enumerate(self.config.schedule_period):
-      x, carry = block(self.config, variant, name=f"block_{i}")(
-          x, carry, mask, self.is_causal, self.deterministic)
+      x, carry = run_or_skip(block(self.config, variant, name=f"block_{i}"),
+                             self.config.layer_drop_rate, x, carry, mask, self.is_causal,
+                             self.deterministic)
       outputs.append(x)
     # The scan stacks each step's [period, B, T, E] outputs when asked.
     return (x, carry), (jnp.stack(outputs) if self.keep_layer_outputs else None)
@@ -82,31 +81,43 @@ def run_layers(config: ModelConfig, x: Array, carry: Optional[Carry] = None, *,
 
   Called inside a module's compact method; the blocks become that module's
   submodules (`block_{i}` unrolled, `blocks` scanned), so an encoder keeps
-  the parameter tree `encoder/block_{i}/...` it always had.
+  the parameter tree `encoder/block_{i}/...` it always had. The reversible
+  and universal stacks are one submodule, `reversible` or `universal`.
 
   Args:
-    config: the model config (`num_layers`, `layer_attention`, `scan_layers`,
-      `remat_policy` and every block field).
+    config: the model config (`stack`, `num_layers`, `layer_attention`,
+      `scan_layers`, `remat_policy`, `layer_drop_rate` and every block field).
     x: `[B, T, E]`.
     carry: the first block's carry; None for `initial_carry`.
     mask: the mixers' mask (key padding `[B, 1, 1, T]` from the encoder).
-    is_causal, deterministic: as the blocks take them.
+    is_causal, deterministic: as the blocks take them; with `layer_drop_rate`
+      and `deterministic=False` the blocks draw from the "dropout" stream.
     keep_layer_outputs: hand every layer's output on in the returned carry, as
       `carry[LAYER_OUTPUTS]` `[B, num_layers + 1, T, E]` (the stack's input
-      first): what transparent attention mixes.
+      first): what transparent attention mixes (the standard stack only).
 
   Returns:
     `(x [B, T, E], the last block's carry)`.
   """
   if carry is None:
     carry = initial_carry(config, x.shape[0], x.shape[1])
+  if keep_layer_outputs and config.stack != "standard":
+    raise ValueError(f"every layer's output is kept by the standard stack only; model.stack is "
+                     f"{config.stack!r}.")
+  if config.stack == "reversible":
+    x = ReversibleStack(config, name="reversible")(x, mask=mask, is_causal=is_causal,
+                                                   deterministic=deterministic)
+    return x, carry
+  if config.stack == "universal":
+    return UniversalStack(config, name="universal")(x, carry, mask=mask, is_causal=is_causal,
+                                                    deterministic=deterministic)
   inputs = x
   if not config.scan_layers:
-    block = _block_class(config)
+    block = block_class(config)
     outputs = []
     for i, variant in enumerate(config.schedule):
-      x, carry = block(config, variant, name=f"block_{i}")(x, carry, mask, is_causal,
-                                                            deterministic)
+      x, carry = run_or_skip(block(config, variant, name=f"block_{i}"), config.layer_drop_rate,
+                             x, carry, mask, is_causal, deterministic)
       outputs.append(x)
     if keep_layer_outputs:
       carry = {**carry, LAYER_OUTPUTS: jnp.stack([inputs] + outputs, axis=1)}

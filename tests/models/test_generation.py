@@ -34,7 +34,7 @@ def _model_and_variables(config, seed=0):
     dict(position="sinusoidal"), dict(position="learned"), dict(position="complex"),
     dict(position="rope"), dict(position="alibi"), dict(position="t5"),
     dict(position="xl_relative"), dict(position="shaw"), dict(position="rope", scan_layers=True),
-    dict(num_kv_heads=1)])
+    dict(num_kv_heads=1), dict(stack="reversible")])
 def test_greedy_generation_is_the_argmax_of_the_full_forward_pass(overrides):
   model, variables, tokens = _model_and_variables(_config(**overrides))
   prompt = tokens[:, :4]
