@@ -5,8 +5,8 @@ smoke config: the architectures table.
       --results=results/architectures/
 
 One row per architecture, on the task it is built for: the encoder's layer
-options (feed-forward layers, norms) on smoke ListOps beside the plain encoder
-they modify, the Transformer encoder-decoder on string reversal, the
+stacks (reversible, Universal Transformer with ACT, LayerDrop), feed-forward
+layers and norms on smoke ListOps beside the plain encoder they modify, the Transformer encoder-decoder on string reversal, the
 dual encoder with Sentence-BERT's pooled-pair features on smoke retrieval.
 2 seeds each; the verdict is whether every seed beats the task's chance level
 (the majority class of a classification's test split, or the stated level of
@@ -31,6 +31,9 @@ def _model(**fields):
 
 ROWS = {
     "encoder": dict(config=LISTOPS, chance="majority"),
+    "reversible": dict(config=LISTOPS, chance="majority", overrides=_model(stack="reversible")),
+    "universal_act": dict(config=LISTOPS, chance="majority", overrides=_model(stack="universal")),
+    "layer_drop": dict(config=LISTOPS, chance="majority", overrides=_model(layer_drop_rate=0.2)),
     "mixture_of_experts": dict(config=LISTOPS, chance="majority", overrides=_model(
         feed_forward="moe", feed_forward_options=dict(num_experts=4, top_k=2))),
     "product_key_memory": dict(config=LISTOPS, chance="majority", overrides=_model(
