@@ -10,15 +10,23 @@ from attention_jax.models.classifier import DualEncoderClassifier, SequenceClass
 from attention_jax.models.config import (MODEL_KINDS, POOLINGS, REMAT_POLICIES, RESIDUALS,
                                          ModelConfig, attention_options_config,
                                          default_model_config)
-from attention_jax.models.encoder import Encoder
+from attention_jax.models.encoder import Encoder, VectorEncoder
+from attention_jax.models.funnel import FunnelTransformer
+from attention_jax.models.hierarchical import HierarchicalTransformer
 from attention_jax.models.language_model import LanguageModel
 from attention_jax.models.seq2seq import RNNEncoderDecoder
 from attention_jax.models.stack import LayerStack, initial_carry, run_layers
+from attention_jax.models.vit import VisionTransformer
 
 Model = Union[SequenceClassifier, DualEncoderClassifier, LanguageModel, RNNEncoderDecoder]
+# Section H's architectures, each a classifier of one sequence.
+ARCHITECTURES = {"vit": VisionTransformer, "funnel": FunnelTransformer,
+                 "hierarchical": HierarchicalTransformer}
+Model = Union[Model, VisionTransformer, FunnelTransformer, HierarchicalTransformer]
 
 _MODELS = {"classifier": SequenceClassifier, "dual_classifier": DualEncoderClassifier,
            "language_model": LanguageModel, "rnn_seq2seq": RNNEncoderDecoder}
+_MODELS.update(ARCHITECTURES)
 
 
 def build_model(config: Union[Mapping[str, Any], ModelConfig]) -> Model:
@@ -30,7 +38,8 @@ def build_model(config: Union[Mapping[str, Any], ModelConfig]) -> Model:
   `DualEncoderClassifier`, "language_model" a `LanguageModel` (which ignores
   the classifier keys `num_classes`, `pooling` and `head_mlp_dim`),
   "rnn_seq2seq" an `RNNEncoderDecoder` (which reads only the keys its
-  docstring lists).
+  docstring lists); "vit" a `VisionTransformer`, "funnel" a
+  `FunnelTransformer`, "hierarchical" a `HierarchicalTransformer`.
 
   Raises:
     ValueError: on an unknown key, name or option (with the closest valid
@@ -45,3 +54,5 @@ __all__ = ["Block", "DualEncoderClassifier", "Encoder", "LanguageModel", "LayerS
            "MODEL_KINDS", "ModelConfig", "POOLINGS", "REMAT_POLICIES", "RESIDUALS",
            "RNNEncoderDecoder", "SequenceClassifier", "attention_options_config", "build_model",
            "default_model_config", "initial_carry", "make_mixer", "run_layers"]
+__all__ += ["ARCHITECTURES", "FunnelTransformer", "HierarchicalTransformer", "VectorEncoder",
+            "VisionTransformer"]

@@ -72,11 +72,22 @@ def encode_pooled(encoder: nn.Module, inputs: Array, padding_mask: Optional[Arra
   (F = E, or the pooling module's width)."""
   x = encoder(inputs, padding_mask=padding_mask, deterministic=deterministic,
               prefix=prefix)  # [B, P + T, E]
+  return pool_outputs(encoder.config, x, padding_mask, pooling)
+
+
+def pool_outputs(config: ModelConfig, x: Array, padding_mask: Optional[Array],
+                 pooling: Optional[nn.Module]) -> Array:
+  """An encoder's outputs pooled by `config.pooling`: `[B, P + T, E]` -> `[B, F]`.
+
+  "cls" reads position 0 (the [CLS] prefix); "mean" and "max" reduce over the
+  positions `padding_mask [B, T]` marks real (there is no prefix then);
+  `pooling` is the registered pooling module (`pooling_module`), or None.
+  """
   if pooling is not None:
     return pooling(x, mask=padding_mask)
-  if encoder.config.pooling == "cls":
+  if config.pooling == "cls":
     return x[:, 0]
-  if encoder.config.pooling == "mean":
+  if config.pooling == "mean":
     return masked_mean(x, padding_mask)
   return masked_max(x, padding_mask)
 

@@ -10,7 +10,7 @@ Funnel, hierarchical) call them instead of copying them.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Tuple
 
 import flax.linen as nn
 import jax.numpy as jnp
@@ -56,6 +56,24 @@ def embed_tokens(config: ModelConfig, tokens: Array, positions: Optional[Array] 
   return add_absolute_positions(config, x, config.max_length, positions)
 
 
+def prepend(prefix: Optional[Array], x: Array,
+            padding_mask: Optional[Array]) -> Tuple[Array, Optional[Array]]:
+  """`[prefix; x]` and its padding mask (the prefix is never padded).
+
+  prefix: `[B|1, P, E]` or None; x: `[B, T, E]`; padding_mask: `[B, T]` bool
+  or None. Returns `([B, P + T, E], [B, P + T] or None)`.
+  """
+  if prefix is None:
+    return x, padding_mask
+  batch = x.shape[0]
+  prefix = jnp.broadcast_to(prefix, (batch,) + prefix.shape[1:]).astype(x.dtype)
+  x = jnp.concatenate([prefix, x], axis=1)
+  if padding_mask is not None:
+    padding_mask = jnp.concatenate([jnp.ones((batch, prefix.shape[1]), bool), padding_mask],
+                                   axis=1)
+  return x, padding_mask
+
+
 def encode_embedded(config: ModelConfig, x: Array, *, padding_mask: Optional[Array] = None,
                     is_causal: bool = False, deterministic: bool = True,
                     prefix: Optional[Array] = None) -> Array:
@@ -66,13 +84,7 @@ def encode_embedded(config: ModelConfig, x: Array, *, padding_mask: Optional[Arr
   x: `[B, T, E]`; padding_mask: `[B, T]` bool, True for real positions;
   prefix: `[B|1, P, E]`, never padded. Returns `[B, P + T, E]`.
   """
-  batch = x.shape[0]
-  if prefix is not None:
-    prefix = jnp.broadcast_to(prefix, (batch,) + prefix.shape[1:]).astype(x.dtype)
-    x = jnp.concatenate([prefix, x], axis=1)
-    if padding_mask is not None:
-      padding_mask = jnp.concatenate(
-          [jnp.ones((batch, prefix.shape[1]), bool), padding_mask], axis=1)
+  x, padding_mask = prepend(prefix, x, padding_mask)
   x = nn.with_logical_constraint(x, EMBEDDED)
   x = nn.Dropout(config.dropout_rate)(x, deterministic=deterministic)
 
