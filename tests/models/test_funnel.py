@@ -13,7 +13,7 @@ import pytest
 from attention_jax.models import FunnelTransformer, LayerStack, build_model
 from attention_jax.models.funnel import pool_pairs, upsample
 from attention_jax.models.stack import unstack_scanned
-from attention_testing import assert_close
+from attention_testing import assert_close, train_briefly
 
 V, E = 11, 16
 
@@ -195,15 +195,9 @@ def test_one_stage_with_pooling_off_takes_any_mixer():
 
 def test_the_listops_config_builds_it_and_the_trainer_trains_it(tmp_path):
   from attention_jax.train.config import load_config_module
-  from attention_jax.train.trainer import train_and_evaluate
   config = load_config_module("configs/lra/listops.py").get_config("dot_product,funnel,smoke")
   assert config.model.kind == "funnel"
   config.task_options.update(train_size=64, validation_size=32, test_size=32, max_length=40)
   config.model.update(embed_dim=16, num_heads=2, mlp_dim=16, head_mlp_dim=16,
                       funnel_blocks=(1, 1))
-  config.update(num_train_steps=4, batch_size=16, eval_every=4, checkpoint_every=4,
-                log_every=2, progress=False, data_dir=str(tmp_path / "data"))
-  config.optimizer.warmup_steps = 1
-  results = train_and_evaluate(config, tmp_path / "run", handle_signals=False)
-  assert results["metrics"]["test"]["count"] == 32
-  assert 0.0 <= results["metrics"]["test"]["accuracy"] <= 1.0
+  train_briefly(config, tmp_path)
