@@ -262,3 +262,18 @@ def np_project_heads(x, p):
 def np_project_out(out, p):
   """DenseGeneral out of heads: out [B, T, H, D], kernel [H, D, E], bias [E]."""
   return np.einsum("bthd,hde->bte", out, as_float64(p["kernel"])) + as_float64(p["bias"])
+
+
+def train_briefly(config, tmp_path, steps=4):
+  """Runs the trainer on a task config (its data and model made small by the
+  caller) for `steps` batches of 16, evaluating at the end; returns the
+  results, after checking that the test split was scored."""
+  from attention_jax.train.trainer import train_and_evaluate  # pylint: disable=import-outside-toplevel
+  config.update(num_train_steps=steps, batch_size=16, eval_every=steps, checkpoint_every=steps,
+                log_every=2, progress=False, data_dir=str(tmp_path / "data"))
+  config.optimizer.warmup_steps = 1
+  results = train_and_evaluate(config, tmp_path / "run", handle_signals=False)
+  test = results["metrics"]["test"]
+  assert test["count"] == config.task_options["test_size"]
+  assert 0.0 <= test["accuracy"] <= 1.0 and np.isfinite(test["loss"])
+  return results

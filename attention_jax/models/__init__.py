@@ -10,18 +10,26 @@ from attention_jax.models.classifier import DualEncoderClassifier, SequenceClass
 from attention_jax.models.config import (MODEL_KINDS, POOLINGS, REMAT_POLICIES, RESIDUALS,
                                          ModelConfig, attention_options_config,
                                          default_model_config)
-from attention_jax.models.encoder import Encoder
+from attention_jax.models.encoder import Encoder, VectorEncoder
 from attention_jax.models.encoder_decoder import TransformerEncoderDecoder
+from attention_jax.models.funnel import FunnelTransformer
+from attention_jax.models.hierarchical import HierarchicalTransformer
 from attention_jax.models.language_model import LanguageModel
 from attention_jax.models.seq2seq import RNNEncoderDecoder
 from attention_jax.models.stack import LayerStack, initial_carry, run_layers
+from attention_jax.models.vit import VisionTransformer
 
 Model = Union[SequenceClassifier, DualEncoderClassifier, LanguageModel, RNNEncoderDecoder,
               TransformerEncoderDecoder]
+# Section H's architectures, each a classifier of one sequence.
+ARCHITECTURES = {"vit": VisionTransformer, "funnel": FunnelTransformer,
+                 "hierarchical": HierarchicalTransformer}
+Model = Union[Model, VisionTransformer, FunnelTransformer, HierarchicalTransformer]
 
 _MODELS = {"classifier": SequenceClassifier, "dual_classifier": DualEncoderClassifier,
            "language_model": LanguageModel, "rnn_seq2seq": RNNEncoderDecoder,
            "transformer_seq2seq": TransformerEncoderDecoder}
+_MODELS.update(ARCHITECTURES)
 
 
 def build_model(config: Union[Mapping[str, Any], ModelConfig]) -> Model:
@@ -33,7 +41,9 @@ def build_model(config: Union[Mapping[str, Any], ModelConfig]) -> Model:
   `DualEncoderClassifier`, "language_model" a `LanguageModel` (which ignores
   the classifier keys `num_classes`, `pooling` and `head_mlp_dim`),
   "rnn_seq2seq" an `RNNEncoderDecoder` (which reads only the keys its
-  docstring lists), "transformer_seq2seq" a `TransformerEncoderDecoder`.
+  docstring lists), "transformer_seq2seq" a `TransformerEncoderDecoder`;
+  "vit" a `VisionTransformer`, "funnel" a `FunnelTransformer`,
+  "hierarchical" a `HierarchicalTransformer`.
 
   Raises:
     ValueError: on an unknown key, name or option (with the closest valid
@@ -44,7 +54,9 @@ def build_model(config: Union[Mapping[str, Any], ModelConfig]) -> Model:
   return _MODELS[model_config.kind](model_config)
 
 
-__all__ = ["Block", "DualEncoderClassifier", "Encoder", "LanguageModel", "LayerStack", "MODEL_KINDS",
-           "ModelConfig", "POOLINGS", "REMAT_POLICIES", "RESIDUALS", "RNNEncoderDecoder",
-           "SequenceClassifier", "TransformerEncoderDecoder", "attention_options_config",
-           "build_model", "default_model_config", "initial_carry", "make_mixer", "run_layers"]
+__all__ = ["ARCHITECTURES", "Block", "DualEncoderClassifier", "Encoder", "FunnelTransformer",
+           "HierarchicalTransformer", "LanguageModel", "LayerStack", "MODEL_KINDS", "ModelConfig",
+           "POOLINGS", "REMAT_POLICIES", "RESIDUALS", "RNNEncoderDecoder", "SequenceClassifier",
+           "TransformerEncoderDecoder", "VectorEncoder", "VisionTransformer",
+           "attention_options_config", "build_model", "default_model_config", "initial_carry",
+           "make_mixer", "run_layers"]

@@ -121,12 +121,15 @@ class Block(nn.Module):
 
   @nn.compact
   def __call__(self, x: Array, carry: Optional[Carry] = None, mask: Optional[Array] = None,
-               is_causal: bool = False, deterministic: bool = True,
-               **sequence_arguments) -> tuple:
+               is_causal: bool = False, deterministic: bool = True, *,
+               context: Optional[Array] = None, **sequence_arguments) -> tuple:
     """x: `[B, T, E]`; carry: the stack's carry ({} for none).
 
     `mask`, `is_causal` and `sequence_arguments` (segment_ids,
     query_seq_lengths, key_value_seq_lengths, positions) go to the mixer.
+    With `context` `[B, Tk, E]` the mixer attends from x's positions to the
+    context's (its cross-attention form; `mask` then covers the context's
+    keys), as the Funnel's pooling block does: queries pooled, keys not.
 
     Returns:
       `(x [B, T, E], carry)`.
@@ -146,6 +149,11 @@ class Block(nn.Module):
       mixer_arguments["mask"] = mask
     if is_causal:
       mixer_arguments["is_causal"] = True
+    if context is not None:
+      # The context is the stream x came from, so it gets the same treatment
+      # as x on the way into the mixer: pre-LN normalises both.
+      mixer_arguments["context"] = (attention_norm(context) if config.residual == "pre_norm"
+                                    else context)
     carry = {} if carry is None else carry
 
     def attend(y):

@@ -43,9 +43,9 @@ def masked_max(x: Array, mask: Optional[Array]) -> Array:
   return jnp.where(mask.any(axis=1, keepdims=True), pooled, 0).astype(x.dtype)
 
 
-def _cls_prefix(module: nn.Module, config: ModelConfig) -> Optional[Array]:
-  """The learned [CLS] embedding `[1, 1, E]` for "cls" pooling (a parameter of
-  `module`), else None.
+def cls_prefix(module: nn.Module, config: ModelConfig, name: str = "cls") -> Optional[Array]:
+  """The learned [CLS] embedding `[1, 1, E]` for "cls" pooling (parameter
+  `name` of `module`), else None.
 
   Initialised as a token embedding is (normal, stddev 1), not at zero: the
   prefix gets no position embedding, so a zero [CLS] would reach the first
@@ -58,12 +58,12 @@ def _cls_prefix(module: nn.Module, config: ModelConfig) -> Optional[Array]:
   if config.pooling != "cls":
     return None
   return module.param(
-      "cls", nn.with_logical_partitioning(nn.initializers.normal(stddev=1.0),
-                                          (None, None, axes.EMBED)),
+      name, nn.with_logical_partitioning(nn.initializers.normal(stddev=1.0),
+                                         (None, None, axes.EMBED)),
       (1, 1, config.embed_dim), jnp.float32)
 
 
-def _pooling_module(config: ModelConfig, name: str) -> Optional[nn.Module]:
+def pooling_module(config: ModelConfig, name: str) -> Optional[nn.Module]:
   """The registered pooling module of `config.pooling` ("attention":
   `AttentionPooling`) with `config.pooling_options`, else None. Built inside
   the calling module's compact method, so its parameters are the caller's
@@ -74,23 +74,35 @@ def _pooling_module(config: ModelConfig, name: str) -> Optional[nn.Module]:
   return spec.module(**config.pooling_options, dtype=config.jnp_dtype, name=name)
 
 
-def _encode_pooled(encoder: Encoder, tokens: Array, padding_mask: Optional[Array],
-                   prefix: Optional[Array], pooling: Optional[nn.Module],
-                   deterministic: bool) -> Array:
-  """Runs the (bound) encoder and pools its outputs: `[B, T]` ids -> `[B, F]`
+def encode_pooled(encoder: nn.Module, inputs: Array, padding_mask: Optional[Array],
+                  prefix: Optional[Array], pooling: Optional[nn.Module],
+                  deterministic: bool) -> Array:
+  """Runs the (bound) encoder and pools its outputs by `encoder.config.pooling`:
+  `[B, T]` ids (`Encoder`) or `[B, T, E]` vectors (`VectorEncoder`) -> `[B, F]`
   (F = E, or the pooling module's width)."""
-  x = encoder(tokens, padding_mask=padding_mask, deterministic=deterministic,
+  x = encoder(inputs, padding_mask=padding_mask, deterministic=deterministic,
               prefix=prefix)  # [B, P + T, E]
+  return pool_outputs(encoder.config, x, padding_mask, pooling)
+
+
+def pool_outputs(config: ModelConfig, x: Array, padding_mask: Optional[Array],
+                 pooling: Optional[nn.Module]) -> Array:
+  """An encoder's outputs pooled by `config.pooling`: `[B, P + T, E]` -> `[B, F]`.
+
+  "cls" reads position 0 (the [CLS] prefix); "mean" and "max" reduce over the
+  positions `padding_mask [B, T]` marks real (there is no prefix then);
+  `pooling` is the registered pooling module (`pooling_module`), or None.
+  """
   if pooling is not None:
     return pooling(x, mask=padding_mask)
-  if encoder.config.pooling == "cls":
+  if config.pooling == "cls":
     return x[:, 0]
-  if encoder.config.pooling == "mean":
+  if config.pooling == "mean":
     return masked_mean(x, padding_mask)
   return masked_max(x, padding_mask)
 
 
-def _classifier_head(features: Array, config: ModelConfig, deterministic: bool) -> Array:
+def classifier_head(features: Array, config: ModelConfig, deterministic: bool) -> Array:
   """Dropout, then Dense(num_classes), or Dense(head_mlp_dim) -> ReLU -> Dense.
 
   Called inside a compact method, so its layers belong to the calling module.
@@ -141,10 +153,10 @@ class SequenceClassifier(nn.Module):
       `[B, num_classes]` float32 logits.
     """
     encoder = Encoder(self.config, name="encoder")
-    prefix = _cls_prefix(self, self.config)
-    pooling = _pooling_module(self.config, "pooling")
-    pooled = _encode_pooled(encoder, tokens, padding_mask, prefix, pooling, deterministic)
-    return _classifier_head(pooled, self.config, deterministic)
+    prefix = cls_prefix(self, self.config)
+    pooling = pooling_module(self.config, "pooling")
+    pooled = encode_pooled(encoder, tokens, padding_mask, prefix, pooling, deterministic)
+    return classifier_head(pooled, self.config, deterministic)
 
 
 class DualEncoderClassifier(nn.Module):
@@ -173,12 +185,12 @@ class DualEncoderClassifier(nn.Module):
       `[B, num_classes]` float32 logits.
     """
     encoder = Encoder(self.config, name="encoder")
-    prefix = _cls_prefix(self, self.config)
-    pooling = _pooling_module(self.config, "pooling")
-    u = _encode_pooled(encoder, tokens, padding_mask, prefix, pooling, deterministic)
-    v = _encode_pooled(encoder, tokens2, padding_mask2, prefix, pooling, deterministic)
+    prefix = cls_prefix(self, self.config)
+    pooling = pooling_module(self.config, "pooling")
+    u = encode_pooled(encoder, tokens, padding_mask, prefix, pooling, deterministic)
+    v = encode_pooled(encoder, tokens2, padding_mask2, prefix, pooling, deterministic)
     if self.config.pair_features == "sentence_bert":
       features = jnp.concatenate([u, v, jnp.abs(u - v)], axis=-1)  # [B, 3F]
     else:
       features = jnp.concatenate([u, v, u * v, u - v], axis=-1)  # [B, 4F]
-    return _classifier_head(features, self.config, deterministic)
+    return classifier_head(features, self.config, deterministic)

@@ -14,6 +14,7 @@ generated from the fields.
 from __future__ import annotations
 
 import dataclasses
+import math
 import typing
 from typing import Any, Mapping, Optional, Tuple
 
@@ -32,6 +33,10 @@ MODEL_KINDS = ("classifier", "dual_classifier", "language_model", "rnn_seq2seq",
                "transformer_seq2seq")
 SEQ2SEQ_KINDS = ("rnn_seq2seq", "transformer_seq2seq")
 RNN_CELLS = ("gru", "lstm")
+# Section H's architectures, each a classifier of one sequence: a Vision
+# Transformer over image patches, a Funnel Transformer (the sequence pooled
+# between stages), a hierarchical Transformer (chunks, then the chunk vectors).
+MODEL_KINDS += ("vit", "funnel", "hierarchical")
 POOLINGS = ("cls", "mean", "max", "attention")
 # What a dual classifier's head sees of the pooled pair u, v: the LRA matching
 # model's [u, v, u * v, u - v], or Sentence-BERT's [u, v, |u - v|] (Reimers &
@@ -143,6 +148,19 @@ class ModelConfig:
     decode: build the language model for incremental decoding (each mixer
       keeps its cache in the "cache" collection, absolute positions count
       from the tokens already decoded); `generation.generate` sets it.
+    patch_size: the ViT's square patches are patch_size pixels a side; it
+      must divide the image's side (a ViT reads max_length = side^2 pixels).
+    funnel_blocks: the Funnel Transformer's blocks per stage (its
+      `num_layers`); the sequence is halved between stages.
+    funnel_decoder_blocks: blocks of the Funnel's upsampling decoder
+      (`FunnelTransformer.token_outputs`).
+    funnel_pool_queries_only: the first block of each pooled stage attends
+      from the pooled queries to the unpooled keys and values (Dai et al.
+      2020; needs a variant with a cross-attention form); False pools the
+      whole sequence before the stage (any mixer).
+    chunk_length: tokens per chunk of the hierarchical Transformer.
+    sentence_layers: blocks of the hierarchical Transformer's encoder over
+      the chunk vectors (the token-level encoder has `num_layers`).
   """
 
   kind: str = "classifier"
@@ -185,6 +203,13 @@ class ModelConfig:
   cross_attention: Optional[str] = None
   transparent_attention: bool = False
   decode: bool = False
+  # Section H's architectures (read by their kind only).
+  patch_size: int = 4
+  funnel_blocks: Tuple[int, ...] = (2, 2, 2)
+  funnel_decoder_blocks: int = 2
+  funnel_pool_queries_only: bool = True
+  chunk_length: int = 64
+  sentence_layers: int = 2
 
   def __post_init__(self):
     # Every ModelConfig is checked and hashable (Flax hashes module fields),
@@ -340,6 +365,61 @@ class ModelConfig:
     except TypeError as e:
       raise ValueError(f"model.dtype must name a JAX dtype such as 'float32' or 'bfloat16', "
                        f"got {self.dtype!r}.") from e
+    self._check_architectures()
+
+  def _check_architectures(self) -> None:
+    """The fields of the "vit", "funnel" and "hierarchical" kinds."""
+    for name in ("patch_size", "chunk_length", "sentence_layers", "funnel_decoder_blocks"):
+      value, low = getattr(self, name), 0 if name == "funnel_decoder_blocks" else 1
+      if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        raise ValueError(f"model.{name} must be an integer >= {low}, got {value!r}.")
+    blocks = self.funnel_blocks
+    if (not isinstance(blocks, tuple) or not blocks
+        or any(not isinstance(n, int) or isinstance(n, bool) or n < 1 for n in blocks)):
+      raise ValueError(f"model.funnel_blocks must be a non-empty tuple of positive block counts, "
+                       f"one per stage (e.g. (2, 2, 2)), got {blocks!r}.")
+    if self.kind in ("vit", "hierarchical") and self.position == "complex":
+      raise ValueError(f"model.position 'complex' is a word embedding; kind {self.kind!r} "
+                       f"encodes vectors (patches, chunks) with it. Use 'learned' or "
+                       f"'sinusoidal'.")
+    period = len(self.schedule_period)
+    if self.kind == "vit":
+      side = math.isqrt(self.max_length)
+      if side * side != self.max_length:
+        raise ValueError(f"a ViT reads a square image of max_length = side^2 pixels; "
+                         f"model.max_length={self.max_length} is not a square.")
+      if side % self.patch_size:
+        raise ValueError(f"model.patch_size={self.patch_size} must divide the image side "
+                         f"{side} (max_length={self.max_length} pixels).")
+    if self.kind == "funnel":
+      pooled_queries = self.funnel_pool_queries_only and len(blocks) > 1
+      for name in self.schedule_period if pooled_queries else ():
+        if not registry.get_variant(name).cross:
+          raise ValueError(f"model.funnel_pool_queries_only=True attends from the pooled "
+                           f"queries to the unpooled keys (cross-attention), and attention "
+                           f"{name!r} has no cross-attention form; set it False to pool the "
+                           f"whole sequence instead.")
+      # Each stage (without its pooling block) and the decoder run as stacks of their own.
+      stacks = [n - (pooled_queries and s > 0) for s, n in enumerate(blocks)]
+      stacks += [self.funnel_decoder_blocks]
+      if self.scan_layers and any(n % period for n in stacks):
+        raise ValueError(f"model.scan_layers scans whole periods of layer_attention "
+                         f"{self.schedule_period}; the Funnel's stacks of "
+                         f"funnel_blocks={blocks} and funnel_decoder_blocks="
+                         f"{self.funnel_decoder_blocks} have {tuple(stacks)} blocks (a pooling "
+                         f"block not counted), not multiples of {period}.")
+    if self.kind == "hierarchical":
+      if self.pooling not in ("cls", "mean", "max"):
+        raise ValueError(f"model.pooling of a hierarchical Transformer must be 'cls', 'mean' or "
+                         f"'max' (a chunk's vector is the sentence encoder's E-wide input), got "
+                         f"{self.pooling!r}.")
+      if self.chunk_length > self.max_length:
+        raise ValueError(f"model.chunk_length={self.chunk_length} must be at most "
+                         f"max_length={self.max_length}.")
+      if self.scan_layers and self.sentence_layers % period:
+        raise ValueError(f"model.scan_layers scans whole periods of layer_attention "
+                         f"{self.schedule_period}; model.sentence_layers="
+                         f"{self.sentence_layers} is not a multiple of {period}.")
 
   def _check_stack(self) -> None:
     """The stack and its fields; each error names the field, the value and what

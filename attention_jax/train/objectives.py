@@ -126,6 +126,10 @@ OBJECTIVES: Dict[str, Objective] = {
     "transformer_seq2seq": Objective("transformer_seq2seq", _teacher_forced, _target_tokens,
                                      sequence_keys=("inputs", "targets"), eval_sums=_decoded),
 }
+# The architectures of section H classify one sequence as the classifier does.
+CLASSIFIER_KINDS = ("classifier", "vit", "funnel", "hierarchical")
+OBJECTIVES.update({kind: Objective(kind, _classify, _example_labels)
+                   for kind in CLASSIFIER_KINDS[1:]})
 CLASSIFY = OBJECTIVES["classifier"]
 
 

@@ -50,7 +50,7 @@ from attention_jax.train.checkpoints import Checkpointer
 from attention_jax.train.config import (apply_attention_preset, check_config,
                                          config_differences)
 from attention_jax.train.metrics import MetricsLogger, peak_memory
-from attention_jax.train.objectives import get_objective
+from attention_jax.train.objectives import CLASSIFIER_KINDS, get_objective
 from attention_jax.train.optim import make_optimizer
 from attention_jax.train.state import (MEMORY_COLLECTION, abstract_state_and_shardings,
                                        create_sharded_state)
@@ -419,7 +419,7 @@ def _completed(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   apply_attention_preset(config)
   info = lra_data.get_task(config.task, **task_options(config)).info
   kinds = (("dual_classifier",) if info.dual else SEQ2SEQ_KINDS if info.target_len
-           else ("language_model",) if info.stream else ("classifier", "language_model"))
+           else ("language_model",) if info.stream else CLASSIFIER_KINDS + ("language_model",))
   if config.model.kind not in kinds:
     raise ValueError(f"task {config.task!r} needs model.kind {' or '.join(map(repr, kinds))}, "
                      f"got {config.model.kind!r}.")

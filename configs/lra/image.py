@@ -35,13 +35,18 @@ at step 35,175 and ends at 6e-5 of the peak; our "cosine" reaches 0 at the
 last step (less than 1% of the peak apart at any step). Presets:
 
 - smoke: 2,000 / 256 / 256 images and 300 steps of batch 32.
+- vit: the model is a Vision Transformer (`kind="vit"`, models/vit.py) over
+  the 64 patches of 4 x 4 pixels and a [CLS], learned positions, pre-LN with a
+  GELU MLP; the task's sizes otherwise. `:dot_product,vit,smoke` is its smoke
+  run (CIFAR-10 must be downloaded; pathfinder32.py has the same preset on
+  generated images).
 """
 
 import ml_collections
 
 from attention_jax.train.config import attention_preset_of, default_config, parse_config_arg
 
-PRESETS = ("smoke",)
+PRESETS = ("smoke", "vit")
 # base_cifar10_config.py: TRAIN_EXAMPLES, NUM_EPOCHS (train[:90%] of CIFAR-10's 50,000).
 TRAIN_EXAMPLES = 45_000
 NUM_EPOCHS = 200
@@ -90,4 +95,7 @@ def get_config(arg: str = "dot_product"):
     config.optimizer.update(learning_rate=2e-3, warmup_steps=30)
     config.eval_every = config.checkpoint_every = 100
     config.log_every = 25
+  if "vit" in presets:
+    config.model.update(kind="vit", patch_size=4, pooling="cls", position="learned",
+                        residual="pre_norm", activation="gelu")
   return config

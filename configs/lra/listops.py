@@ -39,11 +39,19 @@ default, since listops/train.py passes no pooling). Presets:
 - smoke: short expressions (depth <= 4, at most 5 arguments, 100 tokens), a
   2-layer width-64 model and 600 steps; a few minutes on a 2-core CPU and
   clearly above the majority class.
+- funnel: the model is a Funnel Transformer (`kind="funnel"`, models/funnel.py)
+  of three stages of two blocks, the sequence halved between stages, the
+  [CLS] kept apart; `:dot_product,funnel,smoke` is its smoke run.
+- hierarchical: the model is a hierarchical Transformer (`kind=
+  "hierarchical"`, models/hierarchical.py): chunks of 100 tokens (20 with
+  smoke), each encoded by `num_layers` blocks and read at its [CLS], then 2
+  blocks over the chunk vectors; `:dot_product,hierarchical,smoke` is its
+  smoke run.
 """
 
 from attention_jax.train.config import attention_preset_of, default_config, parse_config_arg
 
-PRESETS = ("smoke",)
+PRESETS = ("smoke", "funnel", "hierarchical")
 
 def get_config(arg: str = "dot_product"):
   variant, presets = parse_config_arg(arg, PRESETS)
@@ -72,4 +80,9 @@ def get_config(arg: str = "dot_product"):
     config.eval_every = 200
     config.checkpoint_every = 200
     config.log_every = 25
+  if "funnel" in presets:
+    config.model.update(kind="funnel", funnel_blocks=(2, 2, 2))
+  if "hierarchical" in presets:
+    config.model.update(kind="hierarchical", chunk_length=20 if "smoke" in presets else 100,
+                        sentence_layers=2)
   return config

@@ -38,11 +38,14 @@ release scores its last state). Presets:
 
 - smoke: 4,000 / 512 / 512 "easy" images, a width-64 model with 4 heads, 400
   steps of batch 32.
+- vit: the model is a Vision Transformer (`kind="vit"`, models/vit.py) over
+  the 64 patches of 4 x 4 pixels and a [CLS], learned positions, pre-LN with a
+  GELU MLP; the task's sizes otherwise. `:dot_product,vit,smoke` is its smoke run.
 """
 
 from attention_jax.train.config import attention_preset_of, default_config, parse_config_arg
 
-PRESETS = ("smoke",)
+PRESETS = ("smoke", "vit")
 TASK = "pathfinder32"
 # base_pathfinder32_config.py: TRAIN_EXAMPLES (a round figure; the split has 159,840
 # images, which gives the same 312 steps per epoch), NUM_EPOCHS.
@@ -105,4 +108,7 @@ def get_config(arg: str = "dot_product"):
     config.optimizer.update(learning_rate=2e-3, warmup_steps=40)
     config.eval_every = config.checkpoint_every = 200
     config.log_every = 25
+  if "vit" in presets:
+    config.model.update(kind="vit", patch_size=4, pooling="cls", position="learned",
+                        residual="pre_norm", activation="gelu")
   return config

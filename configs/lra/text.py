@@ -41,13 +41,20 @@ Per-variant settings belong to the variants' `lra_release` presets. Presets:
 
 - smoke: the first 2,000 / 256 / 256 reviews cut to 256 bytes, a 2-layer
   width-64 model and 300 steps.
+- funnel: the model is a Funnel Transformer (`kind="funnel"`, models/funnel.py)
+  of three stages of two blocks, the sequence halved between stages.
+- hierarchical: the model is a hierarchical Transformer (`kind=
+  "hierarchical"`, models/hierarchical.py): chunks of 250 bytes (64 with
+  smoke), each encoded by `num_layers` blocks, then 2 blocks over the chunk
+  vectors. (IMDB must be downloaded; listops.py has both presets on
+  generated data.)
 """
 
 import ml_collections
 
 from attention_jax.train.config import attention_preset_of, default_config, parse_config_arg
 
-PRESETS = ("smoke",)
+PRESETS = ("smoke", "funnel", "hierarchical")
 PAPER_LENGTH = 4000  # the LRA paper's; base_tc_config.py's max_length is 1000, see above
 
 def get_config(arg: str = "dot_product"):
@@ -77,4 +84,9 @@ def get_config(arg: str = "dot_product"):
                             weight_decay=0.01, grad_clip_norm=1.0)
     config.eval_every = config.checkpoint_every = 100
     config.log_every = 25
+  if "funnel" in presets:
+    config.model.update(kind="funnel", funnel_blocks=(2, 2, 2))
+  if "hierarchical" in presets:
+    config.model.update(kind="hierarchical", chunk_length=64 if "smoke" in presets else 250,
+                        sentence_layers=2)
   return config
