@@ -6,8 +6,10 @@ smoke config: the architectures table.
 
 One row per architecture, on the task it is built for: the encoder's layer
 stacks (reversible, Universal Transformer with ACT, LayerDrop), feed-forward
-layers and norms on smoke ListOps beside the plain encoder they modify, the Transformer encoder-decoder on string reversal, the
-dual encoder with Sentence-BERT's pooled-pair features on smoke retrieval.
+layers and norms on smoke ListOps beside the plain encoder they modify; the
+Funnel and hierarchical Transformers on the same ListOps; ViT on smoke
+Pathfinder; the Transformer encoder-decoder on string reversal; the dual
+encoder with Sentence-BERT's pooled-pair features on smoke retrieval.
 2 seeds each; the verdict is whether every seed beats the task's chance level
 (the majority class of a classification's test split, or the stated level of
 a sequence task).
@@ -45,6 +47,11 @@ ROWS = {
     "scalenorm": dict(config=LISTOPS, chance="majority", overrides=_model(norm="scalenorm")),
     "powernorm": dict(config=LISTOPS, chance="majority", overrides=_model(norm="powernorm")),
     "adanorm": dict(config=LISTOPS, chance="majority", overrides=_model(norm="adanorm")),
+    "funnel": dict(config="configs/lra/listops.py:dot_product,funnel,smoke", chance="majority"),
+    "hierarchical": dict(config="configs/lra/listops.py:dot_product,hierarchical,smoke",
+                         chance="majority"),
+    "vit_pathfinder": dict(config="configs/lra/pathfinder32.py:dot_product,vit,smoke",
+                           chance="majority"),
     "encoder_decoder": dict(config=REVERSE, metric="decoded_token_accuracy", **REVERSE_CHANCE),
     "transparent_attention": dict(config="configs/seq2seq/transformer.py:dot_product,"
                                   "transparent,smoke", metric="decoded_token_accuracy",
