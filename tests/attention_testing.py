@@ -277,3 +277,18 @@ def train_briefly(config, tmp_path, steps=4):
   assert test["count"] == config.task_options["test_size"]
   assert 0.0 <= test["accuracy"] <= 1.0 and np.isfinite(test["loss"])
   return results
+
+
+def assert_causal_language_model(model, batch, length, cut, vocab_size, seed=0):
+  """`model` (a language model) with random parameters: changing the tokens from
+  position `cut` on leaves the logits before `cut` as they were, and changes
+  those after (so the check can fail)."""
+  import flax.linen as nn  # pylint: disable=import-outside-toplevel
+  tokens = jax.random.randint(jax.random.PRNGKey(seed), (batch, length), 1, vocab_size)
+  changed = tokens.at[:, cut:].set(jax.random.randint(jax.random.PRNGKey(seed + 5),
+                                                      (batch, length - cut), 1, vocab_size))
+  variables = {"params": perturbed(nn.meta.unbox(model.init(jax.random.PRNGKey(seed + 1),
+                                                            tokens)["params"]))}
+  logits, logits_changed = model.apply(variables, tokens), model.apply(variables, changed)
+  np.testing.assert_allclose(logits[:, :cut], logits_changed[:, :cut], atol=1e-5)
+  assert not np.allclose(logits[:, cut:], logits_changed[:, cut:], atol=1e-3)
