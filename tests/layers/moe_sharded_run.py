@@ -7,6 +7,8 @@ count must be set before jax initialises.
 
 import json
 import os
+import pathlib
+import sys
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                            " --xla_force_host_platform_device_count=8").strip()
@@ -16,6 +18,10 @@ import numpy as np
 
 from attention_jax import train
 from attention_jax.models import build_model
+
+# The training loop over meshes is tests/train/sharded_run.py's.
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "train"))
+import sharded_run  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 MODEL = dict(vocab_size=32, num_classes=4, num_layers=1, embed_dim=16, num_heads=2, mlp_dim=32,
              max_length=16, dropout_rate=0.0, feed_forward="moe",
@@ -51,15 +57,8 @@ def main():
           ("one device", (1, 1, 1), jax.devices()[:1])]
   final = {}
   for name, shape, devices in runs:
-    mesh = train.make_mesh(shape, devices=devices)
-    state, shardings = train.create_sharded_state(model, optimizer, batches[0], mesh,
-                                                  rng=jax.random.key(1))
-    step = train.make_train_step(model, optimizer, mesh, shardings, seed=3)
-    losses = []
-    for batch in batches:
-      state, metrics = step(state, train.shard_batch(batch, train.batch_sharding(mesh)))
-      losses.append(float(metrics["loss"]))
-    out["losses"][name] = losses
+    _, _, state, out["losses"][name] = sharded_run.train_on_mesh(model, optimizer, batches,
+                                                                 shape, devices)
     experts = state.params["encoder"]["block_0"]["mlp"]["wi"]
     out["specs"][name] = [list(a) if isinstance(a, tuple) else a for a in experts.sharding.spec]
     out["shard_shapes"][name] = sorted({tuple(s.data.shape) for s in experts.addressable_shards})

@@ -50,6 +50,20 @@ def error_of(fn):
   return None
 
 
+def train_on_mesh(model, optimizer, batches, shape, devices=None):
+  """The train state created on a mesh of `shape` (over `devices`, all by
+  default) and stepped once per batch: `(mesh, shardings, state, losses)`."""
+  mesh = train.make_mesh(shape, devices=devices)
+  state, shardings = train.create_sharded_state(model, optimizer, batches[0], mesh,
+                                                rng=jax.random.key(1))
+  step = train.make_train_step(model, optimizer, mesh, shardings, seed=3)
+  losses = []
+  for batch in batches:
+    state, metrics = step(state, train.shard_batch(batch, train.batch_sharding(mesh)))
+    losses.append(float(metrics["loss"]))
+  return mesh, shardings, state, losses
+
+
 def main():
   out = {"device_count": jax.device_count()}
   out["mesh_shapes"] = {str(shape): dict(train.make_mesh(shape).shape)
@@ -64,15 +78,8 @@ def main():
           ("one device", (1, 1, 1), jax.devices()[:1])]
   out["losses"] = {}
   for name, shape, devices in runs:
-    mesh = train.make_mesh(shape, devices=devices)
-    state, shardings = train.create_sharded_state(model, optimizer, batches[0], mesh,
-                                                  rng=jax.random.key(1))
-    step = train.make_train_step(model, optimizer, mesh, shardings, seed=3)
-    losses = []
-    for batch in batches:
-      state, metrics = step(state, train.shard_batch(batch, train.batch_sharding(mesh)))
-      losses.append(float(metrics["loss"]))
-    out["losses"][name] = losses
+    mesh, shardings, state, out["losses"][name] = train_on_mesh(model, optimizer, batches, shape,
+                                                                devices)
     if shape == (2, 2, 2):
       params = state.params
       block = params["encoder"]["block_0"]
