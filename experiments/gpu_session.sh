@@ -72,11 +72,49 @@ lra_speed4k() {  # the LRA speed table's 4K column at the paper's batch 32, tarr
   tar cf "$OUT/lra_speed_gpu.tar" results/lra_speed_gpu
 }
 
+# The full-size ListOps column (configs/tables/lra.py, the paper's model, batch
+# 32, 5,000 steps): two queues of cells in the background, outside the
+# repository (the tree is re-sent with each call), so they outlive one call
+# while the machine is held. `listops_wait SECONDS` follows them and tars the
+# finished cells (no checkpoints) into $OUT every minute.
+LRA_RUNS=/tmp/lra_gpu
+listops_start() {
+  mkdir -p $LRA_RUNS
+  $PY -m experiments.make_data --task=listops --data_dir=$LRA_RUNS/data 2>&1 | tail -4
+  local common="--table=configs/tables/lra.py --results=$LRA_RUNS/results/ --data_dir=$LRA_RUNS/data --only=task=listops --only=preset=method --only=seed=0"
+  XLA_PYTHON_CLIENT_MEM_FRACTION=0.45 setsid nohup $PY -m experiments.reproduce $common \
+      --only=variant=dot_product > $LRA_RUNS/queue_a.log 2>&1 < /dev/null &
+  XLA_PYTHON_CLIENT_MEM_FRACTION=0.45 setsid nohup $PY -m experiments.reproduce $common \
+      --only=variant=linformer,performer,linear > $LRA_RUNS/queue_b.log 2>&1 < /dev/null &
+  sleep 5
+}
+
+listops_tar() {
+  (cd $LRA_RUNS && tar cf "$OUT/lra_gpu.tar" --exclude=checkpoints queue_a.log queue_b.log \
+      results 2>/dev/null)
+  nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader
+  for f in $LRA_RUNS/results/runs/listops/*/method/seed0/metrics.jsonl; do
+    [ -f "$f" ] && echo "$f: $(tail -1 "$f" | cut -c1-200)"
+  done
+}
+
+listops_wait() {  # listops_wait SECONDS
+  local end=$(( $(date +%s) + $1 ))
+  while [ "$(date +%s)" -lt "$end" ]; do
+    listops_tar
+    if ! pgrep -f "experiments.reproduce" >/dev/null; then echo "queues finished"; break; fi
+    sleep 60
+  done
+  listops_tar
+  tail -5 $LRA_RUNS/queue_a.log $LRA_RUNS/queue_b.log
+}
+
 for stage in "$@"; do
   echo "=== $stage $(date +%T)"
   case "$stage" in
     bench64) bench 64 4096,16384 200 ;;
     bench128) bench 128 1024,4096,8192,16384,32768 340 ;;
+    listops_wait*) listops_wait "${stage#listops_wait}" ;;
     *) "$stage" ;;
   esac
 done
