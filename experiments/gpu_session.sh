@@ -106,7 +106,7 @@ listops_wait() {  # listops_wait SECONDS
     sleep 60
   done
   listops_tar
-  tail -5 $LRA_RUNS/queue_a.log $LRA_RUNS/queue_b.log
+  tail -n 5 $LRA_RUNS/queue_a.log $LRA_RUNS/queue_b.log
 }
 
 for stage in "$@"; do
