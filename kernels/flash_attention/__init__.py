@@ -8,9 +8,11 @@ log-sum-exp saved for a backward pass that recomputes the probabilities.
   pallas_gpu.py  Pallas on Triton (NVIDIA/AMD GPUs)
   pallas_mgpu.py Pallas on Mosaic GPU (NVIDIA Hopper)
   pallas_tpu.py  Pallas on Mosaic (TPUs)
+  ring.py        ring attention: the sequence sharded over a mesh axis, the
+                 blockwise loops on each device, key/value chunks passed round
 
 Importing this package registers `implementation="blockwise"`,
-`implementation="pallas"` and (on Hopper GPUs) `implementation="pallas_mgpu"`
+`implementation="pallas"`, `implementation="ring"` and (on Hopper GPUs) `implementation="pallas_mgpu"`
 with `attention_jax.dot_product_attention`, and the variants `blockwise` and
 `flash` with the registry.
 """
@@ -23,12 +25,13 @@ from attention_jax import registry
 from attention_jax.variants.dense import (AttentionInputs, prepare_inputs,
                                           register_implementation, returned_outputs)
 
-from . import pallas_gpu, pallas_mgpu, pallas_tpu
+from . import pallas_gpu, pallas_mgpu, pallas_tpu, ring
 from .blockwise import blockwise_attention, blockwise_dot_product_attention, default_block_sizes
 from .common import BlockSizes
 from .pallas_gpu import default_block_sizes_gpu, flash_attention_gpu, gpu_dot_product_attention
 from .pallas_mgpu import default_block_sizes_mgpu, flash_attention_mgpu, mgpu_dot_product_attention
 from .pallas_tpu import default_block_sizes_tpu, flash_attention_tpu, tpu_dot_product_attention
+from .ring import SEQUENCE_AXIS, ring_attention
 
 # Tq * Tk from which `implementation=None` prefers blockwise to dense on CPU
 # (measured: benchmarks/attention_cpu.json).
@@ -93,6 +96,11 @@ register_implementation("pallas", pallas_attention, priority=2, rejects=_pallas_
 register_implementation("pallas_mgpu", mosaic_gpu_attention, priority=1,
                         rejects=pallas_mgpu.mgpu_rejects,
                         is_available=pallas_mgpu.is_hopper_or_newer)
+
+# Never picked by `implementation=None`: it needs a mesh with a "sequence" axis
+# (`jax.set_mesh`), and pays communication that only long sequences repay.
+register_implementation("ring", ring.attention_over_ring, priority=-10,
+                        rejects=ring.ring_rejects)
 
 _EXACT_KERNEL = dict(family="kernels", complexity="O(T^2)", subquadratic=False, exact=True,
                      causal=True, cross=True)

@@ -17,6 +17,7 @@ without copies.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Optional, Tuple, Union
 
 import jax
@@ -53,11 +54,61 @@ class _Masks:
   kv_lengths: Optional[Array]  # [B]
   q_segment_ids: Optional[Array]  # [B, Tq]
   kv_segment_ids: Optional[Array]  # [B, Tk]
+  # The tokens' positions in the whole sequence, [Tq] and [Tk] int32, when the
+  # arrays hold a part of it out of order (a device's chunks in ring
+  # attention); None: position = index. Causal masks, windows and lengths
+  # apply to positions. With positions, every block is looked at and skipped
+  # (`lax.cond`) when no pair in it is within reach.
+  q_positions: Optional[Array] = None
+  kv_positions: Optional[Array] = None
+
+  @property
+  def has_positions(self) -> bool:
+    return self.q_positions is not None
 
 
 jax.tree_util.register_dataclass(
-    _Masks, data_fields=["mask", "q_lengths", "kv_lengths", "q_segment_ids", "kv_segment_ids"],
+    _Masks, data_fields=["mask", "q_lengths", "kv_lengths", "q_segment_ids", "kv_segment_ids",
+                         "q_positions", "kv_positions"],
     meta_fields=[])
+
+
+def _positions(explicit: Optional[Array], start, size: int) -> Array:
+  """The positions of `size` tokens from index `start`."""
+  if explicit is None:
+    return start + jnp.arange(size)
+  return jax.lax.dynamic_slice_in_dim(explicit, start, size)
+
+
+def _block_in_reach(cfg: "_Static", masks: _Masks, q_start, k_start, bq: int, bk: int) -> Array:
+  """Whether some query of the block may see some key of it (explicit positions)."""
+  q_pos = _positions(masks.q_positions, q_start, bq)
+  k_pos = _positions(masks.kv_positions, k_start, bk)
+  left, right = cfg.reach
+  visible = k_start < cfg.true_kv_len
+  if right is not None:
+    visible &= k_pos.min() <= q_pos.max() + right
+  if left is not None:
+    visible &= k_pos.max() >= q_pos.min() - left
+  return visible
+
+
+def _visit_in_reach(cfg: "_Static", masks: _Masks, q_start, k_start, bq: int, bk: int,
+                    visit, carry):
+  """`visit(carry)`, skipped where the block is out of reach (explicit positions only;
+  index positions skip whole ranges through `kv_block_range` instead)."""
+  if not masks.has_positions:
+    return visit(carry)
+  return jax.lax.cond(_block_in_reach(cfg, masks, q_start, k_start, bq, bk), visit,
+                      lambda c: c, carry)
+
+
+def _block_range(cfg: "_Static", masks: _Masks, block_range, block, block_a: int,
+                 block_b: int, num_blocks: int):
+  """[lo, hi) of the blocks to visit: from the reach, or all with explicit positions."""
+  if masks.has_positions:
+    return 0, num_blocks
+  return block_range(block, block_a, block_b, num_blocks, cfg.reach)
 
 
 def _block_logits(cfg: _Static, masks: _Masks, q_blk, k_blk, bias, q_start, k_start, bq, bk):
@@ -66,12 +117,12 @@ def _block_logits(cfg: _Static, masks: _Masks, q_blk, k_blk, bias, q_start, k_st
                       preferred_element_type=jnp.float32) * cfg.scale
   if bias is not None:
     logits += _block_of(bias, q_start, k_start, bq, bk).astype(jnp.float32)
-  q_pos = q_start + jnp.arange(bq)
-  k_pos = k_start + jnp.arange(bk)
+  q_pos = _positions(masks.q_positions, q_start, bq)
+  k_pos = _positions(masks.kv_positions, k_start, bk)
   slice_ids = lambda ids, start, size: None if ids is None else jax.lax.dynamic_slice_in_dim(
       ids, start, size, axis=1)
   allowed = common.block_mask(
-      q_pos, k_pos, kv_len=cfg.true_kv_len, reach=cfg.reach,
+      q_pos, k_pos, kv_len=cfg.true_kv_len, k_index=k_start + jnp.arange(bk), reach=cfg.reach,
       q_lengths=masks.q_lengths, kv_lengths=masks.kv_lengths,
       q_segment_ids=slice_ids(masks.q_segment_ids, q_start, bq),
       kv_segment_ids=slice_ids(masks.kv_segment_ids, k_start, bk))[:, None, None]
@@ -97,6 +148,10 @@ def _forward(cfg: _Static, q, k, v, bias, masks: _Masks):
             jnp.zeros(stats_shape + (v.shape[-1],), jnp.float32))
 
     def visit_key_block(j, carry):
+      return _visit_in_reach(cfg, masks, i * bq, j * bk, bq, bk,
+                             functools.partial(update, j), carry)
+
+    def update(j, carry):
       row_max, row_sum, acc = carry
       k_blk = jax.lax.dynamic_slice_in_dim(k, j * bk, bk, axis=2)
       v_blk = jax.lax.dynamic_slice_in_dim(v, j * bk, bk, axis=2)
@@ -111,7 +166,7 @@ def _forward(cfg: _Static, q, k, v, bias, masks: _Masks):
           "bhgqk,bhkd->bhgqd", probs.astype(v.dtype), v_blk, preferred_element_type=jnp.float32)
       return new_max, row_sum, acc
 
-    lo, hi = common.kv_block_range(i, bq, bk, num_kv_blocks, cfg.reach)
+    lo, hi = _block_range(cfg, masks, common.kv_block_range, i, bq, bk, num_kv_blocks)
     row_max, row_sum, acc = jax.lax.fori_loop(lo, hi, visit_key_block, init)
     empty = row_sum == 0.0  # nothing to attend: output 0, lse finite (see EMPTY_ROW_LSE)
     out = acc / jnp.where(empty, 1.0, row_sum)[..., None]
@@ -149,6 +204,10 @@ def _backward(cfg: _Static, q, k, v, bias, masks: _Masks, lse, d_out, delta):
 
   def dq_of_query_block(d_bias, i):
     def visit(j, carry):
+      return _visit_in_reach(cfg, masks, i * bq, j * bk, bq, bk, functools.partial(update, j),
+                             carry)
+
+    def update(j, carry):
       dq, d_bias = carry
       _, d_logits, _, _, k_blk = block_grads(i * bq, j * bk, bq, bk)
       dq += jnp.einsum("bhgqk,bhkd->bhgqd", d_logits.astype(k.dtype), k_blk,
@@ -157,7 +216,7 @@ def _backward(cfg: _Static, q, k, v, bias, masks: _Masks, lse, d_out, delta):
         d_bias = _add_block(d_bias, common.sum_to_shape(d_logits, bias.shape), i * bq, j * bk)
       return dq, d_bias
 
-    lo, hi = common.kv_block_range(i, bq, bk, cfg.kv_len // bk, cfg.reach)
+    lo, hi = _block_range(cfg, masks, common.kv_block_range, i, bq, bk, cfg.kv_len // bk)
     dq = jnp.zeros(q.shape[:3] + (bq, q.shape[-1]), jnp.float32)
     dq, d_bias = jax.lax.fori_loop(lo, hi, visit, (dq, d_bias))
     return d_bias, dq * cfg.scale
@@ -171,6 +230,10 @@ def _backward(cfg: _Static, q, k, v, bias, masks: _Masks, lse, d_out, delta):
 
   def dkv_of_key_block(j):
     def visit(i, carry):
+      return _visit_in_reach(cfg, masks, i * bq, j * bk, bq, bk, functools.partial(update, i),
+                             carry)
+
+    def update(i, carry):
       dk, dv = carry
       probs, d_logits, q_blk, do_blk, _ = block_grads(i * bq, j * bk, bq, bk)
       dv += jnp.einsum("bhgqk,bhgqd->bhkd", probs.astype(d_out.dtype), do_blk,
@@ -179,7 +242,7 @@ def _backward(cfg: _Static, q, k, v, bias, masks: _Masks, lse, d_out, delta):
                        preferred_element_type=jnp.float32)
       return dk, dv
 
-    lo, hi = common.q_block_range(j, bq, bk, cfg.q_len // bq, cfg.reach)
+    lo, hi = _block_range(cfg, masks, common.q_block_range, j, bq, bk, cfg.q_len // bq)
     init = (jnp.zeros(k.shape[:2] + (bk, k.shape[-1]), jnp.float32),
             jnp.zeros(v.shape[:2] + (bk, v.shape[-1]), jnp.float32))
     dk, dv = jax.lax.fori_loop(lo, hi, visit, init)
@@ -214,6 +277,19 @@ def blockwise_attention(inputs: AttentionInputs,
     return_residual: also return the log-sum-exp `[B, Tq, H]` float32
       (differentiable; `common.EMPTY_ROW_LSE` where a query attends nothing).
   """
+  cfg, operands, masks = blocked_layout(inputs, block_sizes)
+  out, lse = _attention(cfg, operands, masks)  # [B, Hkv, G, Tq', Dv], [B, Hkv, G, Tq']
+  out, lse = from_blocked_layout(out, lse, inputs)
+  # query_seq_lengths are masked inside (_Masks.q_lengths): nothing left to apply.
+  return common.attention_outputs(out, lse, None, return_residual)
+
+
+def blocked_layout(inputs: AttentionInputs, block_sizes: Optional[common.BlockSizes] = None):
+  """The static configuration, operands `(q, k, v, bias)` and masks of the loops.
+
+  [B, T, H, D] -> q `[B, Hkv, G, Tq', D]`, k and v `[B, Hkv, Tk', D]` (G = H //
+  Hkv), padded to whole blocks (Tq', Tk'); the bias and masks likewise.
+  """
   query, key, value = inputs.query, inputs.key, inputs.value
   batch, q_len, num_heads, head_dim = query.shape
   kv_len, num_kv_heads = key.shape[1], key.shape[2]
@@ -232,7 +308,6 @@ def blockwise_attention(inputs: AttentionInputs,
                 true_kv_len=kv_len, scale=float(inputs.scale),
                 reach=common.reach_of(inputs.is_causal, inputs.local_window_size))
 
-  # [B, T, H, D] -> [B, Hkv, G, T, D] and [B, Hkv, T, D], padded to whole blocks.
   q = query.reshape(batch, q_len, num_kv_heads, group, head_dim).transpose(0, 2, 3, 1, 4)
   q = common.pad_axis(q, 3, q_multiple)
   k = common.pad_axis(key.transpose(0, 2, 1, 3), 2, kv_multiple)
@@ -244,13 +319,19 @@ def blockwise_attention(inputs: AttentionInputs,
       q_lengths=inputs.query_seq_lengths, kv_lengths=inputs.key_value_seq_lengths,
       q_segment_ids=pad_ids(inputs.q_segment_ids, q_multiple),
       kv_segment_ids=pad_ids(inputs.kv_segment_ids, kv_multiple))
+  return cfg, (q, k, v, bias), masks
 
-  out, lse = _attention(cfg, (q, k, v, bias), masks)  # [B, Hkv, G, Tq', Dv], [B, Hkv, G, Tq']
+
+def from_blocked_layout(out: Array, lse: Array, inputs: AttentionInputs) -> Tuple[Array, Array]:
+  """`[B, Hkv, G, Tq', Dv]`, `[B, Hkv, G, Tq']` -> `[B, Tq, H, Dv]`, `[B, Tq, H]`."""
+  batch, q_len, num_heads, _ = inputs.query.shape
   out = out[:, :, :, :q_len].transpose(0, 3, 1, 2, 4)
   lse = lse[:, :, :, :q_len].transpose(0, 3, 1, 2)
-  # query_seq_lengths are masked inside (_Masks.q_lengths): nothing left to apply.
-  return common.attention_outputs(out.reshape(batch, q_len, num_heads, value.shape[-1]),
-                                  lse.reshape(batch, q_len, num_heads), None, return_residual)
+  return (out.reshape(batch, q_len, num_heads, inputs.value.shape[-1]),
+          lse.reshape(batch, q_len, num_heads))
+
+
+forward, backward = _forward, _backward  # for ring attention's loops (ring.py)
 
 
 def _grouped_pairwise(x: Optional[Array], num_kv_heads: int, group: int, q_multiple: int,

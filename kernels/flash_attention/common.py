@@ -82,6 +82,7 @@ def q_block_range(kv_block: Array, block_q: int, block_k: int, num_q_blocks: int
 
 
 def block_mask(q_pos: Array, k_pos: Array, *, kv_len: int, reach: Reach,
+               k_index: Optional[Array] = None,
                q_lengths: Optional[Array] = None, kv_lengths: Optional[Array] = None,
                q_segment_ids: Optional[Array] = None,
                kv_segment_ids: Optional[Array] = None) -> Array:
@@ -89,12 +90,15 @@ def block_mask(q_pos: Array, k_pos: Array, *, kv_len: int, reach: Reach,
 
   Args:
     q_pos: `[bq]` absolute query positions; k_pos: `[bk]` absolute key positions.
-    kv_len: the real Tk; positions past it are block padding.
+    kv_len: the real Tk; keys past it are block padding.
     reach: from `reach_of`.
+    k_index: `[bk]` the keys' indices in the arrays where positions are not
+      indices (ring attention's chunks); None: the positions.
     q_lengths, kv_lengths: `[B]` valid lengths.
     q_segment_ids: `[B, bq]`; kv_segment_ids: `[B, bk]` (this block's slices).
   """
-  allowed = masks.and_masks((k_pos < kv_len)[None, :],
+  in_bounds = (k_pos if k_index is None else k_index) < kv_len
+  allowed = masks.and_masks(in_bounds[None, :],
                             masks.reach_predicate(q_pos[:, None], k_pos[None, :], reach))
   allowed = allowed[None]  # [1, bq, bk]
   if q_lengths is not None:

@@ -1,0 +1,87 @@
+"""Ring attention against dense attention on 8 simulated CPU devices.
+
+Run as a script (tests/kernels/test_ring.py does, in a subprocess, with a JSON
+list of "mesh-layout-full|causal-masks" case names): the device count must be
+set before jax initialises. Prints one JSON object on the last line: per case,
+the largest differences from `implementation="xla"` of the
+output, the log-sum-exp and the gradients of q, k and v.
+"""
+
+import json
+import os
+import sys
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                           " --xla_force_host_platform_device_count=8").strip()
+
+import jax  # pylint: disable=g-import-not-at-top
+import jax.numpy as jnp
+import numpy as np
+
+import attention_jax as aj
+from attention_jax.kernels.flash_attention import BlockSizes, ring
+
+jax.config.update("jax_default_matmul_precision", "highest")
+B, T, H, HKV, D = 2, 64, 4, 2, 16
+
+
+def inputs(seed=0):
+  keys = jax.random.split(jax.random.key(seed), 3)
+  return (jax.random.normal(keys[0], (B, T, H, D)), jax.random.normal(keys[1], (B, T, HKV, D)),
+          jax.random.normal(keys[2], (B, T, HKV, D)))
+
+
+SEGMENTS = jnp.concatenate([jnp.zeros((B, 40), jnp.int32), jnp.ones((B, T - 40), jnp.int32)], 1)
+MASKS = {
+    "plain": {},
+    "padded": dict(query_seq_lengths=jnp.array([T, 45]), key_value_seq_lengths=jnp.array([T, 50])),
+    "segments": dict(segment_ids=SEGMENTS),
+    "window": dict(local_window_size=(9, 3)),
+}
+
+
+def differences(mesh, layout, is_causal, masks):
+  """Largest |ring - dense| of out, lse and d(q, k, v) of a loss using both."""
+  q, k, v = inputs()
+  kwargs = dict(is_causal=is_causal, return_residual=True, **masks)
+
+  def loss(attention, *qkv):
+    out, lse = attention(*qkv)
+    return (jnp.sum(out * jnp.cos(jnp.arange(D))) + jnp.sum(jnp.sin(lse) * (lse > -1e30)))
+
+  ring_attention = lambda *qkv: ring.ring_attention(
+      *qkv, mesh=mesh, layout=layout, block_sizes=BlockSizes(8, 8), **kwargs)
+  dense = lambda *qkv: aj.dot_product_attention(*qkv, implementation="xla", **kwargs)
+  (out, lse), (dense_out, dense_lse) = jax.jit(ring_attention)(q, k, v), dense(q, k, v)
+  grads = jax.jit(jax.grad(lambda *a: loss(ring_attention, *a), argnums=(0, 1, 2)))(q, k, v)
+  dense_grads = jax.grad(lambda *a: loss(dense, *a), argnums=(0, 1, 2))(q, k, v)
+  diff = lambda a, b: float(jnp.max(jnp.abs(a - b)))
+  return dict(out=diff(out, dense_out), lse=diff(lse, dense_lse),
+              **{f"d{name}": diff(a, b) for name, a, b in zip("qkv", grads, dense_grads)})
+
+
+def collectives(mesh, layout):
+  """The collective ops in the compiled forward+backward of a causal ring."""
+  q, k, v = inputs()
+  loss = lambda *qkv: jnp.sum(ring.ring_attention(*qkv, mesh=mesh, layout=layout,
+                                                  is_causal=True) ** 2)
+  text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, k, v).compile().as_text()
+  return {op: text.count(f" {op}(") + text.count(f" {op}-start(")
+          for op in ("collective-permute", "all-gather", "all-reduce", "all-to-all")}
+
+
+def main():
+  meshes = {"sequence8": jax.make_mesh((8,), ("sequence",)),
+            "data2_sequence4": jax.make_mesh((2, 4), ("data", "sequence"))}
+  cases = {}
+  for name in json.loads(sys.argv[1]):
+    mesh_name, layout, attend, mask_name = name.split("-")
+    cases[name] = differences(meshes[mesh_name], layout, attend == "causal", MASKS[mask_name])
+  result = dict(cases=cases,
+                collectives={layout: collectives(meshes["sequence8"], layout)
+                             for layout in ring.LAYOUTS})
+  print(json.dumps(result))
+
+
+if __name__ == "__main__":
+  main()
