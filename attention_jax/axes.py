@@ -33,6 +33,10 @@ ACTIVATION_VOCAB = "activation_vocab"
 # "fsdp" (data parallel, parameters split along "embed"), "tensor"
 # (Megatron-style model parallel over heads, MLP units and the vocabulary).
 DATA_AXES = ("data", "fsdp")
+# The mesh axis a sequence is split over (`config.sequence_shards`): only in
+# meshes made for it, where the activations' length takes it and exact
+# attention runs as ring attention (kernels/flash_attention/ring.py).
+SEQUENCE_AXIS = "sequence"
 
 DEFAULT_RULES = (
     # Expert parallelism (GShard): each "fsdp" device holds its share of the
@@ -54,8 +58,9 @@ DEFAULT_RULES = (
     # rows as an embedding table is.
     (PRODUCT_KEYS, "tensor"),
     (ACTIVATION_BATCH, DATA_AXES),
-    # Splitting the sequence (sequence parallelism) would need every variant
-    # to handle a split sequence.
+    # Split over SEQUENCE_AXIS only with `config.sequence_shards` > 1
+    # (`train.partitioning.sequence_parallel_rules`): every other variant would
+    # need to handle a split sequence.
     (ACTIVATION_LENGTH, None),
     (ACTIVATION_EMBED, None),
     (ACTIVATION_HEADS, "tensor"),

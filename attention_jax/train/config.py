@@ -72,6 +72,11 @@ def default_config(variant: str = "dot_product",
   config.progress = True  # the console progress bar
 
   config.mesh_shape = (-1, 1, 1)  # ("data", "fsdp", "tensor"); -1: the rest of the devices
+  # Above 1: the sequence split over a "sequence" mesh axis of this many
+  # devices (sequence parallelism; the -1 above takes the devices left), with
+  # the attention as ring attention (`implementation="ring"`, exact attention
+  # variants only). Lengths must split evenly: T a multiple of 2 x this.
+  config.sequence_shards = 1
   # (logical axis, mesh axes) pairs: where parameters and activations live.
   config.logical_axis_rules = axes.DEFAULT_RULES
   config.seed = 0  # parameters, data order and dropout all derive from it
@@ -163,7 +168,7 @@ def check_config(config: ml_collections.ConfigDict) -> None:
                      f"{did_you_mean(unknown[0], known_prefixes)} Valid keys are: "
                      f"{', '.join(sorted(known))}.")
   positive = ("num_train_steps", "batch_size", "eval_every", "log_every", "checkpoint_every",
-              "keep_checkpoints")
+              "keep_checkpoints", "sequence_shards")
   for key in positive:
     if not isinstance(config[key], int) or config[key] < 1:
       raise ValueError(f"config.{key} must be a positive integer, got {config[key]!r}.")
@@ -185,7 +190,8 @@ def config_differences(saved: Dict[str, Any], current: Dict[str, Any]) -> List[T
       flat(v, f"{p}{k}.").items() if isinstance(v, dict) and f"{p}{k}" not in FREE_FORM
       else [(f"{p}{k}", v)])}
   a, b = flat(saved), flat(current)
-  defaults = flat({"model": default_model_config().to_dict()})
+  defaults = dict(flat({"model": default_model_config().to_dict()}),
+                  sequence_shards=default_config().sequence_shards)
   added_at_default = {key for key in set(b) - set(a)
                       if key in defaults and _normalise(b[key]) == _normalise(defaults[key])}
   return [(key, a.get(key), b.get(key)) for key in sorted(set(a) | set(b))

@@ -29,6 +29,9 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 from attention_jax import axes
 
 MESH_AXES = ("data", "fsdp", "tensor")
+# Added as the last (fastest-varying, so neighbouring) mesh axis when a
+# sequence is split: ring attention passes chunks to the next device on it.
+SEQUENCE_AXIS = axes.SEQUENCE_AXIS
 # Every data-parallel axis splits the batch: FSDP is data parallelism too.
 DATA_AXES = axes.DATA_AXES
 # The default logical -> mesh axis rules (weights and activations have names of
@@ -54,15 +57,15 @@ def axis_rules(rules: Sequence[Sequence[Any]]) -> Tuple[Tuple[str, Any], ...]:
     name, targets = rule
     targets = tuple(targets) if isinstance(targets, (tuple, list)) else targets
     for target in (targets if isinstance(targets, tuple) else (targets,)):
-      if target is not None and target not in MESH_AXES:
+      if target is not None and target not in MESH_AXES + (SEQUENCE_AXIS,):
         raise ValueError(f"logical_axis_rules maps {name!r} to {target!r}, which is not a mesh "
-                         f"axis; mesh axes are {MESH_AXES}.")
+                         f"axis; mesh axes are {MESH_AXES + (SEQUENCE_AXIS,)}.")
     checked.append((name, targets))
   return tuple(checked)
 
 
 def make_mesh(mesh_shape: Sequence[int], axis_names: Sequence[str] = MESH_AXES, *,
-              devices: Optional[Sequence[jax.Device]] = None) -> Mesh:
+              devices: Optional[Sequence[jax.Device]] = None, sequence_shards: int = 1) -> Mesh:
   """A device mesh of `mesh_shape` over all (or the given) devices.
 
   Args:
@@ -70,6 +73,8 @@ def make_mesh(mesh_shape: Sequence[int], axis_names: Sequence[str] = MESH_AXES, 
       devices", e.g. (-1, 1, 1) is pure data parallelism on any device count.
     axis_names: the mesh axes, `MESH_AXES` by default.
     devices: the devices to lay out; `jax.devices()` (all hosts) by default.
+    sequence_shards: above 1, a last axis `SEQUENCE_AXIS` of this size is added
+      (the -1 takes the devices left after it).
 
   Raises:
     ValueError: when the shape and the names differ in length, a size is
@@ -81,18 +86,27 @@ def make_mesh(mesh_shape: Sequence[int], axis_names: Sequence[str] = MESH_AXES, 
   if len(shape) != len(axis_names):
     raise ValueError(f"mesh shape {tuple(mesh_shape)} has {len(shape)} sizes but the mesh has "
                      f"{len(axis_names)} axes {tuple(axis_names)}.")
+  if not isinstance(sequence_shards, int) or sequence_shards < 1:
+    raise ValueError(f"sequence_shards must be a positive integer, got {sequence_shards!r}.")
+  described = f"mesh shape {tuple(mesh_shape)}"
+  if sequence_shards > 1:
+    if SEQUENCE_AXIS in axis_names:
+      raise ValueError(f"axis_names {tuple(axis_names)} already hold {SEQUENCE_AXIS!r}; "
+                       f"give its size there or in sequence_shards, not both.")
+    shape, axis_names = shape + (sequence_shards,), tuple(axis_names) + (SEQUENCE_AXIS,)
+    described += f" with sequence_shards={sequence_shards}"
   if any(size == 0 or size < -1 for size in shape) or shape.count(-1) > 1:
-    raise ValueError(f"mesh shape {tuple(mesh_shape)} must hold positive sizes and at most "
-                     f"one -1 (the rest of the devices).")
+    raise ValueError(f"{described} must hold positive sizes and at most one -1 (the rest of "
+                     f"the devices).")
   known = math.prod(size for size in shape if size != -1)
   if -1 in shape:
     if len(devices) % known:
-      raise ValueError(f"mesh shape {tuple(mesh_shape)}: {len(devices)} devices do not divide "
-                       f"into groups of {known}.")
+      raise ValueError(f"{described}: {len(devices)} devices do not divide into groups of "
+                       f"{known}.")
     shape = tuple(len(devices) // known if size == -1 else size for size in shape)
   elif known != len(devices):
-    raise ValueError(f"mesh shape {tuple(mesh_shape)} needs {known} devices but there are "
-                     f"{len(devices)}; use -1 for one axis to take the rest.")
+    raise ValueError(f"{described} needs {known} devices but there are {len(devices)}; use -1 "
+                     f"for one axis to take the rest.")
   # Auto axes: the model places its activations with `with_sharding_constraint`
   # hints and leaves the rest to the partitioner (the jit/GSPMD model). Explicit
   # axes, jax.make_mesh's default, would need sharding types on every operation.
@@ -178,6 +192,17 @@ def shard_batch(host_batch: Dict[str, np.ndarray], sharding: NamedSharding) -> D
   check_batch_size(next(iter(rows.values())) * jax.process_count(), sharding.mesh)
   return {name: jax.make_array_from_process_local_data(sharding, np.asarray(array))
           for name, array in host_batch.items()}
+
+
+def sequence_parallel_rules(rules: Sequence[Tuple[str, Any]], sequence_shards: int
+                            ) -> Tuple[Tuple[str, Any], ...]:
+  """`rules` with the activations' length on `SEQUENCE_AXIS` when the sequence is
+  split (`sequence_shards` > 1); unchanged otherwise, or where the rules
+  already place it."""
+  if sequence_shards <= 1:
+    return tuple(rules)
+  return tuple((name, SEQUENCE_AXIS if name == axes.ACTIVATION_LENGTH and target is None
+                else target) for name, target in rules)
 
 
 def under_mesh(fn: Callable[..., Any], mesh: Mesh,

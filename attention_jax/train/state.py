@@ -93,8 +93,10 @@ def abstract_state_and_shardings(
   """
   init = _state_initializer(model, optimizer, example_batch, objective, memory_rows)
   rng = jax.random.key(0)
-  boxed = jax.eval_shape(functools.partial(init, boxed=True), rng)
-  abstract = jax.eval_shape(functools.partial(init, boxed=False), rng)
+  # Traced under the mesh as the steps are: ring attention needs its axis.
+  eval_shape = partitioning.under_mesh(jax.eval_shape, mesh, rules)
+  boxed = eval_shape(functools.partial(init, boxed=True), rng)
+  abstract = eval_shape(functools.partial(init, boxed=False), rng)
   shardings = partitioning.logical_to_mesh_shardings(boxed, mesh, rules)
   if jax.tree.structure(shardings) != jax.tree.structure(abstract):
     raise ValueError("the optimizer's state does not follow the parameters' structure when "

@@ -139,8 +139,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
   workdir = pathlib.Path(workdir).absolute()
   check_workdir_path(workdir)
   config = _completed(config)
-  mesh = partitioning.make_mesh(config.mesh_shape)
-  rules = partitioning.axis_rules(config.logical_axis_rules)
+  mesh = partitioning.make_mesh(config.mesh_shape, sequence_shards=config.sequence_shards)
+  rules = partitioning.axis_rules(partitioning.sequence_parallel_rules(
+      config.logical_axis_rules, config.sequence_shards))
   partitioning.check_batch_size(config.batch_size, mesh)
   partitioning.check_batch_size(config.eval_batch_size, mesh)
   model = build_model(config.model)
@@ -412,11 +413,28 @@ def task_data_dir(config: ml_collections.ConfigDict) -> pathlib.Path:
   return folder
 
 
+def _attend_over_the_ring(config: ml_collections.ConfigDict) -> None:
+  """Sets the attention of a sequence-split run to ring attention."""
+  options = config.model.attention_options
+  if "implementation" not in options:
+    raise ValueError(
+        f"sequence_shards={config.sequence_shards} splits the sequence over devices, which "
+        f"only exact attention with an `implementation` option (ring attention) takes here; "
+        f"model.attention={config.model.attention!r} has none (e.g. dot_product has).")
+  if options.implementation not in (None, "ring"):
+    raise ValueError(
+        f"sequence_shards={config.sequence_shards} runs the attention as implementation='ring', "
+        f"but model.attention_options.implementation={options.implementation!r}.")
+  options.implementation = "ring"
+
+
 def _completed(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   """A checked copy of `config` with the task's sizes filled into the model."""
   check_config(config)
   config = ml_collections.ConfigDict(config.to_dict())  # unlocked copy, references resolved
   apply_attention_preset(config)
+  if config.sequence_shards > 1:
+    _attend_over_the_ring(config)
   info = lra_data.get_task(config.task, **task_options(config)).info
   kinds = (("dual_classifier",) if info.dual else SEQ2SEQ_KINDS if info.target_len
            else ("language_model",) if info.stream else CLASSIFIER_KINDS + ("language_model",))

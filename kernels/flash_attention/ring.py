@@ -36,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from attention_jax import axes
 from attention_jax.variants.dense import AttentionInputs, prepare_inputs, returned_outputs
 
 from . import blockwise, common
@@ -43,7 +44,7 @@ from . import blockwise, common
 Array = jnp.ndarray
 LAYOUTS = ("zigzag", "contiguous")
 # The mesh axis that `dot_product_attention(..., implementation="ring")` shards over.
-SEQUENCE_AXIS = "sequence"
+SEQUENCE_AXIS = axes.SEQUENCE_AXIS
 
 
 def ring_attention(query: Array, key: Array, value: Array, bias=None, mask=None, *,
@@ -55,9 +56,10 @@ def ring_attention(query: Array, key: Array, value: Array, bias=None, mask=None,
   Args:
     query: `[B, Tq, H, D]`; key: `[B, Tk, Hkv, D]`; value: `[B, Tk, Hkv, Dv]`,
       sharded along T over `axis_name` (or not: the call shards them).
-    bias, mask: not taken (a `[Tq, Tk]` array is what the ring avoids); the
-      structured masks (`is_causal`, `local_window_size`, `segment_ids`, the
-      lengths) are.
+    bias: not taken (a `[Tq, Tk]` array is what the ring avoids).
+    mask: only a key mask, `[B|1, 1, 1, Tk]` (padding anywhere, as the
+      encoders pass it); the structured masks (`is_causal`,
+      `local_window_size`, `segment_ids`, the lengths) are all taken.
     mesh: a `Mesh` (or `AbstractMesh`) with the axis `axis_name`; None: the
       mesh set with `jax.set_mesh`. Only `axis_name` is manual here; the
       other mesh axes (batch, heads) stay the compiler's.
@@ -92,7 +94,8 @@ def attention_over_ring(inputs: AttentionInputs, *, mesh=None, axis_name: str = 
                        scale=float(inputs.scale), is_causal=inputs.is_causal,
                        window=inputs.local_window_size, block_sizes=block_sizes)
   sequence, replicated = P(None, axis_name), P()
-  extras = dict(q_segment_ids=inputs.q_segment_ids, kv_segment_ids=inputs.kv_segment_ids,
+  q_segment_ids, kv_segment_ids = _segments_with_key_mask(inputs)
+  extras = dict(q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
                 query_seq_lengths=inputs.query_seq_lengths,
                 key_value_seq_lengths=inputs.key_value_seq_lengths)
   extras = {name: x for name, x in extras.items() if x is not None}
@@ -115,6 +118,25 @@ def attention_over_ring(inputs: AttentionInputs, *, mesh=None, axis_name: str = 
   return common.attention_outputs(out, lse, inputs.query_seq_lengths, return_residual)
 
 
+# The segment id of masked keys: no query has it (unless a caller's own ids do).
+_MASKED_KEY_SEGMENT = int(np.iinfo(np.int32).min)
+
+
+def _segments_with_key_mask(inputs: AttentionInputs):
+  """(q_segment_ids, kv_segment_ids) with the key mask folded in: a masked key
+  gets a segment of its own, which travels round the ring with its chunk."""
+  if inputs.mask is None:
+    return inputs.q_segment_ids, inputs.kv_segment_ids
+  batch, q_len, kv_len = inputs.query.shape[0], inputs.query.shape[1], inputs.key.shape[1]
+  key_mask = jnp.broadcast_to(inputs.mask[:, 0, 0, :], (batch, kv_len))
+  q_segment_ids, kv_segment_ids = inputs.q_segment_ids, inputs.kv_segment_ids
+  if q_segment_ids is None:
+    q_segment_ids = jnp.zeros((batch, q_len), jnp.int32)
+    kv_segment_ids = jnp.zeros((batch, kv_len), jnp.int32)
+  return q_segment_ids, jnp.where(key_mask, kv_segment_ids.astype(jnp.int32),
+                                  _MASKED_KEY_SEGMENT)
+
+
 def _is_explicit(mesh, axis_name: str) -> bool:
   types = dict(zip(mesh.axis_names, getattr(mesh, "axis_types", ())))
   return types.get(axis_name) == jax.sharding.AxisType.Explicit
@@ -123,9 +145,13 @@ def _is_explicit(mesh, axis_name: str) -> bool:
 def ring_rejects(inputs: AttentionInputs, mesh=None, axis_name: str = SEQUENCE_AXIS,
                  layout: str = "zigzag") -> Optional[str]:
   """Why the ring cannot take these inputs, or None."""
-  if inputs.bias is not None or inputs.mask is not None:
-    return ("ring attention takes no bias or mask (a [Tq, Tk] array is what it avoids); "
-            "use is_causal, local_window_size, segment_ids or the sequence lengths.")
+  if inputs.bias is not None:
+    return ("ring attention takes no bias (a [Tq, Tk] array is what it avoids); use "
+            "is_causal, local_window_size, segment_ids, the sequence lengths or a key mask.")
+  if inputs.mask is not None and inputs.mask.shape[1:3] != (1, 1):
+    return (f"ring attention takes a mask only as a key mask [B|1, 1, 1, Tk], got shape "
+            f"{list(inputs.mask.shape)}; use is_causal, local_window_size, segment_ids or "
+            f"the sequence lengths for the rest.")
   try:
     _, ring_size = _ring_mesh(mesh, axis_name)
     check_ring_inputs(inputs.query.shape[1], inputs.key.shape[1], ring_size, layout)

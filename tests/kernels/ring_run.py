@@ -37,6 +37,9 @@ MASKS = {
     "padded": dict(query_seq_lengths=jnp.array([T, 45]), key_value_seq_lengths=jnp.array([T, 50])),
     "segments": dict(segment_ids=SEGMENTS),
     "window": dict(local_window_size=(9, 3)),
+    # A key mask as the encoders pass their padding, holes anywhere.
+    "key_mask": dict(mask=(jnp.arange(T) % 7 != 3)[None, None, None, :] &
+                     (jnp.arange(B) == 0)[:, None, None, None] | (jnp.arange(T) < 50)),
 }
 
 

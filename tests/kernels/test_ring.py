@@ -16,7 +16,7 @@ import attention_jax as aj
 from attention_jax.kernels.flash_attention import ring
 
 SCRIPT = pathlib.Path(__file__).with_name("ring_run.py")
-MASKS = ("plain", "padded", "segments", "window")
+MASKS = ("plain", "padded", "segments", "window", "key_mask")
 # Every layout, mask and causality on a ring of 8; a ring of 4 beside a data
 # axis of 2 for the zig-zag layout's plain and padded cases.
 CASES = ([f"sequence8-{layout}-{attend}-{masks}" for layout in ring.LAYOUTS
@@ -88,8 +88,10 @@ def test_bad_input_errors():
     ring.ring_attention(q, q, q, mesh=mesh, axis_name="seq")
   with pytest.raises(ValueError, match="layout must be one of"):
     ring.ring_attention(q, q, q, mesh=mesh, layout="striped")
-  with pytest.raises(ValueError, match="no bias or mask"):
+  with pytest.raises(ValueError, match="no bias"):
     ring.ring_attention(q, q, q, jnp.zeros((24, 24)), mesh=mesh)
+  with pytest.raises(ValueError, match="only as a key mask .*got shape \\[1, 1, 24, 24\\]"):
+    ring.ring_attention(q, q, q, mask=jnp.ones((24, 24), bool), mesh=mesh)
   with pytest.raises(ValueError, match="the key length 20 is not a multiple of 8"):
     ring.check_ring_inputs(24, 20, 4, "zigzag")
   with pytest.raises(ValueError, match="query length 6 is not a multiple of 4"):

@@ -130,6 +130,19 @@ def trainer_runs(tmp):
     results = train_and_evaluate(config, workdir)
     out["losses"][name] = [r["loss"] for r in metrics.read_metrics(workdir, "train")]
     out.setdefault("validation", {})[name] = results["metrics"]["validation"]
+  # The sequence split over 4 devices (ring attention), beside 2-way data
+  # parallelism, against data parallelism alone. Mean pooling: the 40 tokens
+  # split evenly, a [CLS] would make them 41.
+  for name, shape, sequence_shards in [("8x1x1-mean", (8, 1, 1), 1),
+                                       ("2x1x1-sequence4-mean", (2, 1, 1), 4)]:
+    config = tiny_config.get_config()
+    config.update(data_dir=str(tmp / "data"), mesh_shape=shape, num_train_steps=6, log_every=1,
+                  eval_every=6, checkpoint_every=6, sequence_shards=sequence_shards)
+    config.model.pooling = "mean"
+    results = train_and_evaluate(config, tmp / ("mesh-" + name))
+    out.setdefault("sequence_losses", {})[name] = [
+        r["loss"] for r in metrics.read_metrics(tmp / ("mesh-" + name), "train")]
+    out.setdefault("sequence_meshes", {})[name] = results["mesh"]
   config = tiny_config.get_config()
   config.update(data_dir=str(tmp / "data"), mesh_shape=(8, 1, 1), batch_size=12)
   out["batch_error"] = error_of(lambda: train_and_evaluate(config, tmp / "bad-batch"))

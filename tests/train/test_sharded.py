@@ -102,6 +102,15 @@ def test_the_training_loop_gives_the_same_losses_on_every_mesh_as_on_one_device(
                                results["metrics"]["validation"]["loss"], rtol=2e-5)
 
 
+def test_the_sequence_split_over_a_mesh_axis_gives_the_data_parallel_losses(run):
+  """`config.sequence_shards=4`: a "sequence" mesh axis, ring attention."""
+  meshes, losses = run["trainer"]["sequence_meshes"], run["trainer"]["sequence_losses"]
+  assert meshes["2x1x1-sequence4-mean"] == {"data": 2, "fsdp": 1, "tensor": 1, "sequence": 4}
+  reference = losses["8x1x1-mean"]
+  assert len(reference) == 6 and np.ptp(reference) > 1e-3
+  np.testing.assert_allclose(losses["2x1x1-sequence4-mean"], reference, rtol=2e-5, atol=2e-6)
+
+
 def test_the_training_loop_refuses_a_batch_that_does_not_split_before_writing(run):
   message = run["trainer"]["batch_error"]
   assert message is not None and "12" in message and "8" in message

@@ -326,10 +326,25 @@ def test_a_workdir_of_another_config_is_refused_untouched_unless_overwritten(fin
     ("mesh_shape", (3, 1, 1), ["(3, 1, 1)", "3 devices", "there are 1"]),
     ("task", "listopz", ["unknown task 'listopz'", "listops"]),
     ("num_train_steps", 0, ["num_train_steps", "positive", "0"]),
+    ("sequence_shards", 0, ["sequence_shards", "positive", "0"]),
+    ("sequence_shards", 2, ["(-1, 1, 1) with sequence_shards=2", "1 devices",
+                            "groups of 2"]),
+    ("model.attention", "linformer", ["sequence_shards=2", "ring attention",
+                                      "model.attention='linformer'"]),
+    ("model.attention_options.implementation", "xla",
+     ["sequence_shards=2", "implementation='ring'", "implementation='xla'"]),
 ])
 def test_bad_values_are_refused_before_anything_is_written(tmp_path, key, value, words):
   config = _config(tmp_path)
-  config[key] = value
+  if key.startswith("model."):  # what sequence_shards=2 cannot run
+    config.sequence_shards = 2
+    if key == "model.attention":
+      config.model.attention = value
+      config.model.attention_options = {}
+    else:
+      config.model.attention_options.implementation = value
+  else:
+    config[key] = value
   with pytest.raises(ValueError) as error:
     train_and_evaluate(config, tmp_path / "workdir")
   for word in words:
