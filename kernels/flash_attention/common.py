@@ -81,32 +81,33 @@ def q_block_range(kv_block: Array, block_q: int, block_k: int, num_q_blocks: int
   return kv_block_range(kv_block, block_k, block_q, num_q_blocks, (right, left))
 
 
-def block_mask(q_pos: Array, k_pos: Array, *, kv_len: int, reach: Reach,
+def block_mask(q_pos: Array, k_pos: Array, *, kv_len: Optional[int], reach: Reach,
                k_index: Optional[Array] = None,
                q_lengths: Optional[Array] = None, kv_lengths: Optional[Array] = None,
                q_segment_ids: Optional[Array] = None,
-               kv_segment_ids: Optional[Array] = None) -> Array:
-  """The allowed pairs of one block from the structured masks: `[B|1, bq, bk]`.
+               kv_segment_ids: Optional[Array] = None) -> Optional[Array]:
+  """The allowed pairs of one block from the structured masks: `[B|1, bq|1, bk]`,
+  or None when every pair is allowed.
 
   Args:
     q_pos: `[bq]` absolute query positions; k_pos: `[bk]` absolute key positions.
-    kv_len: the real Tk; keys past it are block padding.
+    kv_len: the real Tk, where keys past it are block padding; None: no padding.
     reach: from `reach_of`.
     k_index: `[bk]` the keys' indices in the arrays where positions are not
       indices (ring attention's chunks); None: the positions.
     q_lengths, kv_lengths: `[B]` valid lengths.
     q_segment_ids: `[B, bq]`; kv_segment_ids: `[B, bk]` (this block's slices).
   """
-  in_bounds = (k_pos if k_index is None else k_index) < kv_len
-  allowed = masks.and_masks(in_bounds[None, :],
-                            masks.reach_predicate(q_pos[:, None], k_pos[None, :], reach))
-  allowed = allowed[None]  # [1, bq, bk]
-  if q_lengths is not None:
-    allowed &= masks.length_predicate(q_pos[None, :, None], q_lengths[:, None, None])
-  if kv_lengths is not None:
-    allowed &= masks.length_predicate(k_pos[None, None, :], kv_lengths[:, None, None])
-  if q_segment_ids is not None:
-    allowed &= masks.segment_predicate(q_segment_ids[:, :, None], kv_segment_ids[:, None, :])
+  in_bounds = None if kv_len is None else (k_pos if k_index is None else k_index) < kv_len
+  allowed = masks.and_masks(
+      None if in_bounds is None else in_bounds[None, None, :],
+      masks.reach_predicate(q_pos[None, :, None], k_pos[None, None, :], reach),
+      None if q_lengths is None else masks.length_predicate(q_pos[None, :, None],
+                                                            q_lengths[:, None, None]),
+      None if kv_lengths is None else masks.length_predicate(k_pos[None, None, :],
+                                                             kv_lengths[:, None, None]),
+      None if q_segment_ids is None else masks.segment_predicate(q_segment_ids[:, :, None],
+                                                                 kv_segment_ids[:, None, :]))
   return allowed
 
 
