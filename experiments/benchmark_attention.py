@@ -138,11 +138,17 @@ def causal_settings(choice: str) -> list[bool]:
 # ---------------------------------------------------------------------------
 
 
+# Implementations over a device mesh, which this one-device benchmark does not
+# build: ring attention has its own (experiments.benchmark_ring).
+MESH_IMPLEMENTATIONS = ("ring",)
+
+
 def attention_jax_implementations() -> tuple[str, ...]:
-  """Names `attention_jax.dot_product_attention` accepts on this backend."""
+  """Names `attention_jax.dot_product_attention` accepts on this backend (one device)."""
   if not hasattr(attention_jax, "dot_product_attention"):
     return ()
-  return tuple(getattr(attention_jax, "available_implementations", lambda: ("xla",))())
+  names = getattr(attention_jax, "available_implementations", lambda: ("xla",))()
+  return tuple(name for name in names if name not in MESH_IMPLEMENTATIONS)
 
 
 def available_peers(backend: str | None = None) -> list[str]:

@@ -128,6 +128,12 @@ def test_default_impls_include_attention_jax_and_the_peers():
   assert labels[-1] == benchmark_attention.PEER
 
 
+def test_mesh_implementations_are_left_to_their_own_benchmark():
+  import attention_jax  # pylint: disable=g-import-not-at-top
+  assert "ring" in attention_jax.available_implementations()
+  assert "attention_jax:ring" not in benchmark_attention.available_labels()
+
+
 def test_flop_count():
   cell = {"batch": 2, "seq_len": 8, "heads": 3, "head_dim": 4, "mode": "fwd", "causal": False}
   forward = 4 * 2 * 3 * 8 * 8 * 4
