@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import pathlib
 import statistics
-import sys
 from typing import Any, Dict, List, Optional, Sequence
 
 import jax
@@ -78,7 +77,6 @@ def make_step(args: cli.Args, mode: str):
 
 def benchmark(args: cli.Args) -> int:
   """Times every (mode, span) cell, prints the ratios, writes the JSON."""
-  from attention_jax.train.trainer import device_summary, git_revision  # pylint: disable=g-import-not-at-top
   shape = (1, args.length, args.heads, args.head_dim)
   keys = jax.random.split(jax.random.PRNGKey(0), 3)
   query, key, value = (jax.random.normal(k, shape, jnp.float32) for k in keys)
@@ -104,14 +102,10 @@ def benchmark(args: cli.Args) -> int:
       print(f"{mode:>8} {span:>7.0f} {record['ms']:>9.1f} {record['ratio_to_full_span']:>9.2f} "
             f"{record['blocks_in_reach']:>16.2f}", flush=True)
   if args.out:
-    out = pathlib.Path(args.out)
-    common.write_json(out, dict(
-        git_revision=git_revision(), devices=device_summary(),
-        command=" ".join(["python -m experiments.benchmark_adaptive_span"] + sys.argv[1:]),
-        settings=dict(length=args.length, heads=args.heads, head_dim=args.head_dim,
-                      max_span=args.max_span, ramp=args.ramp, block_size=args.block_size,
-                      repeats=args.repeats),
-        records=records))
+    common.write_records(pathlib.Path(args.out), "experiments.benchmark_adaptive_span",
+                         dict(length=args.length, heads=args.heads, head_dim=args.head_dim,
+                              max_span=args.max_span, ramp=args.ramp,
+                              block_size=args.block_size, repeats=args.repeats), records)
   return 0
 
 

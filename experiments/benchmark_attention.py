@@ -582,6 +582,16 @@ def environment() -> dict[str, Any]:
   }
 
 
+def write_records(path: pathlib.Path, script: str, settings: dict[str, Any],
+                  records: list[dict[str, Any]]) -> None:
+  """A benchmark script's JSON: where it ran (git revision, devices), the command
+  line that made it (`python -m <script> ...`), its settings and its records."""
+  from attention_jax.train.trainer import device_summary, git_revision  # pylint: disable=import-outside-toplevel
+  write_json(path, dict(git_revision=git_revision(), devices=device_summary(),
+                        command=" ".join([f"python -m {script}"] + sys.argv[1:]),
+                        settings=settings, records=records))
+
+
 def write_json(path: pathlib.Path, payload: dict[str, Any]) -> None:
   """Writes `payload`, creating the folder; non-finite floats become null."""
   def finite(x):

@@ -33,7 +33,6 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 
 import pathlib  # pylint: disable=g-import-not-at-top,wrong-import-position
 import statistics
-import sys
 from typing import Any, Dict, List, Optional, Sequence
 
 import jax
@@ -99,7 +98,6 @@ def make_call(args: cli.Args, implementation: str, mode: str):
 
 def benchmark(args: cli.Args) -> int:
   """Measures every (length, mode, implementation) cell, prints ratios, writes the JSON."""
-  from attention_jax.train.trainer import device_summary, git_revision  # pylint: disable=g-import-not-at-top
   records: List[Dict[str, Any]] = []
   print(f"causal, B=1 H={args.heads} D={args.head_dim} float32, blocks {args.block_size}; "
         f"ring over {args.devices} simulated devices of {jax.devices()[0].device_kind}")
@@ -126,13 +124,10 @@ def benchmark(args: cli.Args) -> int:
             f"{cell['ring_peak_mib']:>13.1f} {cell['memory_ratio']:>6.3f} "
             f"{time_of('blockwise_ms'):>13} {time_of('ring_ms'):>9}", flush=True)
   if args.out:
-    common.write_json(pathlib.Path(args.out), dict(
-        git_revision=git_revision(), devices=device_summary(),
-        command=" ".join(["python -m experiments.benchmark_ring"] + sys.argv[1:]),
-        settings=dict(devices=args.devices, heads=args.heads, head_dim=args.head_dim,
-                      block_size=args.block_size, repeats=args.repeats, causal=True,
-                      layout="zigzag", dtype="float32"),
-        records=records))
+    common.write_records(pathlib.Path(args.out), "experiments.benchmark_ring",
+                         dict(devices=args.devices, heads=args.heads, head_dim=args.head_dim,
+                              block_size=args.block_size, repeats=args.repeats, causal=True,
+                              layout="zigzag", dtype="float32"), records)
   return 0
 
 
