@@ -44,6 +44,22 @@ def test_classifier_config_rejects_an_unknown_variant():
 LRA_CONFIGS = sorted(p.name for p in (CONFIGS / "lra").glob("*.py"))
 
 
+@pytest.mark.parametrize("kind, options", [("moe", dict(num_experts=4, top_k=2)),
+                                           ("product_key", dict(num_keys=32, top_k=4))])
+def test_a_config_takes_the_options_of_the_feed_forward_layer_it_picks(kind, options):
+  """The default config lists the MLP's options; a config that picks another
+  layer (the architectures table's rows) sets that layer's, and an option of
+  neither is still refused."""
+  from attention_jax.train.config import check_config  # pylint: disable=g-import-not-at-top
+  config = _load("lra/listops.py").get_config("dot_product,smoke")
+  config.model.feed_forward = kind
+  config.model.feed_forward_options.update(options)
+  check_config(config)
+  config.model.feed_forward_options.num_expertz = 4
+  with pytest.raises(ValueError, match="unknown config key.*num_expertz"):
+    check_config(config)
+
+
 def test_every_lra_task_has_a_config():
   assert LRA_CONFIGS == ["image.py", "listops.py", "pathfinder32.py", "pathx.py",
                          "retrieval.py", "text.py"]

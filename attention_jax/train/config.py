@@ -17,6 +17,7 @@ from typing import Any, Dict, Iterable, List, Tuple
 import ml_collections
 
 from attention_jax import axes
+from attention_jax.layers import FEED_FORWARD_LAYERS, feed_forward_options
 from attention_jax.models import attention_options_config, default_model_config
 from attention_jax.registry import did_you_mean
 from attention_jax.train.optim import default_optimizer_config
@@ -153,6 +154,12 @@ def check_config(config: ml_collections.ConfigDict) -> None:
   `make_optimizer`; the task name and options by `attention_jax.data.get_task`.
   """
   known = _flatten(default_config())
+  # The default lists the options of the default feed-forward layer; a config
+  # that picks another one sets that layer's options.
+  kind = config.get("model", {}).get("feed_forward")
+  if kind in FEED_FORWARD_LAYERS:
+    known.update({f"model.feed_forward_options.{name}": default
+                  for name, default in feed_forward_options(kind).items()})
   given = _flatten(config)
   known_prefixes = {".".join(key.split(".")[:n]) for key in known
                     for n in range(1, key.count(".") + 2)}
