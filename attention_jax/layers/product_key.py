@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from attention_jax import axes
+from attention_jax.layers.attention import HeadProjection
 
 Array = jnp.ndarray
 Dtype = Any
@@ -105,12 +106,11 @@ class ProductKeyMemory(nn.Module):
       raise ValueError(f"x must be [B, T, E], got shape {x.shape}.")
     batch, length, features = x.shape
     dtype = self.dtype or x.dtype
-    queries = nn.DenseGeneral(
-        (self.num_heads, self.key_dim), dtype=dtype, param_dtype=self.param_dtype,
-        kernel_init=nn.with_logical_partitioning(nn.initializers.xavier_uniform(),
-                                                 (axes.EMBED, axes.HEADS, axes.KV)),
-        bias_init=nn.with_logical_partitioning(nn.initializers.zeros_init(),
-                                               (axes.HEADS, axes.KV)),
+    # HeadProjection, not nn.DenseGeneral: DenseGeneral names the axes of its
+    # flat kernel, which fails under the trainer's mesh (flax issue #3676).
+    queries = HeadProjection(
+        (axes.EMBED, axes.HEADS, axes.KV), (self.num_heads, self.key_dim), dtype=dtype,
+        param_dtype=self.param_dtype, kernel_init=nn.initializers.xavier_uniform(),
         name="query")(x)  # [B, T, H, Dk]
     if self.query_norm:
       # Per half: each half is scored against its own sub-keys.

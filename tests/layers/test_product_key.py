@@ -75,3 +75,19 @@ def test_no_array_the_size_of_the_memory_is_built_but_its_values():
 def test_bad_options_raise_naming_the_option(options, message):
   with pytest.raises(ValueError, match=message):
     ProductKeyMemory(**options).init(jax.random.PRNGKey(0), jnp.ones((B, T, E)))
+
+
+def test_initialises_and_runs_under_a_mesh_with_logical_rules():
+  """As the trainer builds it (the architectures table's row failed here while
+  the query projection was nn.DenseGeneral, flax issue #3676)."""
+  from attention_jax import axes  # pylint: disable=g-import-not-at-top
+  mesh = jax.make_mesh((1, 1, 1), ("data", "fsdp", "tensor"),
+                       axis_types=(jax.sharding.AxisType.Auto,) * 3)
+  memory = ProductKeyMemory(num_keys=8, top_k=2, num_heads=2, key_dim=8)
+  x = jax.random.normal(jax.random.PRNGKey(0), (2, 5, 16))
+  with jax.set_mesh(mesh), nn.logical_axis_rules(axes.DEFAULT_RULES):
+    variables = memory.init(jax.random.PRNGKey(1), x)
+    out = jax.jit(memory.apply)(variables, x)
+  specs = nn.get_partition_spec(variables)["params"]
+  assert specs["query"]["kernel"] == jax.sharding.PartitionSpec("embed", "heads", "kv")
+  assert_close(out, memory.apply(nn.meta.unbox(variables), x), atol=1e-6)
