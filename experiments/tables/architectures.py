@@ -98,9 +98,10 @@ def markdown(table: Any, rows: Sequence[Dict[str, Any]], data_dir: str = "data")
   """Per architecture: its config, metric, test mean ± std, chance and the
   verdict. Each row gets its "chance" here (the majority class needs the
   prepared data, which only this step is given), for the CSV and the plot."""
-  lines = [*report.markdown_head(["architecture", "config", "test metric (%)",
-                                  "mean ± std (n seeds)", "chance (%)", "every seed above chance",
-                                  "steps/s"])]
+  lines = ["## Test metric against chance, per architecture", "",
+           *report.markdown_head(["architecture", "config", "test metric (%)",
+                                  "mean ± std (n seeds)", "chance (%)",
+                                  "every seed above chance", "steps/s"])]
   reasons = []
   for row in rows:
     chance = row["chance"] = _chance(table, row["row"], data_dir)
