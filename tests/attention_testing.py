@@ -208,6 +208,16 @@ def rms_norm_by_formula(x, p, eps=1e-6):
   return x / jnp.sqrt((x ** 2).mean(-1, keepdims=True) + eps) * p["scale"]
 
 
+def small_stack_config(max_length, **overrides):
+  """The small model of the layer-stack tests (3 layers of width 16, 2 heads,
+  no dropout), with `overrides`: a `ModelConfig`."""
+  from attention_jax.models import ModelConfig  # pylint: disable=import-outside-toplevel
+  fields = dict(vocab_size=11, num_layers=3, embed_dim=16, num_heads=2, mlp_dim=32,
+                max_length=max_length, dropout_rate=0.0)
+  fields.update(overrides)
+  return ModelConfig.from_config(fields)
+
+
 def perturbed(params, seed=7):
   """Random parameters: default initialisers (zero biases, unit scales) would
   hide a missing bias or scale."""

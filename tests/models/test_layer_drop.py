@@ -9,16 +9,13 @@ import pytest
 from attention_jax.models import Block, LayerStack, ModelConfig
 from attention_jax.models.stack import unstack_scanned
 from attention_jax.train.steps import sown_losses
-from attention_testing import perturbed
+from attention_testing import perturbed, small_stack_config
 
 B, T, E = 2, 8, 16
 
 
 def _config(**overrides) -> ModelConfig:
-  fields = dict(vocab_size=11, num_layers=3, embed_dim=E, num_heads=2, mlp_dim=32, max_length=T,
-                dropout_rate=0.0)
-  fields.update(overrides)
-  return ModelConfig.from_config(fields)
+  return small_stack_config(T, **overrides)
 
 
 def _x(seed=0):

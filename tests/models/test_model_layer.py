@@ -19,16 +19,15 @@ from attention_jax.models import (Block, LayerStack, ModelConfig, build_model,
 from attention_jax.models.config import POOLING_VARIANTS
 from attention_jax.models.stack import unstack_scanned
 from attention_jax.variants.prior import SCORES
+from attention_testing import small_stack_config
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
+
 B, T, E = 2, 16, 16
 
 
 def _config(**overrides) -> ModelConfig:
-  fields = dict(vocab_size=11, num_layers=4, embed_dim=E, num_heads=2, mlp_dim=32, max_length=T,
-                dropout_rate=0.0)
-  fields.update(overrides)
-  return ModelConfig.from_config(fields)
+  return small_stack_config(T, **{"num_layers": 4, **overrides})
 
 
 def _x(seed=0):

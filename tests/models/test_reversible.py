@@ -9,16 +9,13 @@ import pytest
 
 from attention_jax.models import Block, LayerStack, ModelConfig, build_model
 from attention_jax.models.reversible import ReversibleBlock, reversible_layers
-from attention_testing import assert_causal_language_model, perturbed
+from attention_testing import assert_causal_language_model, perturbed, small_stack_config
 
 B, T, E = 2, 12, 16
 
 
 def _config(**overrides) -> ModelConfig:
-  fields = dict(vocab_size=11, num_layers=3, embed_dim=E, num_heads=2, mlp_dim=32, max_length=T,
-                dropout_rate=0.0, stack="reversible")
-  fields.update(overrides)
-  return ModelConfig.from_config(fields)
+  return small_stack_config(T, **{"stack": "reversible", **overrides})
 
 
 def _x(seed=0, length=T):

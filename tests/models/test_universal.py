@@ -11,16 +11,13 @@ from attention_jax import positional
 from attention_jax.models import Block, LayerStack, ModelConfig, build_model
 from attention_jax.models.universal import adaptive_computation
 from attention_jax.train.steps import sown_losses
-from attention_testing import assert_causal_language_model, perturbed
+from attention_testing import assert_causal_language_model, perturbed, small_stack_config
 
 B, T, E = 2, 8, 16
 
 
 def _config(**overrides) -> ModelConfig:
-  fields = dict(vocab_size=11, num_layers=4, embed_dim=E, num_heads=2, mlp_dim=32, max_length=T,
-                dropout_rate=0.0, stack="universal")
-  fields.update(overrides)
-  return ModelConfig.from_config(fields)
+  return small_stack_config(T, **{"num_layers": 4, "stack": "universal", **overrides})
 
 
 def _x(seed=0):
