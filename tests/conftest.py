@@ -5,11 +5,28 @@ compiling many small programs; the backend's optimisation level 0 cuts that
 about fivefold. Set XLA_FLAGS yourself to override.
 """
 
+import atexit
 import os
+import shutil
+import tempfile
 
 if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                              " --xla_backend_optimization_level=0").strip()
+
+# One persistent compilation cache for the session: the two xdist workers and
+# the subprocess runs compile many of the same small programs (eager ops of
+# model inits, the same layer shapes in different files), and a hit costs a
+# file read where a compile costs ~20 ms. It starts empty, so CI times the cold
+# case; the first process to load this file (the xdist controller) makes it and
+# the workers inherit it through the environment. JAX caches by the program,
+# the flags and its own version, so a hit is the program it compiled.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+  _cache_dir = tempfile.mkdtemp(prefix="attention_jax_xla_cache_")
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache_dir
+  # Every compile is worth keeping: the default keeps only those over a second.
+  os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+  atexit.register(shutil.rmtree, _cache_dir, ignore_errors=True)
 
 # float32 matrix products in float32. On GPUs XLA (and Triton inside the Pallas
 # kernels) run float32 dots as TF32 by default, ~1e-3 off the float32 reference;
