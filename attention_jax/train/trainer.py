@@ -43,6 +43,7 @@ import ml_collections
 import numpy as np
 
 from attention_jax import data as lra_data
+from attention_jax import registry
 from attention_jax.models import build_model
 from attention_jax.models.config import SEQ2SEQ_KINDS
 from attention_jax.train import partitioning
@@ -416,7 +417,9 @@ def task_data_dir(config: ml_collections.ConfigDict) -> pathlib.Path:
 def _attend_over_the_ring(config: ml_collections.ConfigDict) -> None:
   """Sets the attention of a sequence-split run to ring attention."""
   options = config.model.attention_options
-  if "implementation" not in options:
+  # The sparse variants' `implementation` picks the kernel of their pattern, not a ring.
+  if "implementation" not in options or registry.get_variant(config.model.attention).family \
+      == "sparse":
     raise ValueError(
         f"sequence_shards={config.sequence_shards} splits the sequence over devices, which "
         f"only exact attention with an `implementation` option (ring attention) takes here; "

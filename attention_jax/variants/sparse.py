@@ -33,7 +33,9 @@ differs from the papers (the `lra_release` presets, docs/lra_release.md).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+import operator
 from typing import Callable, List, NamedTuple, Optional, Sequence, Tuple
 
 import flax.linen as nn
@@ -43,7 +45,9 @@ import numpy as np
 
 from attention_jax import registry
 from attention_jax.core import masks as mask_lib
+from attention_jax.core import patterns
 from attention_jax.variants import common
+from attention_jax.variants.dense import prepare_inputs
 
 Array = jnp.ndarray
 # A pattern: (query positions, key positions) -> may attend, broadcasting.
@@ -484,6 +488,48 @@ def _from_head_stripes(x: Array) -> Array:
 # ----------------------------------------------------------------------------
 # The variants.
 
+# ----------------------------------------------------------------------------
+# The block-sparse kernels: the same patterns as predicates (core/patterns.py),
+# computed by the flash kernel over only the blocks they allow.
+
+KERNEL_IMPLEMENTATIONS = ("blockwise",)
+
+
+def _check_implementation(variant: str, implementation: Optional[str]):
+  if implementation is not None and implementation not in KERNEL_IMPLEMENTATIONS:
+    raise ValueError(f"{variant}: implementation must be None (the pure-JAX form) or one of "
+                     f"{KERNEL_IMPLEMENTATIONS}, got {implementation!r}.")
+
+
+def _kernel_attention(variant: str, pattern: patterns.Pattern, query: Array, key: Array,
+                      value: Array, bias, mask, *, implementation: str, is_causal: bool,
+                      query_seq_lengths, key_value_seq_lengths, segment_ids, scale,
+                      block_size: Optional[int] = None,
+                      extra_blocks: Optional[Array] = None) -> Array:
+  """`variant` under `pattern` through the block-sparse flash kernel
+  (kernels/flash_attention/block_sparse.py), with this module's input rules:
+  self-attention, no bias, a key-padding mask at most."""
+  # The kernels import the variants, so they are imported here, on use.
+  # pylint: disable-next=import-outside-toplevel
+  from attention_jax.kernels.flash_attention import block_sparse, common as kernel_common
+  common.reject_unsupported(variant, bias=bias)
+  length = _self_attention_length(variant, query, key)
+  key_ok = common.key_padding(variant, mask, key_value_seq_lengths, query.shape[0], length)
+  inputs, _ = prepare_inputs(
+      query, key, value, None, None if key_ok is None else key_ok[:, None, None, :],
+      scale=scale, is_causal=is_causal, query_seq_lengths=query_seq_lengths,
+      segment_ids=segment_ids)
+  block_sizes = None if block_size is None else kernel_common.BlockSizes(block_size, block_size)
+  return block_sparse.block_sparse_attention(inputs, pattern, implementation=implementation,
+                                             block_sizes=block_sizes, extra_blocks=extra_blocks)
+
+
+def _call_masks(is_causal, query_seq_lengths, key_value_seq_lengths, segment_ids, scale):
+  """The masking arguments every variant here passes on to `_kernel_attention`."""
+  return dict(is_causal=is_causal, query_seq_lengths=query_seq_lengths,
+              key_value_seq_lengths=key_value_seq_lengths, segment_ids=segment_ids, scale=scale)
+
+
 LOCAL_PATTERNS = ("sliding", "release_strided")
 
 
@@ -491,7 +537,7 @@ def local_attention(query: Array, key: Array, value: Array, bias=None, mask=None
                     is_causal: bool = False, query_seq_lengths=None,
                     key_value_seq_lengths=None, segment_ids=None, window_size: int = 64,
                     pattern: str = "sliding", block_size: Optional[int] = None,
-                    scale: Optional[float] = None) -> Array:
+                    scale: Optional[float] = None, implementation: Optional[str] = None) -> Array:
   """Local attention, `query [B, T, H, D]`, `key/value [B, T, Hkv, D|Dv]` -> `[B, T, H, Dv]`.
 
   pattern="sliding" (the method): query i sees keys [i - w, i + w] ([i - w, i]
@@ -508,24 +554,25 @@ def local_attention(query: Array, key: Array, value: Array, bias=None, mask=None
   57, 98, ...). Computed as full attention within each of the T'/b stripes,
   O(T b); `window_size` is not used. Unlike the release, padded keys (given
   and added) are masked, and causal keeps j <= i within the stripe.
+
+  implementation: None computes the forms above; "blockwise" the flash kernel
+  over the blocks that `local_pattern` allows (kernels/flash_attention/block_sparse.py).
   """
   length = _self_attention_length("local", query, key)
-  if pattern not in LOCAL_PATTERNS:
-    raise ValueError(f"local: pattern must be one of {LOCAL_PATTERNS}, got {pattern!r}.")
+  _check_implementation("local", implementation)
+  pattern_ = local_pattern(length, window_size=window_size, pattern=pattern,
+                           block_size=block_size)
+  if implementation is not None:
+    return _kernel_attention("local", pattern_, query, key, value, bias, mask,
+                             implementation=implementation, **_call_masks(
+                                 is_causal, query_seq_lengths, key_value_seq_lengths,
+                                 segment_ids, scale))
   if pattern == "sliding":
-    if block_size is not None:
-      raise ValueError(f"local: block_size applies to pattern='release_strided' only, got "
-                       f"block_size={block_size!r} with pattern='sliding'.")
-    common.check_size("window_size", window_size, length=length)
     inputs = _prepare("local", query, key, value, bias, mask, is_causal=is_causal,
                       key_value_seq_lengths=key_value_seq_lengths, segment_ids=segment_ids,
                       scale=scale, multiple=window_size)
     out = _merge_parts([_windowed_part(inputs, window_size, window_size, window_size)])
     return _finish(out, inputs, query_seq_lengths, query.dtype)
-  if block_size is None:
-    raise ValueError("local: pattern='release_strided' needs block_size (the release's "
-                     "block_size: 50 on the text tasks, 64 on the image ones), got None.")
-  common.check_size("block_size", block_size, length=length)
   inputs = _prepare("local", query, key, value, bias, mask, is_causal=is_causal,
                     key_value_seq_lengths=key_value_seq_lengths, segment_ids=segment_ids,
                     scale=scale, multiple=block_size, pad_always=True)
@@ -538,6 +585,25 @@ def local_attention(query: Array, key: Array, value: Array, bias=None, mask=None
                      _causal(inputs.is_causal))
   out = _merge_parts([_map_part(_from_stripes, part)])
   return _finish(out, inputs, query_seq_lengths, query.dtype)
+
+
+def local_pattern(length: int, *, window_size: int = 64, pattern: str = "sliding",
+                  block_size: Optional[int] = None) -> patterns.Pattern:
+  """The pairs `local_attention` allows at length T (checking the options)."""
+  if pattern not in LOCAL_PATTERNS:
+    raise ValueError(f"local: pattern must be one of {LOCAL_PATTERNS}, got {pattern!r}.")
+  if pattern == "sliding":
+    if block_size is not None:
+      raise ValueError(f"local: block_size applies to pattern='release_strided' only, got "
+                       f"block_size={block_size!r} with pattern='sliding'.")
+    common.check_size("window_size", window_size, length=length)
+    return patterns.Band(window_size, window_size)
+  if block_size is None:
+    raise ValueError("local: pattern='release_strided' needs block_size (the release's "
+                     "block_size: 50 on the text tasks, 64 on the image ones), got None.")
+  common.check_size("block_size", block_size, length=length)
+  # The release's T' = T + b - (T mod b) in b rows: stripes of period T' / b.
+  return patterns.SameResidue((length + block_size - length % block_size) // block_size)
 
 
 def band_attention(variant: str, query: Array, key: Array, value: Array, left: int, right: int,
@@ -661,14 +727,21 @@ def positional_band_attention(variant: str, value: Array, num_heads: int,
 def block_local_attention(query: Array, key: Array, value: Array, bias=None, mask=None, *,
                           is_causal: bool = False, query_seq_lengths=None,
                           key_value_seq_lengths=None, segment_ids=None, block_size: int = 64,
-                          scale: Optional[float] = None) -> Array:
+                          scale: Optional[float] = None,
+                          implementation: Optional[str] = None) -> Array:
   """Blockwise self-attention (Qiu et al. 2019): non-overlapping blocks of
   `block_size` tokens attend only within their block (lower triangle when
   causal). T is padded to a multiple of the block size; the last, shorter
-  block attends within itself. O(T b).
+  block attends within itself. O(T b). `implementation`: as in `local_attention`.
   """
   length = _self_attention_length("block_local", query, key)
+  _check_implementation("block_local", implementation)
   common.check_size("block_size", block_size, length=length)
+  if implementation is not None:
+    return _kernel_attention("block_local", patterns.SameBlock(block_size), query, key, value,
+                             bias, mask, implementation=implementation, **_call_masks(
+                                 is_causal, query_seq_lengths, key_value_seq_lengths,
+                                 segment_ids, scale))
   inputs = _prepare("block_local", query, key, value, bias, mask, is_causal=is_causal,
                     key_value_seq_lengths=key_value_seq_lengths, segment_ids=segment_ids,
                     scale=scale, multiple=block_size)
@@ -679,17 +752,25 @@ def block_local_attention(query: Array, key: Array, value: Array, bias=None, mas
 def dilated_attention(query: Array, key: Array, value: Array, bias=None, mask=None, *,
                       is_causal: bool = False, query_seq_lengths=None,
                       key_value_seq_lengths=None, segment_ids=None, window_size: int = 32,
-                      dilation: int = 2, scale: Optional[float] = None) -> Array:
+                      dilation: int = 2, scale: Optional[float] = None,
+                      implementation: Optional[str] = None) -> Array:
   """Dilated sliding window (Beltagy et al. 2020): query i sees keys
   i + d m for |m| <= w (m <= 0 when causal), d = `dilation`, w = `window_size`.
 
   Those keys share i's residue modulo d, so the sequence is split into d
   stripes (positions r, r + d, ...) and each runs the blockwise band of w:
-  O(T w) with no per-query gather.
+  O(T w) with no per-query gather. `implementation`: as in `local_attention`.
   """
   length = _self_attention_length("dilated", query, key)
+  _check_implementation("dilated", implementation)
   common.check_size("window_size", window_size, length=length)
   common.check_size("dilation", dilation, length=length)
+  if implementation is not None:
+    band = patterns.Band(window_size, window_size, dilation)
+    return _kernel_attention("dilated", band, query, key, value, bias, mask,
+                             implementation=implementation, **_call_masks(
+                                 is_causal, query_seq_lengths, key_value_seq_lengths,
+                                 segment_ids, scale))
   inputs = _prepare("dilated", query, key, value, bias, mask, is_causal=is_causal,
                     key_value_seq_lengths=key_value_seq_lengths, segment_ids=segment_ids,
                     scale=scale, multiple=window_size * dilation)
@@ -714,6 +795,21 @@ def _factorized(variant: str, inputs: _Inputs, first: Callable[..., _Part],
   `exclusive=True` leaves out the keys `first` already covers, so that the
   merged union counts each key once. Returns the parts to merge.
   """
+  num_heads = inputs.query.shape[2]
+  chosen = _factorized_choice(variant, pattern_names, combine, pattern, layer_index, num_heads)
+  if chosen in pattern_names:
+    return [first(inputs) if chosen == pattern_names[0] else second(inputs, False)]
+  if chosen == "merged":
+    return [first(inputs), second(inputs, True)]
+  half = num_heads // 2
+  return [_concat_heads([first(_head_range(inputs, 0, half)),
+                         second(_head_range(inputs, half, num_heads), False)])]
+
+
+def _factorized_choice(variant: str, pattern_names: Tuple[str, str], combine: str,
+                       pattern: Optional[str], layer_index: Optional[int], num_heads: int) -> str:
+  """Checks the options of a factorised pattern; returns "merged", "per_head"
+  or, interleaved, the name of the one pattern this layer uses."""
   if combine not in COMBINES:
     raise ValueError(f"{variant}: combine must be one of {COMBINES}, got {combine!r}.")
   if combine != "interleaved" and (pattern is not None or layer_index is not None):
@@ -728,16 +824,22 @@ def _factorized(variant: str, inputs: _Inputs, first: Callable[..., _Part],
       pattern = pattern_names[layer_index % 2]
     if pattern not in pattern_names:
       raise ValueError(f"{variant}: pattern must be one of {pattern_names}, got {pattern!r}.")
-    return [first(inputs) if pattern == pattern_names[0] else second(inputs, False)]
-  if combine == "merged":
-    return [first(inputs), second(inputs, True)]
-  num_heads = inputs.query.shape[2]
-  if num_heads < 2:
+    return pattern
+  if combine == "per_head" and num_heads < 2:
     raise ValueError(f"{variant}: combine='per_head' needs at least 2 heads (half use each "
                      f"pattern), got num_heads={num_heads}.")
+  return combine
+
+
+def _factorized_pattern(first: patterns.Pattern, second: patterns.Pattern, chosen: str,
+                        pattern_names: Tuple[str, str], num_heads: int) -> patterns.Pattern:
+  """The pattern `_factorized` computes, from `_factorized_choice`."""
+  if chosen in pattern_names:
+    return first if chosen == pattern_names[0] else second
+  if chosen == "merged":
+    return first | second
   half = num_heads // 2
-  return [_concat_heads([first(_head_range(inputs, 0, half)),
-                         second(_head_range(inputs, half, num_heads), False)])]
+  return patterns.PerHead(((half, first), (num_heads - half, second)))
 
 
 def strided_attention(query: Array, key: Array, value: Array, bias=None, mask=None, *,
@@ -745,7 +847,8 @@ def strided_attention(query: Array, key: Array, value: Array, bias=None, mask=No
                       key_value_seq_lengths=None, segment_ids=None,
                       stride: Optional[int] = None, combine: str = "merged",
                       pattern: Optional[str] = None, layer_index: Optional[int] = None,
-                      scale: Optional[float] = None) -> Array:
+                      scale: Optional[float] = None,
+                      implementation: Optional[str] = None) -> Array:
   """Sparse Transformer strided attention (Child et al. 2019), stride l.
 
   Patterns: "local", |i - j| < l (0 <= i - j < l when causal), computed as a
@@ -755,10 +858,23 @@ def strided_attention(query: Array, key: Array, value: Array, bias=None, mask=No
   of `layer_index`), "merged" (one softmax over the union) or "per_head" (the
   first half of the heads use "local", the rest "strided"). l defaults to
   ceil(sqrt(T)); T is padded to a multiple of l. O(T sqrt(T)).
+  `implementation`: as in `local_attention`.
   """
   length = _self_attention_length("strided", query, key)
+  _check_implementation("strided", implementation)
   stride = _default_stride(length) if stride is None else stride
   common.check_size("stride", stride, length=length)
+  if implementation is not None:
+    num_heads = query.shape[2]
+    chosen = _factorized_choice("strided", ("local", "strided"), combine, pattern, layer_index,
+                                num_heads)
+    pattern_ = _factorized_pattern(patterns.Band(stride - 1, stride - 1),
+                                   patterns.SameResidue(stride), chosen, ("local", "strided"),
+                                   num_heads)
+    return _kernel_attention("strided", pattern_, query, key, value, bias, mask,
+                             implementation=implementation, **_call_masks(
+                                 is_causal, query_seq_lengths, key_value_seq_lengths,
+                                 segment_ids, scale))
   inputs = _prepare("strided", query, key, value, bias, mask, is_causal=is_causal,
                     key_value_seq_lengths=key_value_seq_lengths, segment_ids=segment_ids,
                     scale=scale, multiple=stride)
@@ -787,7 +903,8 @@ def fixed_attention(query: Array, key: Array, value: Array, bias=None, mask=None
                     combine: str = "merged", pattern: Optional[str] = None,
                     layer_index: Optional[int] = None, summary_at_block_start: bool = False,
                     causal_pattern: bool = False, num_global: int = 0,
-                    scale: Optional[float] = None) -> Array:
+                    scale: Optional[float] = None,
+                    implementation: Optional[str] = None) -> Array:
   """Sparse Transformer fixed attention (Child et al. 2019), stride l, c summaries.
 
   `query [B, T, H, D]`, `key/value [B, T, Hkv, D|Dv]` -> `[B, T, H, Dv]`.
@@ -807,12 +924,31 @@ def fixed_attention(query: Array, key: Array, value: Array, bias=None, mask=None
     num_global: the first g tokens attend to every key and every query
       attends to them, and the pattern is over the positions after them
       (position g starts the first block): the release's `use_cls_token` with g = 1.
+
+  `implementation`: as in `local_attention`.
   """
   length = _self_attention_length("fixed", query, key)
+  _check_implementation("fixed", implementation)
   _check_at_most("num_global", num_global, "the sequence length - 1", length - 1, minimum=0)
   stride = _default_stride(length) if stride is None else stride
   common.check_size("stride", stride, length=length)
   _check_at_most("num_summary", num_summary, "stride", stride)
+  if implementation is not None:
+    num_heads = query.shape[2]
+    chosen = _factorized_choice("fixed", ("block", "summary"), combine, pattern, layer_index,
+                                num_heads)
+    residues = tuple(range(stride - num_summary, stride))
+    residues += (0,) if summary_at_block_start and 0 not in residues else ()
+    rest = _factorized_pattern(patterns.SameBlock(stride, num_global),
+                               patterns.Columns(stride, residues, num_global), chosen,
+                               ("block", "summary"), num_heads)
+    if causal_pattern:
+      rest &= patterns.Band(length, 0)  # k <= q
+    pattern_ = patterns.Global(0, num_global) | rest if num_global else rest
+    return _kernel_attention("fixed", pattern_, query, key, value, bias, mask,
+                             implementation=implementation, **_call_masks(
+                                 is_causal, query_seq_lengths, key_value_seq_lengths,
+                                 segment_ids, scale))
   inputs = _prepare("fixed", query, key, value, bias, mask, is_causal=is_causal,
                     key_value_seq_lengths=key_value_seq_lengths, segment_ids=segment_ids,
                     scale=scale, multiple=stride, offset=num_global)
@@ -840,15 +976,18 @@ def fixed_attention(query: Array, key: Array, value: Array, bias=None, mask=None
 def _window_with_globals(variant: str, query, key, value, bias, mask, *, is_causal,
                          query_seq_lengths, key_value_seq_lengths, segment_ids, scale,
                          window_size: int, num_global: int, dilation: int = 1,
-                         dilated_heads: int = 0, left_window_size: Optional[int] = None) -> Array:
+                         dilated_heads: int = 0, left_window_size: Optional[int] = None,
+                         implementation: Optional[str] = None) -> Array:
   """Global tokens plus a sliding window, dilated on the last `dilated_heads` heads.
 
   The first `num_global` tokens attend to every key and every query attends
   to them; every other query also sees keys i + d m, -left <= m <= w, of the
   window (d = 1, or `dilation` on the dilated heads; left = `left_window_size`,
-  w when None) that are not global. O(T (w + left + g)).
+  w when None) that are not global. O(T (w + left + g)). `implementation`: as
+  in `local_attention`.
   """
   length = _self_attention_length(variant, query, key)
+  _check_implementation(variant, implementation)
   common.check_size("window_size", window_size)
   left = window_size if left_window_size is None else left_window_size
   common.check_size("left_window_size", left, minimum=0)
@@ -861,6 +1000,17 @@ def _window_with_globals(variant: str, query, key, value, bias, mask, *, is_caus
   common.check_size("dilation", dilation, length=length)
   num_heads = query.shape[2]
   _check_at_most("dilated_heads", dilated_heads, "num_heads", num_heads, minimum=0)
+  plain_heads = num_heads - dilated_heads
+  if implementation is not None:
+    groups = ((plain_heads, patterns.Band(left, window_size)),
+              (dilated_heads, patterns.Band(left, window_size, dilation)))
+    groups = tuple((count, band) for count, band in groups if count)
+    windows = groups[0][1] if len(groups) == 1 else patterns.PerHead(groups)
+    pattern = patterns.Global(0, num_global) | windows if num_global else windows
+    return _kernel_attention(variant, pattern, query, key, value, bias, mask,
+                             implementation=implementation, **_call_masks(
+                                 is_causal, query_seq_lengths, key_value_seq_lengths,
+                                 segment_ids, scale))
   inputs = _prepare(variant, query, key, value, bias, mask, is_causal=is_causal,
                     key_value_seq_lengths=key_value_seq_lengths, segment_ids=segment_ids,
                     scale=scale, multiple=block * dilation)
@@ -869,7 +1019,6 @@ def _window_with_globals(variant: str, query, key, value, bias, mask, *, is_caus
   def window(inputs, d):
     return _windowed_part(inputs, left, window_size, block, d, not_global)
 
-  plain_heads = num_heads - dilated_heads
   head_parts = []
   if plain_heads:
     head_parts.append(window(_head_range(inputs, 0, plain_heads), 1))
@@ -882,7 +1031,8 @@ def _window_with_globals(variant: str, query, key, value, bias, mask, *, is_caus
 def global_tokens_attention(query: Array, key: Array, value: Array, bias=None, mask=None, *,
                             is_causal: bool = False, query_seq_lengths=None,
                             key_value_seq_lengths=None, segment_ids=None, num_global: int = 4,
-                            window_size: int = 64, scale: Optional[float] = None) -> Array:
+                            window_size: int = 64, scale: Optional[float] = None,
+                            implementation: Optional[str] = None) -> Array:
   """Global tokens (Star-Transformer / ETC): the first `num_global` tokens
   attend to all and are attended by all; the rest also see a window of
   `window_size` each side (blockwise). Causal keeps j <= i everywhere. O(T (w + g)).
@@ -891,7 +1041,8 @@ def global_tokens_attention(query: Array, key: Array, value: Array, bias=None, m
   return _window_with_globals(
       "global_tokens", query, key, value, bias, mask, is_causal=is_causal,
       query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
-      segment_ids=segment_ids, scale=scale, window_size=window_size, num_global=num_global)
+      segment_ids=segment_ids, scale=scale, window_size=window_size, num_global=num_global,
+      implementation=implementation)
 
 
 def longformer_attention(query: Array, key: Array, value: Array, bias=None, mask=None, *,
@@ -899,7 +1050,8 @@ def longformer_attention(query: Array, key: Array, value: Array, bias=None, mask
                          key_value_seq_lengths=None, segment_ids=None, window_size: int = 32,
                          dilation: int = 2, dilated_heads: Optional[int] = None,
                          num_global: int = 1, left_window_size: Optional[int] = None,
-                         scale: Optional[float] = None) -> Array:
+                         scale: Optional[float] = None,
+                         implementation: Optional[str] = None) -> Array:
   """Longformer (Beltagy et al. 2020), `query [B, T, H, D]`, `key/value
   [B, T, Hkv, D|Dv]` -> `[B, T, H, Dv]`: a sliding window of `window_size`
   keys after the query and `left_window_size` (`window_size` when None)
@@ -918,7 +1070,8 @@ def longformer_attention(query: Array, key: Array, value: Array, bias=None, mask
       "longformer", query, key, value, bias, mask, is_causal=is_causal,
       query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
       segment_ids=segment_ids, scale=scale, window_size=window_size, num_global=num_global,
-      dilation=dilation, dilated_heads=dilated_heads, left_window_size=left_window_size)
+      dilation=dilation, dilated_heads=dilated_heads, left_window_size=left_window_size,
+      implementation=implementation)
 
 
 def _first_draws(indices: Array) -> Array:
@@ -1055,7 +1208,8 @@ def bigbird_attention(query: Array, key: Array, value: Array, bias=None, mask=No
                       last_block_global: bool = True, num_random_blocks: int = 3,
                       random_blocks_within: Optional[int] = None,
                       block_padding: str = "minimal", random_candidates: str = "exact",
-                      scale: Optional[float] = None) -> Array:
+                      scale: Optional[float] = None,
+                      implementation: Optional[str] = None) -> Array:
   """BigBird-ITC (Zaheer et al. 2020), `query [B, T, H, D]`, `key/value
   [B, T, Hkv, D|Dv]` -> `[B, T, H, Dv]`, in blocks of b = `block_size`.
 
@@ -1073,8 +1227,12 @@ def bigbird_attention(query: Array, key: Array, value: Array, bias=None, mask=No
   T + b - (T mod b) as the release's `BigBirdAttention` (at least one padded
   position: with T a multiple of b its last, global block is all padding).
   Padded keys are masked either way. random_candidates: see `bigbird_candidates`.
+
+  `implementation`: as in `local_attention`; the kernel's blocks are then
+  BigBird's, and the drawn blocks join its layout at run time.
   """
   length = _self_attention_length("bigbird", query, key)
+  _check_implementation("bigbird", implementation)
   rng = _require_rng("bigbird", rng)
   common.check_size("block_size", block_size, length=length)
   if block_padding not in BIGBIRD_PADDINGS:
@@ -1093,10 +1251,26 @@ def bigbird_attention(query: Array, key: Array, value: Array, bias=None, mask=No
   candidates = bigbird_candidates(num_blocks, num_global_blocks=num_global_blocks,
                                   last_block_global=last_block_global, is_causal=is_causal,
                                   within_blocks=within_blocks, rule=random_candidates)
+  global_blocks = bigbird_global_blocks(num_blocks, num_global_blocks, last_block_global)
+  if implementation is not None:
+    pattern = functools.reduce(operator.or_, [
+        patterns.Global(n * block_size, (n + 1) * block_size) for n in global_blocks.tolist()],
+                               patterns.NearBlocks(block_size, 1))
+    drawn = None
+    if num_random_blocks:
+      # The kernel's blocks cover T; with "lra_release" padding BigBird's last
+      # block may be all padding, which nobody needs to visit.
+      kernel_blocks = _ceil_div(length, block_size)
+      drawn = bigbird_random_blocks(rng, query.shape[2], candidates, num_random_blocks)
+      drawn = jnp.where(drawn < kernel_blocks, drawn, -1)[:, :kernel_blocks]
+    return _kernel_attention("bigbird", pattern, query, key, value, bias, mask,
+                             implementation=implementation, block_size=block_size,
+                             extra_blocks=drawn, **_call_masks(
+                                 is_causal, query_seq_lengths, key_value_seq_lengths,
+                                 segment_ids, scale))
   inputs = _prepare("bigbird", query, key, value, bias, mask, is_causal=is_causal,
                     key_value_seq_lengths=key_value_seq_lengths, segment_ids=segment_ids,
                     scale=scale, multiple=block_size, pad_always=pad_always)
-  global_blocks = bigbird_global_blocks(num_blocks, num_global_blocks, last_block_global)
   is_global = np.zeros(num_blocks, bool)
   is_global[global_blocks] = True
   not_global = lambda q, k: ~jnp.asarray(is_global)[k // block_size]
@@ -1215,6 +1389,9 @@ _SPARSE = dict(family="sparse", subquadratic=True, exact=True, causal=True, cros
 
 _SCALE = dict(scale="multiplies the logits; 1/sqrt(D) when None")
 _WINDOW = dict(window_size="keys each side of the query (w)")
+# The variants whose pattern also runs on the block-sparse flash kernel.
+_KERNEL = dict(implementation="None: the pure-JAX form; 'blockwise': the block-sparse flash "
+                              "kernel, visiting only the blocks the pattern allows")
 _FACTORIZED = dict(
     stride="the stride l; ceil(sqrt(T)) when None",
     combine="'merged' (one softmax over both patterns), 'per_head' or 'interleaved'",
@@ -1232,7 +1409,7 @@ _LOCAL_OPTIONS = dict(
             "(the LRA release's LocalAttention: the block_size keys = i mod T'/block_size, "
             "T' = T + block_size - T mod block_size)",
     block_size="with pattern='release_strided': the release's block_size (keys per query)",
-    **_SCALE)
+    **_SCALE, **_KERNEL)
 registry.register(registry.VariantSpec(
     name="local", fn=local_attention, complexity="O(T w)", paper="Parmar et al. 2018",
     options=_LOCAL_OPTIONS,
@@ -1249,14 +1426,17 @@ registry.register(registry.VariantSpec(name="band", fn=local_attention, complexi
                                        **_SPARSE))
 registry.register(registry.VariantSpec(
     name="block_local", fn=block_local_attention, complexity="O(T b)", paper="Qiu et al. 2019",
-    options=dict(block_size="queries attend within their own block of this many", **_SCALE),
+    options=dict(block_size="queries attend within their own block of this many", **_SCALE,
+                 **_KERNEL),
     **_SPARSE))
 registry.register(registry.VariantSpec(
     name="dilated", fn=dilated_attention, complexity="O(T w)", paper="Beltagy et al. 2020",
-    options=dict(**_WINDOW, dilation="gap between attended keys", **_SCALE), **_SPARSE))
+    options=dict(**_WINDOW, dilation="gap between attended keys", **_SCALE, **_KERNEL),
+    **_SPARSE))
 registry.register(registry.VariantSpec(name="strided", fn=strided_attention,
                                        complexity="O(T sqrt(T))", paper="Child et al. 2019",
-                                       options={**_FACTORIZED, **_SCALE}, **_SPARSE))
+                                       options={**_FACTORIZED, **_SCALE, **_KERNEL},
+                                       **_SPARSE))
 # The release pools by [CLS] (its use_cls_token) on every task but pathfinder32
 # and pathfinder128 (image/configs/pathfinder{32,128}/base_*_config.py: MEAN).
 _MEAN_POOLED_TASKS = ("pathfinder32", "pathfinder128")
@@ -1270,7 +1450,7 @@ registry.register(registry.VariantSpec(
                        "(the LRA release builds them causal in its encoders too)",
         num_global="leading tokens that attend to and are attended by all; the pattern starts "
                    "after them (the release's [CLS] handling: 1)",
-        **_SCALE),
+        **_SCALE, **_KERNEL),
     presets={"lra_release": registry.Preset(
         dict(stride=50, num_summary=10, summary_at_block_start=True, causal_pattern=True,
              num_global=1),
@@ -1284,7 +1464,7 @@ registry.register(registry.VariantSpec(
     name="global_tokens", fn=global_tokens_attention, complexity="O(T (w + g))",
     paper="Guo et al. 2019",
     options=dict(num_global="leading tokens that attend and are attended everywhere",
-                 **_WINDOW, **_SCALE), **_SPARSE))
+                 **_WINDOW, **_SCALE, **_KERNEL), **_SPARSE))
 registry.register(registry.VariantSpec(
     name="random", fn=random_attention, complexity="O(T (w + r))", paper="Zaheer et al. 2020",
     extras=LayerPattern,
@@ -1298,7 +1478,7 @@ registry.register(registry.VariantSpec(
                  left_window_size="keys before the query; window_size when None",
                  dilation="gap between keys on the dilated heads",
                  dilated_heads="heads that use the dilation; half of them when None",
-                 num_global="leading global tokens", **_SCALE),
+                 num_global="leading global tokens", **_SCALE, **_KERNEL),
     presets={"lra_release": registry.Preset(
         dict(window_size=256, left_window_size=255, dilated_heads=0, num_global=0),
         "the release's LongformerAttention (lra_benchmarks/models/longformer/"
@@ -1320,7 +1500,7 @@ registry.register(registry.VariantSpec(
                                "(T + b - T mod b, as the release)",
                  random_candidates="'exact' or 'lra_release' (the release's narrower ranges "
                                    "for query blocks nb - 3 and nb - 2)",
-                 **_SCALE),
+                 **_SCALE, **_KERNEL),
     presets={"lra_release": registry.Preset(
         dict(block_size=64, num_random_blocks=3, random_blocks_within=1024,
              block_padding="lra_release", random_candidates="lra_release"),

@@ -25,6 +25,7 @@ from typing import Optional, Tuple, Union
 import jax
 import jax.numpy as jnp
 
+from attention_jax.core import patterns
 from attention_jax.variants.dense import AttentionInputs, prepare_inputs, returned_outputs
 
 from . import common
@@ -45,6 +46,9 @@ class _Static:
   true_kv_len: int
   scale: float
   reach: common.Reach
+  # A block-sparse pattern (`attention_jax.core.patterns`), applied inside the
+  # blocks that `_Masks.block_layout` marks PARTIAL; None: no pattern.
+  pattern: Optional[patterns.Pattern] = None
 
 
 @dataclasses.dataclass
@@ -63,6 +67,11 @@ class _Masks:
   # (`lax.cond`) when no pair in it is within reach.
   q_positions: Optional[Array] = None
   kv_positions: Optional[Array] = None
+  # Block-sparse attention (block_sparse.py): `[H|1, nq, nk]` int8, SKIP,
+  # PARTIAL or FULL per head and (query block, key block) of the forward's
+  # blocks (which the backward then uses too). The loops visit the blocks some
+  # head does not skip, in order; None: every block in reach.
+  block_layout: Optional[Array] = None
 
   @property
   def has_positions(self) -> bool:
@@ -71,8 +80,30 @@ class _Masks:
 
 jax.tree_util.register_dataclass(
     _Masks, data_fields=["mask", "q_lengths", "kv_lengths", "q_segment_ids", "kv_segment_ids",
-                         "q_positions", "kv_positions"],
+                         "q_positions", "kv_positions", "block_layout"],
     meta_fields=[])
+
+
+def _visit_lists(masks: _Masks, transpose: bool) -> Optional[Tuple[Array, Array]]:
+  """The blocks to visit by the layout, None without one: for each query block
+  (each key block with `transpose`) the key (query) blocks that some head does
+  not skip, in order and padded with skipped ones (`[n, m]` int32), and how
+  many they are (`[n]`)."""
+  if masks.block_layout is None:
+    return None
+  layout = masks.block_layout.swapaxes(1, 2) if transpose else masks.block_layout
+  visited = jnp.any(layout != patterns.SKIP, axis=0)
+  order = jnp.argsort(~visited, axis=-1, stable=True).astype(jnp.int32)
+  return order, visited.sum(-1).astype(jnp.int32)
+
+
+def _visit_blocks(visit_lists, lo, hi, row, visit, carry):
+  """`visit(block, carry)` over the blocks `[lo, hi)` of the reach, or, with
+  `visit_lists` (`_visit_lists`), over those listed for `row`."""
+  if visit_lists is None:
+    return jax.lax.fori_loop(lo, hi, visit, carry)
+  order, count = visit_lists
+  return jax.lax.fori_loop(0, count[row], lambda n, c: visit(order[row, n], c), carry)
 
 
 def _positions(explicit: Optional[Array], start, size: int) -> Array:
@@ -135,7 +166,27 @@ def _block_logits(cfg: _Static, masks: _Masks, q_blk, k_blk, bias, q_start, k_st
   if masks.mask is not None:
     block = _block_of(masks.mask, q_start, k_start, bq, bk)
     allowed = block if allowed is None else allowed & block
+  if masks.block_layout is not None:
+    in_pattern = _pattern_block(cfg, masks.block_layout, q_pos, k_pos, q_start // bq,
+                                k_start // bk, logits.shape[1:3])
+    allowed = in_pattern if allowed is None else allowed & in_pattern
   return logits if allowed is None else jnp.where(allowed, logits, -jnp.inf)
+
+
+def _pattern_block(cfg: _Static, layout: Array, q_pos: Array, k_pos: Array, q_block, k_block,
+                   kv_heads_and_group: Tuple[int, int]) -> Array:
+  """`[1, Hkv|1, G|1, bq, bk]` bool: the pairs of the block that its heads'
+  patterns allow. A head that skips the block (another head visits it) sees
+  none of it; a FULL block is allowed whole; a PARTIAL one as the pattern says."""
+  entry = layout[:, q_block, k_block]  # [H|1]
+  heads = entry.shape[0]
+  head = jnp.arange(heads)[:, None, None]
+  in_pattern = (False if cfg.pattern is None else
+                cfg.pattern(head, q_pos[None, :, None], k_pos[None, None, :]))
+  allowed = (entry != patterns.SKIP)[:, None, None] & (
+      (entry == patterns.FULL)[:, None, None] | in_pattern)  # [H|1, bq, bk]
+  grouped = kv_heads_and_group if heads > 1 else (1, 1)
+  return allowed.reshape((1,) + grouped + allowed.shape[1:])
 
 
 def _block_of(x, q_start, k_start, bq, bk):
@@ -147,6 +198,7 @@ def _forward(cfg: _Static, q, k, v, bias, masks: _Masks):
   """Returns out `[B, Hkv, G, Tq, Dv]` (query dtype) and lse `[B, Hkv, G, Tq]` float32."""
   bq, bk = cfg.block_q, cfg.block_k
   num_kv_blocks = cfg.kv_len // bk
+  visit_lists = _visit_lists(masks, transpose=False)
 
   def one_query_block(i):
     q_blk = jax.lax.dynamic_slice_in_dim(q, i * bq, bq, axis=3)
@@ -174,7 +226,7 @@ def _forward(cfg: _Static, q, k, v, bias, masks: _Masks):
       return new_max, row_sum, acc
 
     lo, hi = _block_range(cfg, masks, common.kv_block_range, i, bq, bk, num_kv_blocks)
-    row_max, row_sum, acc = jax.lax.fori_loop(lo, hi, visit_key_block, init)
+    row_max, row_sum, acc = _visit_blocks(visit_lists, lo, hi, i, visit_key_block, init)
     empty = row_sum == 0.0  # nothing to attend: output 0, lse finite (see EMPTY_ROW_LSE)
     out = acc / jnp.where(empty, 1.0, row_sum)[..., None]
     lse = jnp.where(empty, common.EMPTY_ROW_LSE,
@@ -202,6 +254,7 @@ def _backward(cfg: _Static, q, k, v, bias, masks: _Masks, lse, d_out, delta):
   gives it).
   """
   bq, bk = cfg.block_q_dkv, cfg.block_k_dkv
+  visit_lists = _visit_lists(masks, transpose=True)
 
   def dkv_of_key_block(carry, j):
     k_blk = jax.lax.dynamic_slice_in_dim(k, j * bk, bk, axis=2)
@@ -237,7 +290,7 @@ def _backward(cfg: _Static, q, k, v, bias, masks: _Masks, lse, d_out, delta):
     lo, hi = _block_range(cfg, masks, common.q_block_range, j, bq, bk, cfg.q_len // bq)
     init = (jnp.zeros(k.shape[:2] + (bk, k.shape[-1]), jnp.float32),
             jnp.zeros(v.shape[:2] + (bk, v.shape[-1]), jnp.float32), dq, d_bias)
-    dk, dv, dq, d_bias = jax.lax.fori_loop(lo, hi, visit, init)
+    dk, dv, dq, d_bias = _visit_blocks(visit_lists, lo, hi, j, visit, init)
     return (dq, d_bias), (dk * cfg.scale, dv)
 
   d_bias = None if bias is None else jnp.zeros(bias.shape, jnp.float32)
@@ -327,7 +380,8 @@ def from_blocked_layout(out: Array, lse: Array, inputs: AttentionInputs) -> Tupl
           lse.reshape(batch, q_len, num_heads))
 
 
-forward, backward = _forward, _backward  # for ring attention's loops (ring.py)
+# For ring attention's loops (ring.py) and block-sparse attention (block_sparse.py).
+forward, backward, attend = _forward, _backward, _attention
 
 
 def _grouped_pairwise(x: Optional[Array], num_kv_heads: int, group: int, q_multiple: int,

@@ -331,6 +331,8 @@ def test_a_workdir_of_another_config_is_refused_untouched_unless_overwritten(fin
                             "groups of 2"]),
     ("model.attention", "linformer", ["sequence_shards=2", "ring attention",
                                       "model.attention='linformer'"]),
+    ("model.attention", "local", ["sequence_shards=2", "ring attention",
+                                  "model.attention='local'"]),
     ("model.attention_options.implementation", "xla",
      ["sequence_shards=2", "implementation='ring'", "implementation='xla'"]),
 ])

@@ -2,7 +2,9 @@
 
 Each pattern is written here a second time, pair by pair from its definition
 (`_pattern_mask`), and the dense `reference_attention` under that boolean mask
-is the oracle for outputs and q/k/v gradients.
+is the oracle for outputs and q/k/v gradients, of the pure-JAX forms and of
+the block-sparse kernel (`implementation="blockwise"`), whose visited blocks
+are counted against the blocks that hold an allowed pair.
 """
 
 import functools
@@ -15,9 +17,11 @@ import numpy as np
 import pytest
 
 from attention_jax import registry
-from attention_jax.core import reference_attention
+from attention_jax.core import patterns, reference_attention
+from attention_jax.kernels.flash_attention import block_sparse, blockwise
+from attention_jax.kernels.flash_attention.common import BlockSizes
 from attention_jax.layers.attention import MultiHeadAttention
-from attention_jax.variants import common, sparse
+from attention_jax.variants import common, dense, sparse
 from attention_testing import assert_close, outputs_and_grads, random_qkv
 
 B, H = 2, 4
@@ -82,6 +86,15 @@ def _dilated(w, d, causal):
 
 
 T = 19  # not a multiple of any block size below: internal padding is exercised
+KERNEL_BLOCK = 4  # the block-sparse kernel's blocks: 5 along T
+
+
+@pytest.fixture
+def kernel_blocks_of_4(monkeypatch):
+  """The block-sparse kernel in blocks of 4: its default 128 would make T one
+  block, with nothing to skip. (BigBird's kernel blocks are its own.)"""
+  monkeypatch.setattr(block_sparse, "default_block_sizes",
+                      lambda: BlockSizes(KERNEL_BLOCK, KERNEL_BLOCK))
 
 
 @pytest.mark.parity("local")
@@ -151,12 +164,14 @@ FACTORIZED = {
 
 @pytest.mark.parity("strided")
 @pytest.mark.parity("fixed")
+@pytest.mark.parametrize("implementation", [None, "blockwise"])
 @pytest.mark.parametrize("name", sorted(FACTORIZED))
 @pytest.mark.parametrize("combine,choice,causal", [
     ("merged", {}, False), ("merged", {}, True),
     ("interleaved", dict(layer_index=2), False), ("interleaved", dict(layer_index=3), True),
     ("per_head", {}, True)])
-def test_sparse_transformer_patterns_match_dense(name, combine, choice, causal):
+def test_sparse_transformer_patterns_match_dense(name, combine, choice, causal, implementation,
+                                                 kernel_blocks_of_4):
   fn, options, first, second = FACTORIZED[name]
   first, second = _pattern_mask(T, first(causal)), _pattern_mask(T, second(causal))
   if combine == "merged":
@@ -166,7 +181,7 @@ def test_sparse_transformer_patterns_match_dense(name, combine, choice, causal):
   else:
     allowed = _per_head(first, second)
   _assert_parity(fn, allowed, length=T, is_causal=causal, stride=STRIDE, combine=combine,
-                 **choice, **options)
+                 implementation=implementation, **choice, **options)
 
 
 @pytest.mark.parity("strided")
@@ -194,12 +209,14 @@ def test_global_tokens_match_dense(causal):
 
 
 @pytest.mark.parity("longformer")
+@pytest.mark.parametrize("implementation", [None, "blockwise"])
 @pytest.mark.parametrize("causal", [False, True])
-def test_longformer_matches_dense_with_dilated_heads(causal):
+def test_longformer_matches_dense_with_dilated_heads(causal, implementation, kernel_blocks_of_4):
   plain = _pattern_mask(T, _global_window(2, 3, causal))
   dilated = _pattern_mask(T, _global_window(2, 3, causal, d=2))
   _assert_parity(sparse.longformer_attention, _per_head(plain, dilated), length=T,
-                 is_causal=causal, num_global=2, window_size=3, dilation=2, dilated_heads=H // 2)
+                 is_causal=causal, num_global=2, window_size=3, dilation=2, dilated_heads=H // 2,
+                 implementation=implementation)
 
 
 @pytest.mark.parity("longformer")
@@ -259,15 +276,17 @@ def _bigbird_drawn(rng, num_blocks, r, causal, **options):
 
 
 @pytest.mark.parity("bigbird")
+@pytest.mark.parametrize("implementation", [None, "blockwise"])
 @pytest.mark.parametrize("causal,last_global", [(False, True), (True, True), (False, False)])
-def test_bigbird_matches_dense_block_mask(causal, last_global):
+def test_bigbird_matches_dense_block_mask(causal, last_global, implementation):
   rng, block, length = jax.random.PRNGKey(2), 3, 26  # 9 blocks, the last one partial
   drawn = _bigbird_drawn(rng, 9, 2, causal, last_block_global=last_global)
   global_blocks = (0, 8) if last_global else (0,)
   _assert_parity(sparse.bigbird_attention,
                  _per_head_mask(length, _bigbird_pattern(block, global_blocks, drawn, causal)),
                  length=length, is_causal=causal, rng=rng, block_size=block,
-                 num_global_blocks=1, last_block_global=last_global, num_random_blocks=2)
+                 num_global_blocks=1, last_block_global=last_global, num_random_blocks=2,
+                 implementation=implementation)
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -363,6 +382,84 @@ def test_padded_keys_do_not_change_valid_queries_and_padded_queries_are_zero(nam
   key_mask = (jnp.arange(T)[None, :] < lengths[:, None])[:, None, None, :]
   with_mask = fn(query, key, value, mask=key_mask, query_seq_lengths=lengths)
   assert_close(with_mask, out)
+
+
+KERNEL_CASES = sorted(set(PADDED_CASES) - {"random"})  # random draws keys, not blocks
+
+
+@pytest.mark.parametrize("name", KERNEL_CASES)
+def test_block_sparse_kernel_with_padding_segments_and_grouped_heads_matches_dense(
+    name, kernel_blocks_of_4):
+  fn, options, pattern = PADDED_CASES[name]
+  call, masks = _padding_args(T)
+  mask = (_per_head_mask if name in PER_HEAD else _pattern_mask)(T, pattern, **masks)
+  _assert_parity(fn, mask, length=T, num_kv_heads=2, implementation="blockwise", **call,
+                 **options)
+
+
+def _blocks_with_a_pair(allowed: np.ndarray, block: int) -> np.ndarray:
+  """`[H|1, T, T]` bool -> `[H|1, nq, nk]`: whether each block holds an allowed pair."""
+  padded_len = -(-allowed.shape[-1] // block) * block
+  pad = padded_len - allowed.shape[-1]
+  allowed = np.pad(allowed, [(0, 0), (0, pad), (0, pad)])
+  n = padded_len // block
+  return allowed.reshape(-1, n, block, n, block).any(axis=(2, 4))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("name", KERNEL_CASES)
+def test_block_sparse_kernel_visits_exactly_the_blocks_with_an_allowed_pair(
+    name, causal, kernel_blocks_of_4, monkeypatch):
+  fn, options, pattern = PADDED_CASES[name]
+  layouts = []
+  attend = blockwise.attend
+  def recording_attend(cfg, operands, masks):
+    layouts.append(np.asarray(masks.block_layout))
+    return attend(cfg, operands, masks)
+  monkeypatch.setattr(blockwise, "attend", recording_attend)
+  query, key, value = random_qkv(batch=1, q_len=T, num_heads=H)
+  fn(query, key, value, is_causal=causal, implementation="blockwise", **options)
+  (layout,) = layouts
+  if name == "bigbird":  # drawn among the blocks before the query's when causal
+    pattern = _bigbird_pattern(3, (0, 6), _bigbird_drawn(jax.random.PRNGKey(3), 7, 1, causal),
+                               causal)
+  mask = (_per_head_mask if name in PER_HEAD else _pattern_mask)(T, pattern)[0]  # [H|1, T, T]
+  if causal:
+    mask = mask & np.tril(np.ones((T, T), bool))
+  block = options["block_size"] if name == "bigbird" else KERNEL_BLOCK
+  expected = _blocks_with_a_pair(mask, block)
+  visited = layout != patterns.SKIP
+  np.testing.assert_array_equal(np.broadcast_to(visited, expected.shape), expected)
+  # The loops visit each block some head needs, once.
+  order, count = blockwise._visit_lists(blockwise._Masks(  # pylint: disable=protected-access
+      None, None, None, None, None, block_layout=jnp.asarray(layout)), transpose=False)
+  assert int(count.sum()) == int(expected.any(0).sum())
+  assert all(set(np.asarray(order[i, :count[i]])) == set(np.flatnonzero(expected.any(0)[i]))
+             for i in range(expected.shape[1]))
+  # A block is FULL exactly when every pair in it (inside T) is allowed.
+  full = layout == patterns.FULL
+  every = _blocks_with_a_pair(~mask, block)  # some pair not allowed
+  inside = _blocks_with_a_pair(np.ones_like(mask), block)
+  np.testing.assert_array_equal(np.broadcast_to(full, expected.shape), inside & ~every)
+
+
+def test_block_sparse_kernel_refuses_other_implementations_and_bad_layouts():
+  query, key, value = random_qkv(q_len=T, num_heads=2)
+  inputs, _ = dense.prepare_inputs(query, key, value)
+  with pytest.raises(ValueError, match=r"implementation must be None \(the pure-JAX form\) or "
+                                       r"one of \('blockwise',\), got 'pallas'"):
+    sparse.local_attention(query, key, value, window_size=2, implementation="pallas")
+  with pytest.raises(ValueError, match=r"extra_blocks must have shape \[H, nq, r\] = "
+                                       r"\[2, 5, r\], got \[2, 4, 1\]"):
+    block_sparse.block_sparse_attention(inputs, patterns.Band(1, 1),
+                                        block_sizes=BlockSizes(4, 4),
+                                        extra_blocks=jnp.zeros((2, 4, 1), jnp.int32))
+  with pytest.raises(ValueError, match=r"block_layout must have shape \[H\|1, nq, nk\] = "
+                                       r"\[2\|1, 5, 5\], got \[3, 5, 5\]"):
+    block_sparse.check_layout(jnp.zeros((3, 5, 5), jnp.int8), 2, 5, 5)
+  with pytest.raises(ValueError, match="one block size for both passes"):
+    block_sparse.block_sparse_attention(inputs, patterns.Band(1, 1),
+                                        block_sizes=BlockSizes(4, 4, block_q_dkv=8))
 
 
 BAD_SIZES = [

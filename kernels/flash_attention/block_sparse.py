@@ -1,0 +1,103 @@
+"""Block-sparse flash attention: the blockwise loops over only the blocks a pattern allows.
+
+A sparse pattern (`attention_jax.core.patterns`, what `local`, `block_local`,
+`dilated`, `strided`, `fixed`, `longformer` and `bigbird` expose) becomes a
+block layout: for each head and (query block, key block), SKIP, PARTIAL or
+FULL. The kernel visits, for each query block, the key blocks that some head
+does not skip (and in the backward pass, for each key block, the query blocks),
+evaluates the pattern's predicate only inside PARTIAL blocks, and otherwise
+runs the flash algorithm unchanged: exact softmax attention under the pattern,
+at a cost proportional to the number of visited blocks. This is what TPU's
+splash attention does for its masks; here one layout serves every pattern.
+
+Causality, padding (lengths or a key mask) and segments come from the call as
+in `dot_product_attention`, and are applied on top of the pattern.
+
+Drawn patterns: BigBird's random blocks are drawn at run time, so they cannot
+be part of a static pattern; `extra_blocks` adds them to the layout as FULL
+blocks (in units of the kernel's blocks, which must then be BigBird's).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Tuple, Union
+
+import jax
+import jax.numpy as jnp
+
+from attention_jax.core import patterns
+from attention_jax.variants.dense import AttentionInputs
+
+from . import blockwise, common
+
+Array = jnp.ndarray
+
+IMPLEMENTATIONS = ("blockwise",)
+
+
+def block_sparse_attention(inputs: AttentionInputs, pattern: patterns.Pattern, *,
+                           implementation: str = "blockwise",
+                           block_sizes: Optional[common.BlockSizes] = None,
+                           extra_blocks: Optional[Array] = None,
+                           return_residual: bool = False) -> Union[Array, Tuple[Array, Array]]:
+  """Exact attention under `pattern` (and the inputs' masks), `[B, Tq, H, Dv]`.
+
+  Args:
+    inputs: validated arguments of `attention_jax.dot_product_attention`
+      (no `local_window_size`: a window is a `patterns.Band`).
+    pattern: which pairs may attend, from positions (and heads).
+    implementation: the kernel, one of `IMPLEMENTATIONS`.
+    block_sizes: the kernel's blocks; one size for the forward and backward
+      passes (the layout is made for it). Default: 128 x 128.
+    extra_blocks: `[H, nq, r]` int32, key blocks (of `block_sizes.block_k`
+      tokens) that query block n of head h also sees whole; -1 for none.
+    return_residual: also return the log-sum-exp `[B, Tq, H]` float32.
+  """
+  if implementation not in IMPLEMENTATIONS:
+    raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}.")
+  if inputs.local_window_size is not None:
+    raise ValueError("block-sparse attention takes its window from the pattern (patterns.Band), "
+                     f"got local_window_size={inputs.local_window_size!r}.")
+  block_sizes = default_block_sizes() if block_sizes is None else block_sizes
+  if block_sizes.dkv != (block_sizes.block_q, block_sizes.block_k):
+    raise ValueError("block-sparse attention uses one block size for both passes (the layout "
+                     f"is made for it), got {block_sizes}.")
+  cfg, operands, masks = blockwise.blocked_layout(inputs, block_sizes)
+  _, q_len, num_heads, _ = inputs.query.shape
+  layout = jnp.asarray(patterns.block_layout(
+      pattern, q_len, inputs.key.shape[1], cfg.block_q, cfg.block_k,
+      is_causal=inputs.is_causal, num_heads=num_heads))
+  if extra_blocks is not None:
+    layout = with_extra_blocks(layout, extra_blocks, num_heads)
+  check_layout(layout, num_heads, cfg.q_len // cfg.block_q, cfg.kv_len // cfg.block_k)
+  cfg = dataclasses.replace(cfg, pattern=pattern)
+  masks = dataclasses.replace(masks, block_layout=layout)
+  out, lse = blockwise.attend(cfg, operands, masks)
+  out, lse = blockwise.from_blocked_layout(out, lse, inputs)
+  return common.attention_outputs(out, lse, None, return_residual)
+
+
+def default_block_sizes() -> common.BlockSizes:
+  """128 x 128: a pattern's layout is only as fine as its blocks, so smaller
+  than the dense default of 512, and still a sizeable matmul on CPU."""
+  return common.BlockSizes(block_q=128, block_k=128)
+
+
+def with_extra_blocks(layout: Array, extra_blocks: Array, num_heads: int) -> Array:
+  """`layout` with `extra_blocks` (`[H, nq, r]`, -1 for none) set FULL, per head."""
+  num_kv_blocks = layout.shape[-1]
+  expected = (num_heads, layout.shape[1])
+  if extra_blocks.ndim != 3 or tuple(extra_blocks.shape[:2]) != expected:
+    raise ValueError(f"extra_blocks must have shape [H, nq, r] = [{expected[0]}, {expected[1]}, "
+                     f"r], got {list(extra_blocks.shape)}.")
+  hits = jax.nn.one_hot(extra_blocks, num_kv_blocks, dtype=jnp.int8).max(axis=2)  # -1: none
+  return jnp.maximum(layout, hits * jnp.int8(patterns.FULL))
+
+
+def check_layout(layout: Array, num_heads: int, num_q_blocks: int, num_kv_blocks: int):
+  """A ValueError unless `layout` is `[H|1, nq, nk]` for these blocks."""
+  heads_ok = layout.shape[0] in (1, num_heads)
+  if layout.ndim != 3 or not heads_ok or tuple(layout.shape[1:]) != (num_q_blocks, num_kv_blocks):
+    raise ValueError(f"block_layout must have shape [H|1, nq, nk] = [{num_heads}|1, "
+                     f"{num_q_blocks}, {num_kv_blocks}], got {list(layout.shape)}.")
