@@ -15,7 +15,8 @@ import textwrap
 import pytest
 from absl import flags
 
-from experiments import benchmark_attention, benchmark_lra_speed, cli, reproduce, tables
+from experiments import (benchmark_attention, benchmark_block_sparse, benchmark_lra_speed, cli,
+                         reproduce, tables)
 from experiments.tables import cells as table_cells
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -321,12 +322,19 @@ def test_speed_cells_carry_the_batch_override_and_their_config_overrides(tmp_pat
 @pytest.mark.parametrize("path, script", [(SPEED, benchmark_lra_speed),
                                           (KERNELS, benchmark_attention)])
 def test_benchmark_cells_are_command_lines_of_their_scripts(tmp_path, path, script):
+  parsed = {}
   for cell in tables.expand(tables.load_table(path), tmp_path, batch_size=2):
-    assert cell.command[1:3] == ("-m", script.__name__)
-    args = cli.parse(script.define_flags, cell.command[3:])
+    # The kernel table's block-sparse cell is the block-sparse benchmark's.
+    module = benchmark_block_sparse if cell.key.get("block_sparse") else script
+    assert cell.command[1:3] == ("-m", module.__name__)
+    args = cli.parse(module.define_flags, cell.command[3:])
     assert pathlib.Path(args.out) == cell.results_path
+    parsed.setdefault(module, []).append(args)
   if script is benchmark_attention:
-    assert (args.lengths, args.head_dims, args.modes) == ([8192], [64], ["fwd", "fwd_bwd"])
+    last = parsed[benchmark_attention][-1]
+    assert (last.lengths, last.head_dims, last.modes) == ([8192], [64], ["fwd", "fwd_bwd"])
+    (sparse,) = parsed[benchmark_block_sparse]
+    assert (sparse.length, sparse.heads, sparse.head_dim) == (8192, 4, 64)
 
 
 def test_command_line_dry_run_and_a_misspelt_flag(tmp_path):

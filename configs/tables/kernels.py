@@ -22,5 +22,7 @@ def get_config():
   # The other flags of experiments.benchmark_attention, the same for every cell.
   config.args = ("--batch=1", "--heads=8", "--head_dims=64", "--dtype=float32", "--causal=both",
                  "--modes=fwd,fwd_bwd", "--repeats=3")
+  # The flags of experiments.benchmark_block_sparse (its cell: runs/block_sparse).
+  config.block_sparse_args = ("--length=8192", "--heads=4", "--head_dim=64", "--repeats=3")
   config.cell_timeout_s = 3600
   return config

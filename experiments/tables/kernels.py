@@ -4,7 +4,10 @@ Each cell runs the benchmark at one sequence length in
 `<results>/runs/len<T>/` (the table config's `args` are its other flags); the
 table puts each shape's implementations side by side, then lists every
 benchmark record: implementation, length, mode, causal, milliseconds, peak
-memory and the ratio to the fastest peer.
+memory and the ratio to the fastest peer. With `block_sparse_args`, one more
+cell (`<results>/runs/block_sparse/`) runs `experiments.benchmark_block_sparse`
+and the table adds its rows: each sparse pattern's block density and its
+time through the block-sparse kernel and through the variant's pure-JAX form.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import pathlib
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from experiments.benchmark_block_sparse import fit_line
 from experiments.tables import report
 from experiments.tables.cells import Cell, benchmark_cell, read_results
 
@@ -24,17 +28,39 @@ def expand(table: Any, runs: pathlib.Path, *, data_dir: str = "data",
   """One cell per length; `data_dir` and `batch_size` are unused (the inputs
   are random, the batch is in the table's `args`). See `experiments.tables.expand`."""
   del data_dir, batch_size
-  return [benchmark_cell(table, dict(length=length), runs / f"len{length}",
-                         "experiments.benchmark_attention",
-                         (f"--lengths={length}", *table.get("args", ())))
-          for length in table.lengths]
+  cells = [benchmark_cell(table, dict(length=length), runs / f"len{length}",
+                          "experiments.benchmark_attention",
+                          (f"--lengths={length}", *table.get("args", ())))
+           for length in table.lengths]
+  if table.get("block_sparse_args") is not None:
+    cells.append(benchmark_cell(table, dict(block_sparse=True), runs / "block_sparse",
+                                "experiments.benchmark_block_sparse", table.block_sparse_args))
+  return cells
 
 
 def summarize(table: Any, cells: Sequence[Cell]) -> List[Dict[str, Any]]:
-  """One row per benchmark record (implementation, length, mode, causal)."""
+  """One row per benchmark record (implementation, length, mode, causal), and
+  one per block-sparse record (variant, options)."""
   del table
-  return [row for cell in cells
-          for row in benchmark_rows((read_results(cell.results_path) or {}).get("records", []))]
+  rows = []
+  for cell in cells:
+    records = (read_results(cell.results_path) or {}).get("records", [])
+    rows += block_sparse_rows(records) if cell.key.get("block_sparse") else benchmark_rows(
+        records)
+  return rows
+
+
+def block_sparse_rows(records: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
+  """The table's rows of `experiments.benchmark_block_sparse` records."""
+  return [dict(variant=r["variant"], options=", ".join(f"{k}={v}" for k, v in
+                                                       r["options"].items()),
+               block_density=r["block_density"], kernel_ms=r["kernel_ms"],
+               pure_ms=r.get("pure_ms"), pure_over_kernel=r.get("pure_over_kernel"))
+          for r in records]
+
+
+def _is_block_sparse(row: Dict[str, Any]) -> bool:
+  return "variant" in row
 
 
 def benchmark_rows(records: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
@@ -87,8 +113,14 @@ def markdown(table: Any, rows: Sequence[Dict[str, Any]], data_dir: str = "") -> 
   """The timings side by side per shape (`by_shape`), then one line per record;
   a failed one says why in place of its numbers."""
   del table, data_dir
+  sparse_rows = [r for r in rows if _is_block_sparse(r)]
+  rows = [r for r in rows if not _is_block_sparse(r)]
   lines = ["## ms (peak MiB) by shape, and the best peer's time over ours", "",
-           *by_shape(rows), "", "## Every record", ""]
+           *by_shape(rows), ""]
+  if sparse_rows:
+    lines += ["## Block-sparse kernel: forward+backward ms against the pure-JAX forms", "",
+              *block_sparse_lines(sparse_rows), ""]
+  lines += ["## Every record", ""]
   lines += report.markdown_head(["impl", "T", "mode", "causal", "ms", "peak MiB",
                                  "vs best peer", "best peer"])
   for r in rows:
@@ -104,13 +136,29 @@ def markdown(table: Any, rows: Sequence[Dict[str, Any]], data_dir: str = "") -> 
   return lines
 
 
+def block_sparse_lines(rows: Sequence[Dict[str, Any]]) -> List[str]:
+  """One line per pattern (dense blockwise first, density 1), then the least-
+  squares line of the kernel's time against block density."""
+  lines = report.markdown_head(["variant", "options", "block density", "kernel ms", "pure ms",
+                                "pure / kernel"])
+  for r in rows:
+    pure = "-" if r["pure_ms"] is None else f"{r['pure_ms']:.0f}"
+    lines.append(report.markdown_row([
+        r["variant"], r["options"] or "-", f"{r['block_density']:.3f}", f"{r['kernel_ms']:.0f}",
+        pure, report.ratio_text(r["pure_over_kernel"])]))
+  fit = fit_line([r["block_density"] for r in rows], [r["kernel_ms"] for r in rows])
+  return lines + ["", f"Kernel ms = {fit['intercept_ms']:.0f} + {fit['slope_ms']:.0f} x block "
+                      f"density (least squares over the {len(rows)} rows, R^2 "
+                      f"{fit['r_squared']:.3f})."]
+
+
 def plot(table: Any, rows: Sequence[Dict[str, Any]], out: pathlib.Path) -> List[str]:
   """`kernels.png`: milliseconds against length, log-log; one panel per mode,
   one colour per implementation, dashed when causal."""
   del table
   plt = report.pyplot()
   series: Dict[Tuple[str, str, bool], List[Tuple[int, float]]] = {}
-  for r in rows:
+  for r in (r for r in rows if not _is_block_sparse(r)):
     if r.get("ms"):
       series.setdefault((r["mode"], r["impl"], bool(r["causal"])), []).append(
           (r["length"], r["ms"]))
