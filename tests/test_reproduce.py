@@ -300,7 +300,7 @@ def test_kernels_table_from_benchmark_records(tmp_path):
   assert reproduce.main([f"--table={KERNELS}", f"--results={out}", "--norun"]) == 0
   text = (out / "table.md").read_text()
   assert "1 x cpu (cpu)" in text and "0ddba11" in text
-  assert "cells finished: 1 of 4" in text
+  assert "cells finished: 1 of 5" in text  # 4 lengths and the block-sparse cell
   assert "paper numbers" not in text  # the LRA paper has no kernel table
   assert "| attention_jax:blockwise | 1024 | fwd | True | 25.00 | 58.0 | 2.00x | jax.nn:xla |" in text
   assert "| attention_jax:xla | 1024 | fwd | True | failed: MemoryError: too big |" in text
