@@ -64,10 +64,13 @@ def tables_of(text: str, sections: Optional[int] = None) -> List[str]:
 
 def provenance(text: str) -> str:
   """"git <rev>, <device>" from a table.md's header (either format)."""
-  revision = re.search(r"git(?: revision:)? ([0-9a-f]{7,40}\S*)", text)
+  # Every revision of "- git revision: a, b" (cells made at different commits), or the one.
+  listed = re.search(r"- git revision: (.+)", text)
+  revisions = (re.findall(r"[0-9a-f]{7,40}\S*", listed.group(1)) if listed else
+               re.findall(r"git ([0-9a-f]{7,40}\S*)", text)[:1])
   device = re.search(r"- device: (.+)|, (\d+ x \w+),", text)
   where = device.group(1) or device.group(2) if device else "unknown device"
-  return f"git {revision.group(1)[:7] if revision else 'unknown'}, {where}"
+  return f"git {', '.join(r[:7] for r in revisions) or 'unknown'}, {where}"
 
 
 def block(source: str, sections: Optional[int] = None) -> str:
