@@ -29,11 +29,13 @@ import jax.numpy as jnp
 from attention_jax.core import patterns
 from attention_jax.variants.dense import AttentionInputs
 
-from . import blockwise, common
+from . import blockwise, common, pallas_gpu
 
 Array = jnp.ndarray
 
-IMPLEMENTATIONS = ("blockwise",)
+# "blockwise": the lax loops (every backend). "pallas_gpu": the Triton kernels
+# (interpreted off a GPU), one program per head following its own blocks.
+IMPLEMENTATIONS = ("blockwise", "pallas_gpu")
 
 
 def block_sparse_attention(inputs: AttentionInputs, pattern: patterns.Pattern, *,
@@ -63,19 +65,43 @@ def block_sparse_attention(inputs: AttentionInputs, pattern: patterns.Pattern, *
   if block_sizes.dkv != (block_sizes.block_q, block_sizes.block_k):
     raise ValueError("block-sparse attention uses one block size for both passes (the layout "
                      f"is made for it), got {block_sizes}.")
+  if implementation == "pallas_gpu":
+    return _pallas_gpu(inputs, pattern, block_sizes, extra_blocks, return_residual)
   cfg, operands, masks = blockwise.blocked_layout(inputs, block_sizes)
-  _, q_len, num_heads, _ = inputs.query.shape
-  layout = jnp.asarray(patterns.block_layout(
-      pattern, q_len, inputs.key.shape[1], cfg.block_q, cfg.block_k,
-      is_causal=inputs.is_causal, num_heads=num_heads))
-  if extra_blocks is not None:
-    layout = with_extra_blocks(layout, extra_blocks, num_heads)
-  check_layout(layout, num_heads, cfg.q_len // cfg.block_q, cfg.kv_len // cfg.block_k)
+  layout = layout_of(inputs, pattern, cfg.block_q, cfg.block_k, extra_blocks)
+  check_layout(layout, inputs.query.shape[2], cfg.q_len // cfg.block_q, cfg.kv_len // cfg.block_k)
   cfg = dataclasses.replace(cfg, pattern=pattern)
   masks = dataclasses.replace(masks, block_layout=layout)
   out, lse = blockwise.attend(cfg, operands, masks)
   out, lse = blockwise.from_blocked_layout(out, lse, inputs)
   return common.attention_outputs(out, lse, None, return_residual)
+
+
+def layout_of(inputs: AttentionInputs, pattern: patterns.Pattern, block_q: int, block_k: int,
+              extra_blocks: Optional[Array]) -> Array:
+  """The `[H|1, nq, nk]` layout of `pattern` (causal as the inputs say) with
+  `extra_blocks` set FULL."""
+  _, q_len, num_heads, _ = inputs.query.shape
+  layout = jnp.asarray(patterns.block_layout(pattern, q_len, inputs.key.shape[1], block_q,
+                                             block_k, is_causal=inputs.is_causal,
+                                             num_heads=num_heads))
+  return layout if extra_blocks is None else with_extra_blocks(layout, extra_blocks, num_heads)
+
+
+def _pallas_gpu(inputs, pattern, block_sizes, extra_blocks, return_residual):
+  """The Triton kernels over the layout. Their blocks are powers of two of at
+  least 16 (`pallas_gpu.MIN_BLOCK`) and the layout is made for them as given."""
+  num_heads = inputs.query.shape[2]
+  # Blocks longer than the (power-of-two rounded) sequence would only add padding.
+  fit = lambda block, length: min(block, pallas_gpu.shortest_block(length))
+  block_sizes = common.BlockSizes(fit(block_sizes.block_q, inputs.query.shape[1]),
+                                  fit(block_sizes.block_k, inputs.key.shape[1]))
+  num_q_blocks = common.cdiv(inputs.query.shape[1], block_sizes.block_q)
+  num_kv_blocks = common.cdiv(inputs.key.shape[1], block_sizes.block_k)
+  layout = layout_of(inputs, pattern, block_sizes.block_q, block_sizes.block_k, extra_blocks)
+  check_layout(layout, num_heads, num_q_blocks, num_kv_blocks)
+  return pallas_gpu.flash_attention_gpu(inputs, block_sizes, return_residual=return_residual,
+                                        pattern=pattern, block_layout=layout)
 
 
 def default_block_sizes() -> common.BlockSizes:

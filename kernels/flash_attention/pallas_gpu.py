@@ -45,6 +45,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from attention_jax.core import masks as mask_lib
+from attention_jax.core import patterns
 from attention_jax.variants.dense import AttentionInputs, prepare_inputs, returned_outputs
 
 from . import common
@@ -73,6 +74,13 @@ class _Config:
   interpret: bool
   num_warps: Optional[int]
   num_stages: Optional[int]
+  # Block-sparse attention (block_sparse.py): the pattern evaluated inside the
+  # PARTIAL blocks of `_MaskArrays.layout`; None without one.
+  pattern: Optional[patterns.Pattern] = None
+
+  @property
+  def dkv_blocks(self) -> Tuple[int, int]:
+    return self.block_q_dkv, self.block_k_dkv
 
 
 @dataclasses.dataclass
@@ -83,11 +91,65 @@ class _MaskArrays:
   q_segment_ids: Optional[Array]  # [B, Tq'] int32
   kv_segment_ids: Optional[Array]  # [B, Tk'] int32
   kv_lengths: Optional[Array]  # [B] int32
+  # Block-sparse attention, per head (each program follows its own head's
+  # blocks): the layout `[H|1, n, m']` int32 (SKIP, PARTIAL, FULL), the blocks
+  # to visit in order `[H|1, n, m']` int32 and how many `[H|1, n]` int32, rows
+  # by query block (the forward and dq passes) or, transposed, by key block
+  # (the dk/dv pass); m' is m padded to a power of two (Triton loads).
+  layout: Optional[Array] = None
+  visits: Optional[Array] = None
+  visit_counts: Optional[Array] = None
+  # The same by key block, for the dk/dv pass (`_by_key` swaps them in).
+  layout_by_key: Optional[Array] = None
+  visits_by_key: Optional[Array] = None
+  visit_counts_by_key: Optional[Array] = None
 
 
 jax.tree_util.register_dataclass(
-    _MaskArrays, data_fields=["mask", "q_segment_ids", "kv_segment_ids", "kv_lengths"],
+    _MaskArrays, data_fields=["mask", "q_segment_ids", "kv_segment_ids", "kv_lengths",
+                              "layout", "visits", "visit_counts", "layout_by_key",
+                              "visits_by_key", "visit_counts_by_key"],
     meta_fields=[])
+
+
+def _for_pass(m: _MaskArrays, along_q: bool) -> _MaskArrays:
+  """The mask arrays one pallas_call takes: the block-sparse lists by query
+  block (`along_q`: forward, dq) or by key block (dk/dv), in the first fields."""
+  if along_q:
+    return dataclasses.replace(m, layout_by_key=None, visits_by_key=None,
+                               visit_counts_by_key=None)
+  return dataclasses.replace(m, layout=m.layout_by_key, visits=m.visits_by_key,
+                             visit_counts=m.visit_counts_by_key, layout_by_key=None,
+                             visits_by_key=None, visit_counts_by_key=None)
+
+
+def _visit_lists(layout: Array) -> Tuple[Array, Array, Array]:
+  """`[H|1, n, m]` layout -> (layout, visits, counts) of `_MaskArrays`, per head,
+  the rows padded to a power of two with SKIP."""
+  width = _next_power_of_two(layout.shape[-1])
+  layout = _pad_to(layout.astype(jnp.int32), 2, width)
+  visited = layout != patterns.SKIP
+  visits = jnp.argsort(~visited, axis=-1, stable=True).astype(jnp.int32)
+  return layout, visits, visited.sum(-1).astype(jnp.int32)
+
+
+def _loop(lo, hi, m: _MaskArrays, body, init):
+  """`body(block, carry)` over the blocks [lo, hi) of the reach, or over this
+  program's visit list (block-sparse)."""
+  if m.visits is None:
+    return lax.fori_loop(lo, hi, body, init)
+  return lax.fori_loop(0, m.visit_counts[()], lambda n, c: body(m.visits[n], c), init)
+
+
+def _in_pattern(cfg: _Config, m: _MaskArrays, block, head):
+  """Block-sparse: `(q_pos, k_pos) -> allowed` for `block` of this program's
+  layout row (all of a FULL block, the predicate's pairs in a PARTIAL one), or
+  None without a pattern. `head`: the program's query head (read at the
+  kernel's top level, where the interpreter gives program ids)."""
+  if m.layout is None:
+    return None
+  full = m.layout[block] == patterns.FULL
+  return lambda q_pos, k_pos: full | cfg.pattern(head, q_pos, k_pos)
 
 
 # ---------------------------------------------------------------------------
@@ -96,7 +158,7 @@ jax.tree_util.register_dataclass(
 
 
 def _masked_logits(cfg: _Config, q, k, q_start, k_start, bias_blk, mask_blk, q_ids, kv_ids,
-                   kv_limit):
+                   kv_limit, in_pattern=None):
   """Scaled, biased and masked logits of one block: `[bq, bk]` float32.
 
   Args:
@@ -104,6 +166,7 @@ def _masked_logits(cfg: _Config, q, k, q_start, k_start, bias_blk, mask_blk, q_i
     bias_blk: `[bq, bk]` or None; mask_blk: `[bq, bk]` int8 or None.
     q_ids: `[bq]`, kv_ids: `[bk]` segment ids or None.
     kv_limit: keys at or past it are padding (true Tk, or the batch's length).
+    in_pattern: `(q_pos, k_pos) -> allowed` of a block-sparse pattern, or None.
   """
   logits = plgpu.dot(q, k, trans_b=True) * cfg.scale
   if bias_blk is not None:
@@ -114,7 +177,8 @@ def _masked_logits(cfg: _Config, q, k, q_start, k_start, bias_blk, mask_blk, q_i
       mask_lib.length_predicate(k_pos, kv_limit),
       mask_lib.reach_predicate(q_pos, k_pos, cfg.reach),
       None if q_ids is None else mask_lib.segment_predicate(q_ids[:, None], kv_ids[None, :]),
-      None if mask_blk is None else mask_blk != 0)
+      None if mask_blk is None else mask_blk != 0,
+      None if in_pattern is None else in_pattern(q_pos, k_pos))
   return jnp.where(allowed, logits, -jnp.inf)
 
 
@@ -172,7 +236,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, bias_ref, m: _MaskArrays, out_ref, lse_
   q segment ids `[bq]`, kv segment ids `[Tk']`, kv length `[]`.
   """
   bq, bk = cfg.block_q, cfg.block_k
-  i = pl.program_id(0)
+  i, head = pl.program_id(0), pl.program_id(2)
   q = q_ref[...]
   q_ids = None if m.q_segment_ids is None else m.q_segment_ids[...]
   kv_ids_of = lambda j: m.kv_segment_ids[pl.ds(j * bk, bk)]
@@ -185,7 +249,8 @@ def _forward_kernel(q_ref, k_ref, v_ref, bias_ref, m: _MaskArrays, out_ref, lse_
     logits = _masked_logits(cfg, q, k_ref[keys, :], i * bq, j * bk,
                             _pairwise_block(bias_ref, rows, keys),
                             _pairwise_block(m.mask, rows, keys), q_ids,
-                            None if q_ids is None else kv_ids_of(j), kv_limit)
+                            None if q_ids is None else kv_ids_of(j), kv_limit,
+                            _in_pattern(cfg, m, j, head))
     new_max = jnp.maximum(row_max, jnp.max(logits, axis=1))
     # A row with nothing allowed so far keeps max -inf; exponentiate against 0 then.
     safe_max = jnp.where(new_max == -jnp.inf, 0.0, new_max)
@@ -201,7 +266,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, bias_ref, m: _MaskArrays, out_ref, lse_
   init = (jnp.full((bq,), -jnp.inf, jnp.float32), jnp.zeros((bq,), jnp.float32),
           jnp.zeros((bq, v_ref.shape[-1]), jnp.float32))
   lo, hi = _kv_blocks(cfg, i, bq, bk, kv_limit)
-  row_max, row_sum, acc = lax.fori_loop(lo, hi, body, init)
+  row_max, row_sum, acc = _loop(lo, hi, m, body, init)
 
   empty = row_sum == 0.0  # nothing to attend: output 0, lse finite (see EMPTY_ROW_LSE)
   safe_sum = jnp.where(empty, 1.0, row_sum)
@@ -217,7 +282,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, bias_ref, m: _MaskArrays, do_ref, lse_ref, d
   dbias `[bq, Tk']` float32 or None.
   """
   bq, bk = cfg.block_q, cfg.block_k
-  i = pl.program_id(0)
+  i, head = pl.program_id(0), pl.program_id(2)
   q, d_out = q_ref[...], do_ref[...]
   lse, delta = lse_ref[...], delta_ref[...]
   q_ids = None if m.q_segment_ids is None else m.q_segment_ids[...]
@@ -231,7 +296,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, bias_ref, m: _MaskArrays, do_ref, lse_ref, d
     logits = _masked_logits(cfg, q, k, i * bq, j * bk,
                             _pairwise_block(bias_ref, rows, keys),
                             _pairwise_block(m.mask, rows, keys), q_ids,
-                            None if q_ids is None else kv_ids_of(j), kv_limit)
+                            None if q_ids is None else kv_ids_of(j), kv_limit,
+                            _in_pattern(cfg, m, j, head))
     probs = jnp.exp(logits - lse[:, None])
     d_probs = plgpu.dot(d_out, v_ref[keys, :], trans_b=True)
     d_logits = probs * (d_probs - delta[:, None])
@@ -248,7 +314,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, bias_ref, m: _MaskArrays, do_ref, lse_ref, d
   overlap = None if q_ids is None else lambda j: _segments_overlap(q_ids, kv_ids_of(j))
   body = _loop_skipping_disjoint(visit, clear_bias_grad, overlap)
   lo, hi = _kv_blocks(cfg, i, bq, bk, kv_limit)
-  dq = lax.fori_loop(lo, hi, body, jnp.zeros((bq, q_ref.shape[-1]), jnp.float32))
+  dq = _loop(lo, hi, m, body, jnp.zeros((bq, q_ref.shape[-1]), jnp.float32))
   dq_ref[...] = (dq * cfg.scale).astype(dq_ref.dtype)
   if dbias_ref is not None:
     lax.fori_loop(0, lo, clear_bias_grad, 0)
@@ -264,7 +330,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, bias_ref, m: _MaskArrays, do_ref, lse_ref, 
   delta `[Tq']`.
   """
   bq, bk = cfg.block_q_dkv, cfg.block_k_dkv
-  j = pl.program_id(0)
+  j, head = pl.program_id(0), pl.program_id(2)
   k, v = k_ref[...], v_ref[...]
   kv_ids = None if m.kv_segment_ids is None else m.kv_segment_ids[...]
   q_ids_of = lambda i: m.q_segment_ids[pl.ds(i * bq, bq)]
@@ -278,7 +344,8 @@ def _dkv_kernel(q_ref, k_ref, v_ref, bias_ref, m: _MaskArrays, do_ref, lse_ref, 
     logits = _masked_logits(cfg, q, k, i * bq, j * bk,
                             _pairwise_block(bias_ref, queries, cols),
                             _pairwise_block(m.mask, queries, cols),
-                            None if kv_ids is None else q_ids_of(i), kv_ids, kv_limit)
+                            None if kv_ids is None else q_ids_of(i), kv_ids, kv_limit,
+                            _in_pattern(cfg, m, i, head))
     probs = jnp.exp(logits - lse_ref[queries][:, None])
     dv += plgpu.dot(probs.astype(d_out.dtype), d_out, trans_a=True)
     d_probs = plgpu.dot(d_out, v, trans_b=True)
@@ -291,7 +358,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, bias_ref, m: _MaskArrays, do_ref, lse_ref, 
   init = (jnp.zeros((bk, k_ref.shape[-1]), jnp.float32),
           jnp.zeros((bk, v_ref.shape[-1]), jnp.float32))
   lo, hi = _q_blocks(cfg, j, bq, bk, kv_limit)
-  dk, dv = lax.fori_loop(lo, hi, body, init)
+  dk, dv = _loop(lo, hi, m, body, init)
   dk_ref[...] = (dk * cfg.scale).astype(dk_ref.dtype)
   dv_ref[...] = dv.astype(dv_ref.dtype)
 
@@ -335,7 +402,19 @@ def _mask_specs(cfg: _Config, m: _MaskArrays, bq: int, bk: int, along_q: bool) -
       mask=_pairwise_spec(m.mask, q_block, k_block, along_q),
       q_segment_ids=_ids_spec(m.q_segment_ids, q_block, along_q),
       kv_segment_ids=_ids_spec(m.kv_segment_ids, k_block, not along_q),
-      kv_lengths=None if m.kv_lengths is None else pl.BlockSpec((None,), lambda t, b, h: (b,)))
+      kv_lengths=None if m.kv_lengths is None else pl.BlockSpec((None,), lambda t, b, h: (b,)),
+      layout=_row_spec(m.layout), visits=_row_spec(m.visits),
+      visit_counts=_row_spec(m.visit_counts))
+
+
+def _row_spec(x: Optional[Array]):
+  """`[H|1, n, m']` -> this program's row `[m']`; `[H|1, n]` -> its entry `[]`."""
+  if x is None:
+    return None
+  head_of = (lambda h: h) if x.shape[0] > 1 else (lambda h: 0)
+  if x.ndim == 2:
+    return pl.BlockSpec((None, None), lambda t, b, h: (head_of(h), t))
+  return pl.BlockSpec((None, None, x.shape[2]), lambda t, b, h: (head_of(h), t, 0))
 
 
 def _row_stats_spec(block_len: int, blocked: bool):
@@ -366,7 +445,7 @@ def _forward(cfg: _Config, q, k, v, bias, m: _MaskArrays):
       _head_spec(cfg.kv_len, head_dim, True, cfg.group, blocked=False),
       _head_spec(cfg.kv_len, value_dim, True, cfg.group, blocked=False),
       _pairwise_spec(bias, bq, cfg.kv_len, along_q=True),
-      _mask_specs(cfg, m, bq, cfg.block_k, along_q=True),
+      _mask_specs(cfg, _for_pass(m, along_q=True), bq, cfg.block_k, along_q=True),
   ]
   out_shape = [jax.ShapeDtypeStruct(q.shape[:3] + (value_dim,), q.dtype),
                jax.ShapeDtypeStruct((batch, num_heads, cfg.q_len), jnp.float32)]
@@ -378,7 +457,7 @@ def _forward(cfg: _Config, q, k, v, bias, m: _MaskArrays):
       in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
       compiler_params=_compiler_params(cfg, max(head_dim, value_dim)),
       interpret=cfg.interpret, name="flash_attention_forward",
-  )(q, k, v, bias, m)
+  )(q, k, v, bias, _for_pass(m, along_q=True))
   # The kernels keep a query block's statistics contiguous ([B, H, Tq']); the
   # custom VJP wants them row by row, like out.
   return out, lse.transpose(0, 2, 1)
@@ -401,7 +480,7 @@ def _backward(cfg: _Config, q, k, v, bias, m: _MaskArrays, lse, d_out, delta):
       _head_spec(cfg.kv_len, head_dim, True, cfg.group, blocked=False),
       _head_spec(cfg.kv_len, value_dim, True, cfg.group, blocked=False),
       _pairwise_spec(bias, bq, cfg.kv_len, along_q=True),
-      _mask_specs(cfg, m, bq, bk, along_q=True),
+      _mask_specs(cfg, _for_pass(m, along_q=True), bq, bk, along_q=True),
       _head_spec(bq, value_dim, False, cfg.group, blocked=True),
       _row_stats_spec(bq, blocked=True),
       _row_stats_spec(bq, blocked=True),
@@ -417,7 +496,7 @@ def _backward(cfg: _Config, q, k, v, bias, m: _MaskArrays, lse, d_out, delta):
       grid=(cfg.q_len // bq, batch, num_heads),
       in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
       compiler_params=params, interpret=cfg.interpret, name="flash_attention_dq",
-  )(q, k, v, bias, m, d_out, lse, delta)
+  )(q, k, v, bias, _for_pass(m, along_q=True), d_out, lse, delta)
 
   # dk and dv per query head: grid over key blocks; grouped heads are summed after.
   bq, bk = cfg.block_q_dkv, cfg.block_k_dkv
@@ -426,7 +505,7 @@ def _backward(cfg: _Config, q, k, v, bias, m: _MaskArrays, lse, d_out, delta):
       _head_spec(bk, head_dim, True, cfg.group, blocked=True),
       _head_spec(bk, value_dim, True, cfg.group, blocked=True),
       _pairwise_spec(bias, cfg.q_len, bk, along_q=False),
-      _mask_specs(cfg, m, bq, bk, along_q=False),
+      _mask_specs(cfg, _for_pass(m, along_q=False), bq, bk, along_q=False),
       _head_spec(cfg.q_len, value_dim, False, cfg.group, blocked=False),
       _row_stats_spec(cfg.q_len, blocked=False),
       _row_stats_spec(cfg.q_len, blocked=False),
@@ -442,7 +521,7 @@ def _backward(cfg: _Config, q, k, v, bias, m: _MaskArrays, lse, d_out, delta):
       grid=(cfg.kv_len // bk, batch, num_heads),
       in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
       compiler_params=params, interpret=cfg.interpret, name="flash_attention_dkv",
-  )(q, k, v, bias, m, d_out, lse, delta)
+  )(q, k, v, bias, _for_pass(m, along_q=False), d_out, lse, delta)
 
   dk, dv = _sum_groups(dk, cfg.group, k.dtype), _sum_groups(dv, cfg.group, v.dtype)
   if bias is not None:
@@ -496,8 +575,10 @@ def default_block_sizes_gpu(head_dim: int, dtype) -> common.BlockSizes:
 
 def flash_attention_gpu(inputs: AttentionInputs, block_sizes: Optional[common.BlockSizes] = None,
                         *, interpret: Optional[bool] = None, num_warps: Optional[int] = None,
-                        num_stages: Optional[int] = None,
-                        return_residual: bool = False) -> Union[Array, Tuple[Array, Array]]:
+                        num_stages: Optional[int] = None, return_residual: bool = False,
+                        pattern: Optional[patterns.Pattern] = None,
+                        block_layout: Optional[Array] = None
+                        ) -> Union[Array, Tuple[Array, Array]]:
   """Exact attention over `inputs` with Pallas GPU kernels; `[B, Tq, H, Dv]`.
 
   Args:
@@ -510,6 +591,10 @@ def flash_attention_gpu(inputs: AttentionInputs, block_sizes: Optional[common.Bl
       stages when None). Ignored by the interpreter.
     return_residual: also return the log-sum-exp `[B, Tq, H]` float32
       (differentiable; `common.EMPTY_ROW_LSE` where a query attends nothing).
+    pattern, block_layout: block-sparse attention (block_sparse.py): the
+      pattern and its `[H|1, nq, nk]` layout for `block_sizes` (one size for
+      every pass, which must fit the sequences as given); each program visits
+      its own head's blocks. No bias then.
 
   Raises:
     ValueError: for a dtype other than float32/bfloat16/float16, a head dim
@@ -525,6 +610,18 @@ def flash_attention_gpu(inputs: AttentionInputs, block_sizes: Optional[common.Bl
   if interpret is None:
     interpret = jax.default_backend() != "gpu"
   cfg = _config(inputs, block_sizes, bool(interpret), num_warps, num_stages)
+  sparse = {}
+  if block_layout is not None:
+    if (cfg.block_q, cfg.block_k) != (block_sizes.block_q, block_sizes.block_k) or \
+        cfg.dkv_blocks != (cfg.block_q, cfg.block_k) or inputs.bias is not None:
+      raise ValueError(f"block-sparse attention needs one block size for every pass, no "
+                       f"longer than the sequences, and no bias; got {block_sizes} for "
+                       f"Tq={inputs.query.shape[1]}, Tk={inputs.key.shape[1]}.")
+    cfg = dataclasses.replace(cfg, pattern=pattern)
+    by_query = _visit_lists(block_layout)
+    by_key = _visit_lists(block_layout.swapaxes(1, 2))
+    sparse = dict(zip(("layout", "visits", "visit_counts"), by_query))
+    sparse.update(zip(("layout_by_key", "visits_by_key", "visit_counts_by_key"), by_key))
 
   # Zero padding: whole blocks along T, a power of two (>= 16) along D.
   query, key, value = inputs.query, inputs.key, inputs.value
@@ -539,7 +636,7 @@ def flash_attention_gpu(inputs: AttentionInputs, block_sizes: Optional[common.Bl
       q_segment_ids=_padded_ids(inputs.q_segment_ids, cfg.q_len),
       kv_segment_ids=_padded_ids(inputs.kv_segment_ids, cfg.kv_len),
       kv_lengths=(None if inputs.key_value_seq_lengths is None
-                  else jnp.asarray(inputs.key_value_seq_lengths, jnp.int32)))
+                  else jnp.asarray(inputs.key_value_seq_lengths, jnp.int32)), **sparse)
 
   q_len = query.shape[1]
   out, lse = _attention(cfg, (q, k, v, bias), m)
@@ -621,9 +718,12 @@ def _padded_dim(dim: int) -> int:
   return max(MIN_BLOCK, _next_power_of_two(dim))
 
 
-def _bucket(length: int) -> int:
+def shortest_block(length: int) -> int:
   """The shortest useful block for a sequence: a power of two >= 16 covering it."""
   return max(MIN_BLOCK, _next_power_of_two(length))
+
+
+_bucket = shortest_block
 
 
 def _round_up(n: int, multiple: int) -> int:

@@ -447,7 +447,7 @@ def test_block_sparse_kernel_refuses_other_implementations_and_bad_layouts():
   query, key, value = random_qkv(q_len=T, num_heads=2)
   inputs, _ = dense.prepare_inputs(query, key, value)
   with pytest.raises(ValueError, match=r"implementation must be None \(the pure-JAX form\) or "
-                                       r"one of \('blockwise',\), got 'pallas'"):
+                                       r"one of \('blockwise', 'pallas_gpu'\), got 'pallas'"):
     sparse.local_attention(query, key, value, window_size=2, implementation="pallas")
   with pytest.raises(ValueError, match=r"extra_blocks must have shape \[H, nq, r\] = "
                                        r"\[2, 5, r\], got \[2, 4, 1\]"):
@@ -460,6 +460,48 @@ def test_block_sparse_kernel_refuses_other_implementations_and_bad_layouts():
   with pytest.raises(ValueError, match="one block size for both passes"):
     block_sparse.block_sparse_attention(inputs, patterns.Band(1, 1),
                                         block_sizes=BlockSizes(4, 4, block_q_dkv=8))
+
+
+def test_the_variants_know_every_block_sparse_kernel():
+  assert sparse.KERNEL_IMPLEMENTATIONS == block_sparse.IMPLEMENTATIONS
+
+
+# The Triton kernels (interpreted here) take blocks of 16 at least: T = 64 in
+# 4 blocks, each program following its own head's blocks.
+T_GPU = 64
+GPU_CASES = {
+    "local": (sparse.local_attention, dict(window_size=9), lambda c: _local(9, c)),
+    "block_local": (sparse.block_local_attention, dict(block_size=24), lambda c: _block(24, c)),
+    "strided_per_head": (sparse.strided_attention, dict(stride=8, combine="per_head"), None),
+    "longformer": (sparse.longformer_attention, dict(num_global=2, window_size=5, dilation=3,
+                                                     dilated_heads=H // 2), None),
+    "bigbird": (sparse.bigbird_attention, dict(rng=jax.random.PRNGKey(3), block_size=16,
+                                               num_random_blocks=1), None),
+}
+
+
+def _gpu_case_mask(name, causal):
+  """`[B|1, H|1, T, T]` of a GPU case, pair by pair."""
+  fn, options, pattern = GPU_CASES[name]
+  if pattern is not None:
+    return _pattern_mask(T_GPU, pattern(causal))
+  if name == "strided_per_head":
+    return _per_head(_pattern_mask(T_GPU, _strided_local(8, causal)),
+                     _pattern_mask(T_GPU, _strided_strided(8, causal)))
+  if name == "longformer":
+    return _per_head(_pattern_mask(T_GPU, _global_window(2, 5, causal)),
+                     _pattern_mask(T_GPU, _global_window(2, 5, causal, d=3)))
+  drawn = _bigbird_drawn(jax.random.PRNGKey(3), 4, 1, causal)
+  return _per_head_mask(T_GPU, _bigbird_pattern(16, (0, 3), drawn, causal))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("name", sorted(GPU_CASES))
+def test_block_sparse_triton_kernel_matches_dense(name, causal, monkeypatch):
+  monkeypatch.setattr(block_sparse, "default_block_sizes", lambda: BlockSizes(16, 16))
+  fn, options, _ = GPU_CASES[name]
+  _assert_parity(fn, _gpu_case_mask(name, causal), length=T_GPU, num_kv_heads=2,
+                 is_causal=causal, implementation="pallas_gpu", **options)
 
 
 BAD_SIZES = [
