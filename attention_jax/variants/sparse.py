@@ -493,7 +493,7 @@ def _from_head_stripes(x: Array) -> Array:
 # computed by the flash kernel over only the blocks they allow.
 
 # block_sparse.IMPLEMENTATIONS (the kernels cannot be imported here; a test checks).
-KERNEL_IMPLEMENTATIONS = ("blockwise", "pallas_gpu")
+KERNEL_IMPLEMENTATIONS = ("blockwise", "pallas_gpu", "pallas_tpu")
 
 
 def _check_implementation(variant: str, implementation: Optional[str]):
@@ -1391,9 +1391,9 @@ _SPARSE = dict(family="sparse", subquadratic=True, exact=True, causal=True, cros
 _SCALE = dict(scale="multiplies the logits; 1/sqrt(D) when None")
 _WINDOW = dict(window_size="keys each side of the query (w)")
 # The variants whose pattern also runs on the block-sparse flash kernel.
-_KERNEL = dict(implementation="None: the pure-JAX form; 'blockwise' or 'pallas_gpu': the "
-                              "block-sparse flash kernel (lax loops, or Triton), visiting only "
-                              "the blocks the pattern allows")
+_KERNEL = dict(implementation="None: the pure-JAX form; 'blockwise', 'pallas_gpu' or "
+                              "'pallas_tpu': the block-sparse flash kernel (lax loops, Triton "
+                              "or Mosaic TPU), visiting only the blocks the pattern allows")
 _FACTORIZED = dict(
     stride="the stride l; ceil(sqrt(T)) when None",
     combine="'merged' (one softmax over both patterns), 'per_head' or 'interleaved'",

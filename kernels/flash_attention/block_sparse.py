@@ -29,13 +29,14 @@ import jax.numpy as jnp
 from attention_jax.core import patterns
 from attention_jax.variants.dense import AttentionInputs
 
-from . import blockwise, common, pallas_gpu
+from . import blockwise, common, pallas_gpu, pallas_tpu
 
 Array = jnp.ndarray
 
-# "blockwise": the lax loops (every backend). "pallas_gpu": the Triton kernels
-# (interpreted off a GPU), one program per head following its own blocks.
-IMPLEMENTATIONS = ("blockwise", "pallas_gpu")
+# "blockwise": the lax loops (every backend). "pallas_gpu": the Triton kernels,
+# "pallas_tpu": the Mosaic TPU kernels (each interpreted off its accelerator),
+# one program per head following its own blocks.
+IMPLEMENTATIONS = ("blockwise", "pallas_gpu", "pallas_tpu")
 
 
 def block_sparse_attention(inputs: AttentionInputs, pattern: patterns.Pattern, *,
@@ -67,6 +68,8 @@ def block_sparse_attention(inputs: AttentionInputs, pattern: patterns.Pattern, *
                      f"is made for it), got {block_sizes}.")
   if implementation == "pallas_gpu":
     return _pallas_gpu(inputs, pattern, block_sizes, extra_blocks, return_residual)
+  if implementation == "pallas_tpu":
+    return _pallas_tpu(inputs, pattern, block_sizes, extra_blocks, return_residual)
   cfg, operands, masks = blockwise.blocked_layout(inputs, block_sizes)
   layout = layout_of(inputs, pattern, cfg.block_q, cfg.block_k, extra_blocks)
   check_layout(layout, inputs.query.shape[2], cfg.q_len // cfg.block_q, cfg.kv_len // cfg.block_k)
@@ -102,6 +105,32 @@ def _pallas_gpu(inputs, pattern, block_sizes, extra_blocks, return_residual):
   check_layout(layout, num_heads, num_q_blocks, num_kv_blocks)
   return pallas_gpu.flash_attention_gpu(inputs, block_sizes, return_residual=return_residual,
                                         pattern=pattern, block_layout=layout)
+
+
+def _pallas_tpu(inputs, pattern, block_sizes, extra_blocks, return_residual):
+  """The Mosaic TPU kernels over the layout: query blocks a multiple of 32, key
+  blocks of 128 (`pallas_tpu`), fitted to the sequences; the grids' last axes
+  as long as the most blocks a row visits."""
+  q_len, kv_len = inputs.query.shape[1], inputs.key.shape[1]
+  round_up = lambda n, multiple: common.cdiv(n, multiple) * multiple
+  block_sizes = common.BlockSizes(
+      min(block_sizes.block_q, round_up(q_len, pallas_tpu.QUERY_BLOCK_MULTIPLE)),
+      min(block_sizes.block_k, round_up(kv_len, pallas_tpu.KEY_BLOCK_MULTIPLE)))
+  static_layout = patterns.block_layout(pattern, q_len, kv_len, block_sizes.block_q,
+                                        block_sizes.block_k, is_causal=inputs.is_causal,
+                                        num_heads=inputs.query.shape[2])
+  visited = static_layout != patterns.SKIP  # NumPy: the grids' lengths are static
+  max_visits = (int(visited.sum(-1).max()), int(visited.sum(-2).max()))
+  layout = jnp.asarray(static_layout)
+  check_layout(layout, inputs.query.shape[2], common.cdiv(q_len, block_sizes.block_q),
+               common.cdiv(kv_len, block_sizes.block_k))
+  if extra_blocks is not None:
+    layout = with_extra_blocks(layout, extra_blocks, inputs.query.shape[2])
+    # Each query block gains at most r blocks; a key block may be drawn by all.
+    max_visits = (max_visits[0] + extra_blocks.shape[-1], layout.shape[1])
+  return pallas_tpu.flash_attention_tpu(inputs, block_sizes, return_residual=return_residual,
+                                        pattern=pattern, block_layout=layout,
+                                        max_visits=max_visits)
 
 
 def default_block_sizes() -> common.BlockSizes:

@@ -57,6 +57,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from attention_jax.core import masks as mask_lib
+from attention_jax.core import patterns
 from attention_jax.variants.dense import AttentionInputs, prepare_inputs, returned_outputs
 
 from . import common
@@ -92,6 +93,12 @@ class _Static:
   scale: float
   reach: common.Reach
   interpret: Any  # False, or pltpu.InterpretParams
+  # Block-sparse attention (block_sparse.py): the pattern inside PARTIAL
+  # blocks, the layout's head count (1 or H), and the grid steps of the
+  # query-major and key-major passes (the most blocks a row visits).
+  pattern: Optional[patterns.Pattern] = None
+  pattern_heads: int = 1
+  sparse_steps: Tuple[int, int] = (0, 0)
 
 
 @dataclasses.dataclass
@@ -103,12 +110,27 @@ class _MaskArrays:
   mask: Optional[Array]  # [B|1, H|1, Tq'|1, Tk'|1] int8
   q_segment_ids: Optional[Array]  # [B, Tq', 128] int32
   kv_segment_ids: Optional[Array]  # [B, 8, Tk'] int32
+  # Block-sparse attention, scalar-prefetched (flat int32, row-major): by query
+  # block (layout [Hl, nq, nk], visits [Hl, nq, nk], counts [Hl, nq]) and by
+  # key block (the transposes), Hl the layout's heads.
+  by_query: Optional[Tuple[Array, Array, Array]] = None
+  by_key: Optional[Tuple[Array, Array, Array]] = None
 
 
 jax.tree_util.register_dataclass(
     _MaskArrays,
-    data_fields=["q_lengths", "kv_lengths", "mask", "q_segment_ids", "kv_segment_ids"],
+    data_fields=["q_lengths", "kv_lengths", "mask", "q_segment_ids", "kv_segment_ids",
+                 "by_query", "by_key"],
     meta_fields=[])
+
+
+def _flat_visit_lists(layout: Array) -> Tuple[Array, Array, Array]:
+  """`[Hl, n, m]` layout -> flat (layout, visits, counts) for scalar prefetch:
+  the blocks each row visits in order (padded with skipped ones) and how many."""
+  visited = layout != patterns.SKIP
+  visits = jnp.argsort(~visited, axis=-1, stable=True).astype(jnp.int32)
+  return (layout.astype(jnp.int32).ravel(), visits.ravel(),
+          visited.sum(-1).astype(jnp.int32).ravel())
 
 
 # ----------------------------------------------------------------------------
@@ -145,10 +167,27 @@ def _visit(lo, hi, step, num_blocks):
   return block, target < hi, jnp.asarray(lo) < hi
 
 
+def _sparse_visit(cfg: _Static, head, row, step, num_rows: int, num_cols: int, live,
+                  sparse_refs):
+  """Block-sparse: the block that `step` of `row` visits (held at the last one
+  past the row's count, so that no step past it moves a block), whether it is
+  fresh, and whether the row visits any. `live`: the row has work at all."""
+  _, visits_ref, counts_ref = sparse_refs
+  index = (head if cfg.pattern_heads > 1 else 0) * num_rows + row
+  count = jnp.where(live, counts_ref[index], 0)
+  n = jnp.maximum(jnp.minimum(step, count - 1), 0)
+  return visits_ref[index * num_cols + n], step < count, count > 0
+
+
 def _query_major_coords(cfg: _Static, block_q: int, block_k: int, batch, head, q_block, step,
-                        q_lengths_ref, kv_lengths_ref) -> _Coords:
+                        q_lengths_ref, kv_lengths_ref, *sparse_refs) -> _Coords:
   """Grid (B, H, query blocks, key steps): step `step` of query block `q_block`."""
   num_kv_blocks = cfg.kv_len // block_k
+  if sparse_refs:
+    live = q_block * block_q < q_lengths_ref[batch]
+    kv_block, fresh, any_visit = _sparse_visit(cfg, head, q_block, step, cfg.q_len // block_q,
+                                               num_kv_blocks, live, sparse_refs)
+    return _Coords(batch, head, head // cfg.group, q_block, kv_block, fresh, any_visit)
   lo, hi = common.kv_block_range(q_block, block_q, block_k, num_kv_blocks, cfg.reach)
   # Key blocks wholly past the valid length hold nothing to attend.
   hi = jnp.minimum(hi, common.cdiv(kv_lengths_ref[batch], block_k))
@@ -159,9 +198,16 @@ def _query_major_coords(cfg: _Static, block_q: int, block_k: int, batch, head, q
 
 
 def _key_major_coords(cfg: _Static, block_q: int, block_k: int, batch, kv_head, kv_block,
-                      group_index, step, q_lengths_ref, kv_lengths_ref) -> _Coords:
+                      group_index, step, q_lengths_ref, kv_lengths_ref,
+                      *sparse_refs) -> _Coords:
   """Grid (B, Hkv, key blocks, G, query steps): step `step` of key block `kv_block`."""
   num_q_blocks = cfg.q_len // block_q
+  if sparse_refs:
+    head = kv_head * cfg.group + group_index
+    live = kv_block * block_k < kv_lengths_ref[batch]
+    q_block, fresh, any_visit = _sparse_visit(cfg, head, kv_block, step, cfg.kv_len // block_k,
+                                              num_q_blocks, live, sparse_refs)
+    return _Coords(batch, head, kv_head, q_block, kv_block, fresh, any_visit)
   lo, hi = common.q_block_range(kv_block, block_q, block_k, num_q_blocks, cfg.reach)
   hi = jnp.minimum(hi, common.cdiv(q_lengths_ref[batch], block_q))
   hi = jnp.where(kv_block * block_k < kv_lengths_ref[batch], hi, lo)
@@ -242,8 +288,9 @@ def _segments_overlap(refs: Dict[str, Any]) -> Array:
 
 
 def _masked_logits(cfg: _Static, refs: Dict[str, Any], q: Array, k: Array, q_start, k_start,
-                   kv_length) -> Array:
-  """scale * q k^T + bias, with disallowed pairs at -inf: `(bq, bk)` float32."""
+                   kv_length, in_pattern=None) -> Array:
+  """scale * q k^T + bias, with disallowed pairs at -inf: `(bq, bk)` float32.
+  `in_pattern`: `(q_pos, k_pos) -> allowed` of a block-sparse pattern, or None."""
   logits = _dot(q, k, _NT) * cfg.scale
   if "bias" in refs:
     logits += refs["bias"][...].astype(jnp.float32)
@@ -259,14 +306,34 @@ def _masked_logits(cfg: _Static, refs: Dict[str, Any], q: Array, k: Array, q_sta
     allowed &= mask_lib.segment_predicate(q_ids, kv_ids)
   if "mask" in refs:
     allowed &= refs["mask"][...].astype(jnp.int32) != 0
+  if in_pattern is not None:
+    allowed &= in_pattern(q_pos, k_pos)
   return jnp.where(allowed, logits, -jnp.inf)
 
 
+def _in_pattern(cfg: _Static, c: _Coords, sparse_refs, by_query: bool):
+  """Block-sparse: `(q_pos, k_pos) -> allowed` for the block at `c` (all of a
+  FULL block, the pattern's pairs in a PARTIAL one), or None without a pattern.
+  `sparse_refs` are the pass's own (by query or by key block)."""
+  if not sparse_refs:
+    return None
+  layout_ref = sparse_refs[0]
+  num_q_blocks = cfg.q_len // (cfg.block_q if by_query else cfg.block_q_dkv)
+  num_kv_blocks = cfg.kv_len // (cfg.block_k if by_query else cfg.block_k_dkv)
+  head = c.head if cfg.pattern_heads > 1 else 0
+  if by_query:
+    index = (head * num_q_blocks + c.q_block) * num_kv_blocks + c.kv_block
+  else:
+    index = (head * num_kv_blocks + c.kv_block) * num_q_blocks + c.q_block
+  full = layout_ref[index] == patterns.FULL
+  return lambda q_pos, k_pos: full | cfg.pattern(c.head, q_pos, k_pos)
+
+
 def _probs_and_dlogits(cfg: _Static, refs: Dict[str, Any], c: _Coords, block_q: int,
-                       block_k: int, kv_length) -> Tuple[Array, Array]:
+                       block_k: int, kv_length, in_pattern=None) -> Tuple[Array, Array]:
   """Recomputed p = exp(logits - lse) and ds = p * (dO v^T - delta): `(bq, bk)` float32."""
   logits = _masked_logits(cfg, refs, refs["q"][...], refs["k"][...], c.q_block * block_q,
-                          c.kv_block * block_k, kv_length)
+                          c.kv_block * block_k, kv_length, in_pattern)
   # Rows with nothing to attend have all logits at -inf: p = 0 there.
   probs = jnp.exp(logits - _lanes(refs["lse"][...], block_k))
   d_probs = _dot(refs["do"][...], refs["v"][...], _NT)
@@ -279,14 +346,21 @@ def _probs_and_dlogits(cfg: _Static, refs: Dict[str, Any], c: _Coords, block_q: 
 # `names`), then its outputs and scratch.
 
 
+def _sparse_and_named(cfg: _Static, refs, names: Tuple[str, ...]):
+  """The kernel's refs after the lengths: the block-sparse scalars (three, or
+  none), then the named operands, outputs and scratch."""
+  count = 3 if cfg.pattern is not None else 0
+  return refs[:count], dict(zip(names, refs[count:]))
+
+
 def _forward_kernel(q_lengths_ref, kv_lengths_ref, *refs, cfg: _Static, names: Tuple[str, ...],
                     num_steps: int):
-  refs = dict(zip(names, refs))
+  sparse_refs, refs = _sparse_and_named(cfg, refs, names)
   out_ref, lse_ref, max_ref, sum_ref, acc_ref = (
       refs[n] for n in ("out", "lse", "row_max", "row_sum", "acc"))
   step = pl.program_id(3)
   c = _query_major_coords(cfg, cfg.block_q, cfg.block_k, *(pl.program_id(a) for a in range(3)),
-                          step, q_lengths_ref, kv_lengths_ref)
+                          step, q_lengths_ref, kv_lengths_ref, *sparse_refs)
 
   @pl.when(step == 0)
   def _init():
@@ -298,7 +372,8 @@ def _forward_kernel(q_lengths_ref, kv_lengths_ref, *refs, cfg: _Static, names: T
   def _accumulate():
     v = refs["v"][...]
     logits = _masked_logits(cfg, refs, refs["q"][...], refs["k"][...], c.q_block * cfg.block_q,
-                            c.kv_block * cfg.block_k, kv_lengths_ref[c.batch])
+                            c.kv_block * cfg.block_k, kv_lengths_ref[c.batch],
+                            _in_pattern(cfg, c, sparse_refs, by_query=True))
     prev_max = max_ref[...]
     new_max = jnp.maximum(prev_max, jnp.max(logits, axis=1)[:, None])
     # A row with nothing allowed so far keeps max -inf; exponentiate against 0 then.
@@ -321,11 +396,11 @@ def _forward_kernel(q_lengths_ref, kv_lengths_ref, *refs, cfg: _Static, names: T
 
 def _dq_kernel(q_lengths_ref, kv_lengths_ref, *refs, cfg: _Static, names: Tuple[str, ...],
                num_steps: int):
-  refs = dict(zip(names, refs))
+  sparse_refs, refs = _sparse_and_named(cfg, refs, names)
   dq_ref, dq_acc_ref, ds_ref = refs["dq"], refs["dq_acc"], refs.get("ds")
   step = pl.program_id(3)
   c = _query_major_coords(cfg, cfg.block_q, cfg.block_k, *(pl.program_id(a) for a in range(3)),
-                          step, q_lengths_ref, kv_lengths_ref)
+                          step, q_lengths_ref, kv_lengths_ref, *sparse_refs)
   overlap = _segments_overlap(refs)
 
   @pl.when(step == 0)
@@ -336,7 +411,8 @@ def _dq_kernel(q_lengths_ref, kv_lengths_ref, *refs, cfg: _Static, names: Tuple[
   def _accumulate():
     k = refs["k"][...]
     _, d_logits = _probs_and_dlogits(cfg, refs, c, cfg.block_q, cfg.block_k,
-                                     kv_lengths_ref[c.batch])
+                                     kv_lengths_ref[c.batch],
+                                     _in_pattern(cfg, c, sparse_refs, by_query=True))
     dq_acc_ref[...] += _dot(d_logits.astype(k.dtype), k, _NN)
     if ds_ref is not None:
       ds_ref[...] = d_logits
@@ -356,12 +432,12 @@ def _dq_kernel(q_lengths_ref, kv_lengths_ref, *refs, cfg: _Static, names: Tuple[
 
 def _dkv_kernel(q_lengths_ref, kv_lengths_ref, *refs, cfg: _Static, names: Tuple[str, ...],
                 num_steps: int):
-  refs = dict(zip(names, refs))
+  sparse_refs, refs = _sparse_and_named(cfg, refs, names)
   dk_ref, dv_ref, dk_acc_ref, dv_acc_ref = (refs[n] for n in ("dk", "dv", "dk_acc", "dv_acc"))
   group_index, step = pl.program_id(3), pl.program_id(4)
   c = _key_major_coords(cfg, cfg.block_q_dkv, cfg.block_k_dkv,
                         *(pl.program_id(a) for a in range(3)), group_index, step,
-                        q_lengths_ref, kv_lengths_ref)
+                        q_lengths_ref, kv_lengths_ref, *sparse_refs)
 
   # dk and dv of a key block sum over the query heads of its group and all query blocks.
   @pl.when((group_index == 0) & (step == 0))
@@ -373,7 +449,8 @@ def _dkv_kernel(q_lengths_ref, kv_lengths_ref, *refs, cfg: _Static, names: Tuple
   def _accumulate():
     q, d_out = refs["q"][...], refs["do"][...]
     probs, d_logits = _probs_and_dlogits(cfg, refs, c, cfg.block_q_dkv, cfg.block_k_dkv,
-                                         kv_lengths_ref[c.batch])
+                                         kv_lengths_ref[c.batch],
+                                         _in_pattern(cfg, c, sparse_refs, by_query=False))
     dv_acc_ref[...] += _dot(probs.astype(d_out.dtype), d_out, _TN)
     dk_acc_ref[...] += _dot(d_logits.astype(q.dtype), q, _TN)
 
@@ -408,18 +485,21 @@ def _mask_operands(cfg: _Static, bias: Optional[Array],
 def _pallas(kernel, cfg: _Static, grid, semantics, coords_of, block_q, block_k,
             inputs: List[Tuple[str, str, Array]],
             outputs: List[Tuple[str, str, jax.ShapeDtypeStruct]],
-            scratch: List[Tuple[str, Any]], masks: _MaskArrays, aliases=None):
-  """Runs `kernel` over `grid` with named, kind-specified inputs, outputs and scratch."""
+            scratch: List[Tuple[str, Any]], masks: _MaskArrays, aliases=None,
+            sparse: Optional[Tuple[Array, Array, Array]] = None):
+  """Runs `kernel` over `grid` with named, kind-specified inputs, outputs and scratch;
+  `sparse`: the pass's block-sparse scalars, prefetched after the lengths."""
   spec = lambda kind, shape: _block_spec(kind, shape, block_q, block_k, coords_of)
   names = tuple(n for n, _, _ in inputs) + tuple(n for n, _, _ in outputs) + tuple(
       n for n, _ in scratch)
   input_names = [n for n, _, _ in inputs]
-  # Flat input indices count the two scalar-prefetched length arrays first.
+  scalars = (masks.q_lengths, masks.kv_lengths) + (sparse or ())
+  # Flat input indices count the scalar-prefetched arrays first.
   io_aliases = {} if aliases is None else {
-      2 + input_names.index(src): [n for n, _, _ in outputs].index(dst)
+      len(scalars) + input_names.index(src): [n for n, _, _ in outputs].index(dst)
       for src, dst in aliases.items()}
   grid_spec = pltpu.PrefetchScalarGridSpec(
-      num_scalar_prefetch=2, grid=grid,
+      num_scalar_prefetch=len(scalars), grid=grid,
       in_specs=[spec(kind, x.shape) for _, kind, x in inputs],
       out_specs=[spec(kind, s.shape) for _, kind, s in outputs],
       scratch_shapes=[shape for _, shape in scratch])
@@ -430,14 +510,15 @@ def _pallas(kernel, cfg: _Static, grid, semantics, coords_of, block_q, block_k,
       compiler_params=pltpu.CompilerParams(dimension_semantics=semantics),
       input_output_aliases=io_aliases,
       interpret=cfg.interpret,
-  )(masks.q_lengths, masks.kv_lengths, *(x for _, _, x in inputs))
+  )(*scalars, *(x for _, _, x in inputs))
 
 
 def _query_major_grid(cfg: _Static, batch: int, num_heads: int, block_q: int, block_k: int):
   """Grid (B, H, query blocks, key steps) and its coords function."""
   num_q_blocks, num_kv_blocks = cfg.q_len // block_q, cfg.kv_len // block_k
-  steps = _band_steps(num_q_blocks, lambda i: common.kv_block_range(
-      i, block_q, block_k, num_kv_blocks, cfg.reach))
+  steps = cfg.sparse_steps[0] if cfg.pattern is not None else _band_steps(
+      num_q_blocks, lambda i: common.kv_block_range(i, block_q, block_k, num_kv_blocks,
+                                                    cfg.reach))
   coords_of = functools.partial(_query_major_coords, cfg, block_q, block_k)
   grid = (batch, num_heads, num_q_blocks, steps)
   return grid, ("parallel", "parallel", "parallel", "arbitrary"), coords_of
@@ -456,7 +537,7 @@ def _forward(cfg: _Static, q, k, v, bias, masks: _MaskArrays):
              ("row_sum", pltpu.VMEM((bq, LANES), jnp.float32)),
              ("acc", pltpu.VMEM((bq, value_dim), jnp.float32))]
   out, lse = _pallas(_forward_kernel, cfg, grid, semantics, coords_of, bq, bk, inputs, outputs,
-                     scratch, masks)
+                     scratch, masks, sparse=masks.by_query)
   # The kernel writes the lse lane-replicated; one lane is kept (and saved for the
   # backward pass, which replicates it again for its kernels).
   return out, lse[..., 0]
@@ -487,13 +568,13 @@ def _backward(cfg: _Static, q, k, v, bias, masks: _MaskArrays, lse, d_out, delta
     aliases = {"ds_zeros": "ds"}
   scratch = [("dq_acc", pltpu.VMEM((bq, head_dim), jnp.float32))]
   dq, *ds = _pallas(_dq_kernel, cfg, grid, semantics, coords_of, bq, bk, inputs, outputs,
-                    scratch, masks, aliases)
+                    scratch, masks, aliases, sparse=masks.by_query)
 
   # dk, dv: key blocks outer; the query heads of the group, then query blocks, inner.
   bq, bk = cfg.block_q_dkv, cfg.block_k_dkv
   num_q_blocks, num_kv_blocks = cfg.q_len // bq, cfg.kv_len // bk
-  steps = _band_steps(num_kv_blocks, lambda j: common.q_block_range(
-      j, bq, bk, num_q_blocks, cfg.reach))
+  steps = cfg.sparse_steps[1] if cfg.pattern is not None else _band_steps(
+      num_kv_blocks, lambda j: common.q_block_range(j, bq, bk, num_q_blocks, cfg.reach))
   grid = (batch, num_kv_heads, num_kv_blocks, cfg.group, steps)
   semantics = ("parallel", "parallel", "parallel", "arbitrary", "arbitrary")
   coords_of = functools.partial(_key_major_coords, cfg, bq, bk)
@@ -502,7 +583,7 @@ def _backward(cfg: _Static, q, k, v, bias, masks: _MaskArrays, lse, d_out, delta
   scratch = [("dk_acc", pltpu.VMEM((bk, head_dim), jnp.float32)),
              ("dv_acc", pltpu.VMEM((bk, value_dim), jnp.float32))]
   dk, dv = _pallas(_dkv_kernel, cfg, grid, semantics, coords_of, bq, bk, common_inputs, outputs,
-                   scratch, masks)
+                   scratch, masks, sparse=masks.by_key)
 
   d_bias = None
   if bias is not None:
@@ -582,8 +663,11 @@ def _interpret_mode(interpret):
 
 def flash_attention_tpu(inputs: AttentionInputs,
                         block_sizes: Optional[common.BlockSizes] = None, *,
-                        interpret: Optional[bool] = None,
-                        return_residual: bool = False) -> Union[Array, Tuple[Array, Array]]:
+                        interpret: Optional[bool] = None, return_residual: bool = False,
+                        pattern: Optional[patterns.Pattern] = None,
+                        block_layout: Optional[Array] = None,
+                        max_visits: Optional[Tuple[int, int]] = None
+                        ) -> Union[Array, Tuple[Array, Array]]:
   """Exact attention over `inputs` with the Pallas TPU kernels: `[B, Tq, H, Dv]`.
 
   Args:
@@ -595,6 +679,10 @@ def flash_attention_tpu(inputs: AttentionInputs,
       shuffle the parallel grid axes, say).
     return_residual: also return the log-sum-exp `[B, Tq, H]` float32
       (differentiable; `common.EMPTY_ROW_LSE` where a query attends nothing).
+    pattern, block_layout, max_visits: block-sparse attention (block_sparse.py):
+      the pattern, its `[H|1, nq, nk]` layout for `block_sizes` (one size for
+      both passes, fitting the sequences as given), and the most blocks a
+      query block and a key block visit (the grids' last axes). No bias then.
   """
   query, key, value = inputs.query, inputs.key, inputs.value
   batch, q_len, num_heads, head_dim = query.shape
@@ -615,6 +703,17 @@ def flash_attention_tpu(inputs: AttentionInputs,
                 group=num_heads // num_kv_heads, scale=float(inputs.scale),
                 reach=common.reach_of(inputs.is_causal, inputs.local_window_size),
                 interpret=_interpret_mode(interpret))
+  sparse = {}
+  if block_layout is not None:
+    if (bq, bk) != (block_sizes.block_q, block_sizes.block_k) or (bq_dkv, bk_dkv) != (bq, bk) \
+        or inputs.bias is not None:
+      raise ValueError(f"block-sparse attention needs one block size for both passes, no "
+                       f"longer than the sequences, and no bias; got {block_sizes} for "
+                       f"Tq={q_len}, Tk={kv_len}.")
+    cfg = dataclasses.replace(cfg, pattern=pattern, pattern_heads=block_layout.shape[0],
+                              sparse_steps=tuple(max(1, int(n)) for n in max_visits))
+    sparse = dict(by_query=_flat_visit_lists(block_layout),
+                  by_key=_flat_visit_lists(block_layout.swapaxes(1, 2)))
 
   # [B, T, H, D] -> [B, H, T, D], padded to whole blocks.
   q = common.pad_axis(query.transpose(0, 2, 1, 3), 2, q_multiple)
@@ -625,7 +724,7 @@ def flash_attention_tpu(inputs: AttentionInputs,
     if bias.dtype not in SUPPORTED_DTYPES:
       bias = bias.astype(jnp.float32)
     bias = _pad_pairwise(bias, q_multiple, kv_multiple)
-  masks = _mask_arrays(inputs, q_multiple, kv_multiple)
+  masks = dataclasses.replace(_mask_arrays(inputs, q_multiple, kv_multiple), **sparse)
 
   out, lse = _attention(cfg, (q, k, v, bias), masks)  # [B, H, Tq', Dv], [B, H, Tq']
   return common.attention_outputs(out[:, :, :q_len].transpose(0, 2, 1, 3),

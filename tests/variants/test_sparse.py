@@ -447,7 +447,8 @@ def test_block_sparse_kernel_refuses_other_implementations_and_bad_layouts():
   query, key, value = random_qkv(q_len=T, num_heads=2)
   inputs, _ = dense.prepare_inputs(query, key, value)
   with pytest.raises(ValueError, match=r"implementation must be None \(the pure-JAX form\) or "
-                                       r"one of \('blockwise', 'pallas_gpu'\), got 'pallas'"):
+                                       r"one of \('blockwise', 'pallas_gpu', 'pallas_tpu'\), "
+                                       r"got 'pallas'"):
     sparse.local_attention(query, key, value, window_size=2, implementation="pallas")
   with pytest.raises(ValueError, match=r"extra_blocks must have shape \[H, nq, r\] = "
                                        r"\[2, 5, r\], got \[2, 4, 1\]"):
@@ -502,6 +503,38 @@ def test_block_sparse_triton_kernel_matches_dense(name, causal, monkeypatch):
   fn, options, _ = GPU_CASES[name]
   _assert_parity(fn, _gpu_case_mask(name, causal), length=T_GPU, num_kv_heads=2,
                  is_causal=causal, implementation="pallas_gpu", **options)
+
+
+# The Mosaic TPU kernels (interpreted here): query blocks of 32, key blocks of
+# 128 (the lane width), so T = 320 is 10 x 3 blocks; GQA and per-head patterns.
+T_TPU = 320
+TPU_CASES = {
+    "local": (sparse.local_attention, dict(window_size=60), lambda c: _local(60, c)),
+    "longformer": (sparse.longformer_attention, dict(num_global=2, window_size=20, dilation=3,
+                                                     dilated_heads=H // 2), None),
+    "bigbird": (sparse.bigbird_attention, dict(rng=jax.random.PRNGKey(3), block_size=128,
+                                               num_random_blocks=1), None),
+}
+
+
+def _tpu_case_mask(name, causal):
+  fn, options, pattern = TPU_CASES[name]
+  if pattern is not None:
+    return _pattern_mask(T_TPU, pattern(causal))
+  if name == "longformer":
+    return _per_head(_pattern_mask(T_TPU, _global_window(2, 20, causal)),
+                     _pattern_mask(T_TPU, _global_window(2, 20, causal, d=3)))
+  drawn = _bigbird_drawn(jax.random.PRNGKey(3), 3, 1, causal)
+  return _per_head_mask(T_TPU, _bigbird_pattern(128, (0, 2), drawn, causal))
+
+
+@pytest.mark.parametrize("name,causal", [("local", False), ("longformer", True),
+                                         ("bigbird", True)])  # the interpreter is slow
+def test_block_sparse_tpu_kernel_matches_dense(name, causal, monkeypatch):
+  monkeypatch.setattr(block_sparse, "default_block_sizes", lambda: BlockSizes(32, 128))
+  fn, options, _ = TPU_CASES[name]
+  _assert_parity(fn, _tpu_case_mask(name, causal), length=T_TPU, num_kv_heads=2,
+                 is_causal=causal, implementation="pallas_tpu", **options)
 
 
 BAD_SIZES = [
