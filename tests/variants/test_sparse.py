@@ -473,7 +473,11 @@ T_GPU = 64
 GPU_CASES = {
     "local": (sparse.local_attention, dict(window_size=9), lambda c: _local(9, c)),
     "block_local": (sparse.block_local_attention, dict(block_size=24), lambda c: _block(24, c)),
+    "dilated": (sparse.dilated_attention, dict(window_size=4, dilation=3),
+                lambda c: _dilated(4, 3, c)),
     "strided_per_head": (sparse.strided_attention, dict(stride=8, combine="per_head"), None),
+    "fixed": (sparse.fixed_attention, dict(stride=8, num_summary=2),
+              lambda c: _union(_block(8, c), _fixed_summary(8, 2, c))),
     "longformer": (sparse.longformer_attention, dict(num_global=2, window_size=5, dilation=3,
                                                      dilated_heads=H // 2), None),
     "bigbird": (sparse.bigbird_attention, dict(rng=jax.random.PRNGKey(3), block_size=16,
@@ -510,6 +514,12 @@ def test_block_sparse_triton_kernel_matches_dense(name, causal, monkeypatch):
 T_TPU = 320
 TPU_CASES = {
     "local": (sparse.local_attention, dict(window_size=60), lambda c: _local(60, c)),
+    "block_local": (sparse.block_local_attention, dict(block_size=96), lambda c: _block(96, c)),
+    "dilated": (sparse.dilated_attention, dict(window_size=20, dilation=3),
+                lambda c: _dilated(20, 3, c)),
+    "strided_per_head": (sparse.strided_attention, dict(stride=16, combine="per_head"), None),
+    "fixed": (sparse.fixed_attention, dict(stride=40, num_summary=4),
+              lambda c: _union(_block(40, c), _fixed_summary(40, 4, c))),
     "longformer": (sparse.longformer_attention, dict(num_global=2, window_size=20, dilation=3,
                                                      dilated_heads=H // 2), None),
     "bigbird": (sparse.bigbird_attention, dict(rng=jax.random.PRNGKey(3), block_size=128,
@@ -521,6 +531,9 @@ def _tpu_case_mask(name, causal):
   fn, options, pattern = TPU_CASES[name]
   if pattern is not None:
     return _pattern_mask(T_TPU, pattern(causal))
+  if name == "strided_per_head":
+    return _per_head(_pattern_mask(T_TPU, _strided_local(16, causal)),
+                     _pattern_mask(T_TPU, _strided_strided(16, causal)))
   if name == "longformer":
     return _per_head(_pattern_mask(T_TPU, _global_window(2, 20, causal)),
                      _pattern_mask(T_TPU, _global_window(2, 20, causal, d=3)))
@@ -528,8 +541,10 @@ def _tpu_case_mask(name, causal):
   return _per_head_mask(T_TPU, _bigbird_pattern(128, (0, 2), drawn, causal))
 
 
-@pytest.mark.parametrize("name,causal", [("local", False), ("longformer", True),
-                                         ("bigbird", True)])  # the interpreter is slow
+# Each pattern once, causal or not (the interpreter is slow).
+@pytest.mark.parametrize("name,causal", [
+    ("local", False), ("block_local", True), ("dilated", False), ("strided_per_head", True),
+    ("fixed", False), ("longformer", True), ("bigbird", True)])
 def test_block_sparse_tpu_kernel_matches_dense(name, causal, monkeypatch):
   monkeypatch.setattr(block_sparse, "default_block_sizes", lambda: BlockSizes(32, 128))
   fn, options, _ = TPU_CASES[name]
