@@ -13,14 +13,14 @@ import pytest
 from attention_jax.models import FunnelTransformer, LayerStack, build_model
 from attention_jax.models.funnel import pool_pairs, upsample
 from attention_jax.models.stack import unstack_scanned
-from attention_testing import assert_close, train_briefly
+from attention_testing import assert_close, jit_init, train_briefly
 
 V, E = 11, 16
 
 
 
 def _init(model, *args, **kwargs):
-  return nn.meta.unbox(model.init(*args, **kwargs))
+  return nn.meta.unbox(jit_init(model, *args, **kwargs))
 
 def _funnel(**overrides):
   config = dict(kind="funnel", vocab_size=V, num_classes=3, embed_dim=E, num_heads=2, mlp_dim=32,
