@@ -467,89 +467,69 @@ def test_the_variants_know_every_block_sparse_kernel():
   assert sparse.KERNEL_IMPLEMENTATIONS == block_sparse.IMPLEMENTATIONS
 
 
-# The Triton kernels (interpreted here) take blocks of 16 at least: T = 64 in
-# 4 blocks, each program following its own head's blocks.
-T_GPU = 64
-GPU_CASES = {
-    "local": (sparse.local_attention, dict(window_size=9), lambda c: _local(9, c)),
-    "block_local": (sparse.block_local_attention, dict(block_size=24), lambda c: _block(24, c)),
-    "dilated": (sparse.dilated_attention, dict(window_size=4, dilation=3),
-                lambda c: _dilated(4, 3, c)),
-    "strided_per_head": (sparse.strided_attention, dict(stride=8, combine="per_head"), None),
-    "fixed": (sparse.fixed_attention, dict(stride=8, num_summary=2),
-              lambda c: _union(_block(8, c), _fixed_summary(8, 2, c))),
-    "longformer": (sparse.longformer_attention, dict(num_global=2, window_size=5, dilation=3,
-                                                     dilated_heads=H // 2), None),
-    "bigbird": (sparse.bigbird_attention, dict(rng=jax.random.PRNGKey(3), block_size=16,
-                                               num_random_blocks=1), None),
+def _kernel_cases(length, *, window, block, stride, summary, longformer_window,
+                  bigbird_block):
+  """name -> (function, options, causal -> `[B|1, H|1, T, T]` mask pair by pair):
+  every sparse pattern at sizes that span several of a kernel's blocks."""
+  mask = lambda allowed: _pattern_mask(length, allowed)
+  bigbird_blocks = -(-length // bigbird_block)
+
+  def bigbird_mask(causal):
+    drawn = _bigbird_drawn(jax.random.PRNGKey(3), bigbird_blocks, 1, causal)
+    return _per_head_mask(length, _bigbird_pattern(bigbird_block, (0, bigbird_blocks - 1),
+                                                   drawn, causal))
+
+  return {
+      "local": (sparse.local_attention, dict(window_size=window),
+                lambda c: mask(_local(window, c))),
+      "block_local": (sparse.block_local_attention, dict(block_size=block),
+                      lambda c: mask(_block(block, c))),
+      "dilated": (sparse.dilated_attention, dict(window_size=window // 2, dilation=3),
+                  lambda c: mask(_dilated(window // 2, 3, c))),
+      "strided_per_head": (sparse.strided_attention, dict(stride=stride, combine="per_head"),
+                           lambda c: _per_head(mask(_strided_local(stride, c)),
+                                               mask(_strided_strided(stride, c)))),
+      "fixed": (sparse.fixed_attention, dict(stride=stride, num_summary=summary),
+                lambda c: mask(_union(_block(stride, c), _fixed_summary(stride, summary, c)))),
+      "longformer": (sparse.longformer_attention,
+                     dict(num_global=2, window_size=longformer_window, dilation=3,
+                          dilated_heads=H // 2),
+                     lambda c: _per_head(mask(_global_window(2, longformer_window, c)),
+                                         mask(_global_window(2, longformer_window, c, d=3)))),
+      "bigbird": (sparse.bigbird_attention, dict(rng=jax.random.PRNGKey(3),
+                                                 block_size=bigbird_block, num_random_blocks=1),
+                  bigbird_mask),
+  }
+
+
+# implementation -> (T, the kernel's blocks, the cases). The Triton kernels take
+# blocks of 16 at least: T = 64 in 4 blocks. The Mosaic TPU kernels take query
+# blocks of 32 and key blocks of 128 (the lane width): T = 320 in 10 x 3 blocks.
+# Each program follows its own head's blocks; GQA and per-head patterns included.
+ACCELERATOR_KERNELS = {
+    "pallas_gpu": (64, BlockSizes(16, 16), _kernel_cases(
+        64, window=9, block=24, stride=8, summary=2, longformer_window=5, bigbird_block=16)),
+    "pallas_tpu": (320, BlockSizes(32, 128), _kernel_cases(
+        320, window=60, block=96, stride=40, summary=4, longformer_window=20,
+        bigbird_block=128)),
 }
+# Triton: every pattern, causal and not; TPU: each pattern once (its interpreter is slow).
+ACCELERATOR_CASES = (
+    [("pallas_gpu", name, causal) for name in sorted(ACCELERATOR_KERNELS["pallas_gpu"][2])
+     for causal in (False, True)]
+    + [("pallas_tpu", name, causal) for name, causal in [
+        ("local", False), ("block_local", True), ("dilated", False), ("strided_per_head", True),
+        ("fixed", False), ("longformer", True), ("bigbird", True)]])
 
 
-def _gpu_case_mask(name, causal):
-  """`[B|1, H|1, T, T]` of a GPU case, pair by pair."""
-  fn, options, pattern = GPU_CASES[name]
-  if pattern is not None:
-    return _pattern_mask(T_GPU, pattern(causal))
-  if name == "strided_per_head":
-    return _per_head(_pattern_mask(T_GPU, _strided_local(8, causal)),
-                     _pattern_mask(T_GPU, _strided_strided(8, causal)))
-  if name == "longformer":
-    return _per_head(_pattern_mask(T_GPU, _global_window(2, 5, causal)),
-                     _pattern_mask(T_GPU, _global_window(2, 5, causal, d=3)))
-  drawn = _bigbird_drawn(jax.random.PRNGKey(3), 4, 1, causal)
-  return _per_head_mask(T_GPU, _bigbird_pattern(16, (0, 3), drawn, causal))
-
-
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("name", sorted(GPU_CASES))
-def test_block_sparse_triton_kernel_matches_dense(name, causal, monkeypatch):
-  monkeypatch.setattr(block_sparse, "default_block_sizes", lambda: BlockSizes(16, 16))
-  fn, options, _ = GPU_CASES[name]
-  _assert_parity(fn, _gpu_case_mask(name, causal), length=T_GPU, num_kv_heads=2,
-                 is_causal=causal, implementation="pallas_gpu", **options)
-
-
-# The Mosaic TPU kernels (interpreted here): query blocks of 32, key blocks of
-# 128 (the lane width), so T = 320 is 10 x 3 blocks; GQA and per-head patterns.
-T_TPU = 320
-TPU_CASES = {
-    "local": (sparse.local_attention, dict(window_size=60), lambda c: _local(60, c)),
-    "block_local": (sparse.block_local_attention, dict(block_size=96), lambda c: _block(96, c)),
-    "dilated": (sparse.dilated_attention, dict(window_size=20, dilation=3),
-                lambda c: _dilated(20, 3, c)),
-    "strided_per_head": (sparse.strided_attention, dict(stride=16, combine="per_head"), None),
-    "fixed": (sparse.fixed_attention, dict(stride=40, num_summary=4),
-              lambda c: _union(_block(40, c), _fixed_summary(40, 4, c))),
-    "longformer": (sparse.longformer_attention, dict(num_global=2, window_size=20, dilation=3,
-                                                     dilated_heads=H // 2), None),
-    "bigbird": (sparse.bigbird_attention, dict(rng=jax.random.PRNGKey(3), block_size=128,
-                                               num_random_blocks=1), None),
-}
-
-
-def _tpu_case_mask(name, causal):
-  fn, options, pattern = TPU_CASES[name]
-  if pattern is not None:
-    return _pattern_mask(T_TPU, pattern(causal))
-  if name == "strided_per_head":
-    return _per_head(_pattern_mask(T_TPU, _strided_local(16, causal)),
-                     _pattern_mask(T_TPU, _strided_strided(16, causal)))
-  if name == "longformer":
-    return _per_head(_pattern_mask(T_TPU, _global_window(2, 20, causal)),
-                     _pattern_mask(T_TPU, _global_window(2, 20, causal, d=3)))
-  drawn = _bigbird_drawn(jax.random.PRNGKey(3), 3, 1, causal)
-  return _per_head_mask(T_TPU, _bigbird_pattern(128, (0, 2), drawn, causal))
-
-
-# Each pattern once, causal or not (the interpreter is slow).
-@pytest.mark.parametrize("name,causal", [
-    ("local", False), ("block_local", True), ("dilated", False), ("strided_per_head", True),
-    ("fixed", False), ("longformer", True), ("bigbird", True)])
-def test_block_sparse_tpu_kernel_matches_dense(name, causal, monkeypatch):
-  monkeypatch.setattr(block_sparse, "default_block_sizes", lambda: BlockSizes(32, 128))
-  fn, options, _ = TPU_CASES[name]
-  _assert_parity(fn, _tpu_case_mask(name, causal), length=T_TPU, num_kv_heads=2,
-                 is_causal=causal, implementation="pallas_tpu", **options)
+@pytest.mark.parametrize("implementation,name,causal", ACCELERATOR_CASES)
+def test_block_sparse_accelerator_kernels_match_dense(implementation, name, causal,
+                                                       monkeypatch):
+  length, blocks, cases = ACCELERATOR_KERNELS[implementation]
+  monkeypatch.setattr(block_sparse, "default_block_sizes", lambda: blocks)
+  fn, options, mask = cases[name]
+  _assert_parity(fn, mask(causal), length=length, num_kv_heads=2, is_causal=causal,
+                 implementation=implementation, **options)
 
 
 BAD_SIZES = [
