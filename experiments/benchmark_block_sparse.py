@@ -1,13 +1,17 @@
 r"""The block-sparse flash kernel against the sparse variants' pure-JAX forms, in one run.
 
   python -m experiments.benchmark_block_sparse --out=benchmarks/block_sparse_cpu.json
+  python -m experiments.benchmark_block_sparse --implementation=pallas_gpu \
+      --dtype=bfloat16 --length=16384 --heads=8 --repeats=10   # on a GPU
 
 For each sparse variant at a few settings of its pattern (`CASES`), one
 non-causal self-attention call (batch 1, `--heads` heads of `--head_dim`,
-float32, T = `--length`), forward+backward (gradients of sum(out^2) in q, k
-and v), timed twice: through the block-sparse kernel (`implementation=
-"blockwise"`, in its default blocks) and through the variant's pure-JAX
-form (`implementation=None`). Dense blockwise attention is the density-1 cell.
+`--dtype`, T = `--length`), forward+backward (gradients of sum(out^2) in q, k
+and v), timed twice: through the block-sparse kernel (`--implementation`:
+"blockwise", the lax loops, or an accelerator's Pallas kernel, in the default
+blocks) and through the variant's pure-JAX form (`implementation=None`).
+Dense attention through the same kernel family (blockwise, or the dense Pallas
+kernel at the same blocks) is the density-1 cell.
 
 Reported per cell: the pattern's block density (the fraction of (query block,
 key block) pairs the kernel visits, from the layout it computes), the median
@@ -49,6 +53,10 @@ CASES = (
 )
 
 
+# --implementation -> the dense kernel of its family (the density-1 cell).
+KERNELS = {"blockwise": "blockwise", "pallas_gpu": "flash", "pallas_tpu": "flash"}
+
+
 def define_flags(flag_values: flags.FlagValues, argv: Sequence[str]) -> None:
   """This script's flags (see `experiments.cli`)."""
   del argv
@@ -56,6 +64,11 @@ def define_flags(flag_values: flags.FlagValues, argv: Sequence[str]) -> None:
                        flag_values=flag_values)
   flags.DEFINE_integer("heads", 4, "heads H", lower_bound=1, flag_values=flag_values)
   flags.DEFINE_integer("head_dim", 64, "head dim D", lower_bound=1, flag_values=flag_values)
+  flags.DEFINE_enum("implementation", "blockwise", list(KERNELS),
+                    "the block-sparse kernel timed against the pure-JAX forms",
+                    flag_values=flag_values)
+  flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "q, k, v dtype",
+                    flag_values=flag_values)
   flags.DEFINE_integer("repeats", 3, "timed runs per cell (the median is reported)",
                        lower_bound=1, flag_values=flag_values)
   cli.DEFINE_list_of(flags.ArgumentParser(), "variants", None,
@@ -107,29 +120,32 @@ def block_density(variant: str, options: Dict[str, Any], inputs) -> float:
 
 def benchmark(args: cli.Args) -> int:
   """Times every case both ways, prints ratios and the fit, writes the JSON."""
-  # pylint: disable-next=import-outside-toplevel
-  from attention_jax.kernels.flash_attention import block_sparse, blockwise_dot_product_attention
+  # pylint: disable=import-outside-toplevel
+  from attention_jax import registry
+  from attention_jax.kernels.flash_attention import block_sparse
+  # pylint: enable=import-outside-toplevel
   blocks = block_sparse.default_block_sizes()
   shape = (1, args.length, args.heads, args.head_dim)
-  inputs = tuple(jax.random.normal(k, shape, jnp.float32)
+  inputs = tuple(jax.random.normal(k, shape, jnp.dtype(args.dtype))
                  for k in jax.random.split(jax.random.key(0), 3))
   records: List[Dict[str, Any]] = []
   print(f"non-causal forward+backward, B=1 T={args.length} H={args.heads} D={args.head_dim} "
-        f"float32, kernel blocks {blocks.block_q} (BigBird: its own), "
-        f"{jax.devices()[0].device_kind}")
+        f"{args.dtype}, kernel {args.implementation} in blocks {blocks.block_q} (BigBird: its "
+        f"own), {jax.devices()[0].device_kind}")
   print(f"{'variant':>12} {'options':<40} {'density':>8} {'kernel ms':>10} {'pure ms':>9} "
         f"{'pure/kernel':>12}")
-  dense = functools.partial(blockwise_dot_product_attention, block_sizes=blocks)
+  dense = functools.partial(registry.get_variant(KERNELS[args.implementation]).fn,
+                            block_sizes=blocks)
   dense_times = common.time_runs(_training_step(dense), inputs, args.repeats)
   dense_ms = statistics.median(dense_times)
   records.append(dict(variant="dense", options={}, block_density=1.0, kernel_ms=dense_ms,
                       kernel_times_ms=dense_times))
-  print(f"{'dense':>12} {'(blockwise, every block)':<40} {1.0:>8.3f} {dense_ms:>10.0f}", flush=True)
+  print(f"{'dense':>12} {'(' + KERNELS[args.implementation] + ', every block)':<40} {1.0:>8.3f} {dense_ms:>10.0f}", flush=True)
   selected = [c for c in CASES if not args.variants or c[0] in args.variants]
   for variant, options in selected:
     cell: Dict[str, Any] = dict(variant=variant, options=options,
                                 block_density=block_density(variant, options, inputs))
-    for name, implementation in (("kernel", "blockwise"), ("pure", None)):
+    for name, implementation in (("kernel", args.implementation), ("pure", None)):
       step = _training_step(_variant_call(variant, options, implementation))
       times = common.time_runs(step, inputs, args.repeats)
       cell[f"{name}_ms"], cell[f"{name}_times_ms"] = statistics.median(times), times
@@ -145,7 +161,8 @@ def benchmark(args: cli.Args) -> int:
     common.write_records(pathlib.Path(args.out), "experiments.benchmark_block_sparse",
                          dict(length=args.length, heads=args.heads, head_dim=args.head_dim,
                               block_size=blocks.block_q, repeats=args.repeats, causal=False,
-                              dtype="float32", mode="fwd+bwd", fit=fit), records)
+                              dtype=args.dtype, implementation=args.implementation,
+                              mode="fwd+bwd", fit=fit), records)
   return 0
 
 

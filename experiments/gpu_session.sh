@@ -44,6 +44,17 @@ tests() {
       2>&1 | tee "$OUT/tests_kernels.log" | tail -60
 }
 
+tests_block_sparse() {  # every sparse pattern through the Triton kernels, natively
+  timeout 150 $PY -m pytest tests/variants/test_sparse.py -q -n 8 -p no:cacheprovider \
+      -k "block_sparse" 2>&1 | tee "$OUT/tests_block_sparse.log" | tail -30
+}
+
+bench_block_sparse() {  # kernel time against block density (#20 item 2), bfloat16
+  timeout 270 $PY -m experiments.benchmark_block_sparse --implementation=pallas_gpu \
+      --dtype=bfloat16 --length=16384 --heads=8 --head_dim=64 --repeats=10 \
+      --out="$OUT/block_sparse_gpu.json" 2>&1 | tee "$OUT/bench_block_sparse.log" | tail -25
+}
+
 tests_defaults() {  # the tests that run the default block sizes
   timeout 120 $PY -m pytest tests/kernels/test_pallas_gpu.py -q -n 8 -p no:cacheprovider \
       -k "default_block or head_dims or long_sequences" 2>&1 | tail -3
