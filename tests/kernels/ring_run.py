@@ -8,13 +8,15 @@ output, the log-sum-exp and the gradients of q, k and v.
 """
 
 import json
-import os
 import sys
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                           " --xla_force_host_platform_device_count=8").strip()
+import jax
 
-import jax  # pylint: disable=g-import-not-at-top
+# Simulated CPU devices, also on a host with an accelerator (before jax's first
+# computation creates the backends).
+jax.config.update("jax_platforms", "cpu")
+jax.config.update("jax_num_cpu_devices", 8)
+# pylint: disable=wrong-import-position
 import jax.numpy as jnp
 import numpy as np
 

@@ -6,14 +6,16 @@ count must be set before jax initialises.
 """
 
 import json
-import os
 import pathlib
 import sys
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                           " --xla_force_host_platform_device_count=8").strip()
+import jax
 
-import jax  # pylint: disable=g-import-not-at-top
+# Simulated CPU devices, also on a host with an accelerator (before jax's first
+# computation creates the backends).
+jax.config.update("jax_platforms", "cpu")
+jax.config.update("jax_num_cpu_devices", 8)
+# pylint: disable=wrong-import-position
 import numpy as np
 
 from attention_jax import train

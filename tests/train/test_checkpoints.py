@@ -99,10 +99,10 @@ def test_round_trip_restores_the_state_into_the_requested_shardings(tmp_path):
 # with one layout and restored into another; every device must hold exactly its
 # own block of each array.
 _SHARDED_SCRIPT = textwrap.dedent("""
-    import os, sys
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                               " --xla_force_host_platform_device_count=4").strip()
+    import sys
     import jax, numpy as np
+    jax.config.update("jax_platforms", "cpu")
+    jax.config.update("jax_num_cpu_devices", 4)
     from jax.sharding import NamedSharding, PartitionSpec as P
     from attention_jax import train
     from attention_jax.train.checkpoints import Checkpointer
