@@ -142,14 +142,19 @@ def block_sparse_lines(rows: Sequence[Dict[str, Any]]) -> List[str]:
   lines = report.markdown_head(["variant", "options", "block density", "kernel ms", "pure ms",
                                 "pure / kernel"])
   for r in rows:
-    pure = "-" if r["pure_ms"] is None else f"{r['pure_ms']:.0f}"
+    pure = "-" if r["pure_ms"] is None else _ms(r["pure_ms"])
     lines.append(report.markdown_row([
-        r["variant"], r["options"] or "-", f"{r['block_density']:.3f}", f"{r['kernel_ms']:.0f}",
+        r["variant"], r["options"] or "-", f"{r['block_density']:.3f}", _ms(r["kernel_ms"]),
         pure, report.ratio_text(r["pure_over_kernel"])]))
   fit = fit_line([r["block_density"] for r in rows], [r["kernel_ms"] for r in rows])
-  return lines + ["", f"Kernel ms = {fit['intercept_ms']:.0f} + {fit['slope_ms']:.0f} x block "
+  return lines + ["", f"Kernel ms = {_ms(fit['intercept_ms'])} + {_ms(fit['slope_ms'])} x block "
                       f"density (least squares over the {len(rows)} rows, R^2 "
                       f"{fit['r_squared']:.3f})."]
+
+
+def _ms(milliseconds: float) -> str:
+  """Whole milliseconds from 10 on (CPU cells), two decimals under (GPU cells)."""
+  return f"{milliseconds:.0f}" if abs(milliseconds) >= 10 else f"{milliseconds:.2f}"
 
 
 def plot(table: Any, rows: Sequence[Dict[str, Any]], out: pathlib.Path) -> List[str]:
