@@ -144,9 +144,14 @@ def _block_range(cfg: "_Static", masks: _Masks, block_range, block, block_a: int
   return block_range(block, block_a, block_b, num_blocks, cfg.reach)
 
 
-def _block_logits(cfg: _Static, masks: _Masks, q_blk, k_blk, bias, q_start, k_start, bq, bk):
-  """Scaled, biased and masked logits of one block: `[B, Hkv, G, bq, bk]` float32."""
-  logits = jnp.einsum("bhgqd,bhkd->bhgqk", q_blk, k_blk,
+def _block_logits(cfg: _Static, masks: _Masks, q_blk, k_blk_t, bias, q_start, k_start, bq, bk):
+  """Scaled, biased and masked logits of one block: `[B, Hkv, G, bq, bk]` float32.
+
+  k_blk_t: the key block transposed, `[B, Hkv, D, bk]`: the product's right
+  operand as XLA's CPU matmuls take it (given `[bk, D]`, XLA copies it
+  transposed at every step of the loop).
+  """
+  logits = jnp.einsum("bhgqd,bhdk->bhgqk", q_blk, k_blk_t,
                       preferred_element_type=jnp.float32) * cfg.scale
   if bias is not None:
     logits += _block_of(bias, q_start, k_start, bq, bk).astype(jnp.float32)
@@ -199,6 +204,7 @@ def _forward(cfg: _Static, q, k, v, bias, masks: _Masks):
   bq, bk = cfg.block_q, cfg.block_k
   num_kv_blocks = cfg.kv_len // bk
   visit_lists = _visit_lists(masks, transpose=False)
+  k_t = k.swapaxes(-1, -2)  # once, not once per block (see _block_logits)
 
   def one_query_block(i):
     q_blk = jax.lax.dynamic_slice_in_dim(q, i * bq, bq, axis=3)
@@ -212,9 +218,9 @@ def _forward(cfg: _Static, q, k, v, bias, masks: _Masks):
 
     def update(j, carry):
       row_max, row_sum, acc = carry
-      k_blk = jax.lax.dynamic_slice_in_dim(k, j * bk, bk, axis=2)
+      k_blk_t = jax.lax.dynamic_slice_in_dim(k_t, j * bk, bk, axis=3)
       v_blk = jax.lax.dynamic_slice_in_dim(v, j * bk, bk, axis=2)
-      logits = _block_logits(cfg, masks, q_blk, k_blk, bias, i * bq, j * bk, bq, bk)
+      logits = _block_logits(cfg, masks, q_blk, k_blk_t, bias, i * bq, j * bk, bq, bk)
       new_max = jnp.maximum(row_max, logits.max(-1))
       # A row with nothing allowed so far keeps max -inf; exponentiate against 0 then.
       safe_max = jnp.where(jnp.isfinite(new_max), new_max, 0.0)
@@ -248,17 +254,26 @@ def _backward(cfg: _Static, q, k, v, bias, masks: _Masks, lse, d_out, delta):
   buffer. Each block's logits, probabilities and dP are computed once (5 block
   products; a dq sweep apart from a dk/dv sweep, as the GPU kernels do to
   avoid atomics, recomputes them: 7): 1722 -> 1321 ms for forward+backward at
-  T=4096 (B1 H8 D64, float32, this 2-core CPU), one A/B run.
+  T=4096 (B1 H8 D64, float32, this 2-core CPU), one A/B run. Every product
+  takes its operands as XLA's CPU matmuls want them (dk and dv accumulated
+  transposed, q, dO, k and v transposed once up front), so that no block-sized
+  array is copied transposed and dS is computed once: 1149 -> 682 ms, one A/B
+  run (docs/ARCHITECTURE.md).
 
   lse, delta: `[B, Hkv, G, Tq']` float32 (delta as `common.flash_attention_vjp`
   gives it).
   """
   bq, bk = cfg.block_q_dkv, cfg.block_k_dkv
   visit_lists = _visit_lists(masks, transpose=True)
+  # Every product's operands laid out as XLA's CPU matmuls take them, transposed
+  # once here rather than copied at every step of the loops.
+  k_t, v_t = k.swapaxes(-1, -2), v.swapaxes(-1, -2)
+  q_t, d_out_t = q.swapaxes(-1, -2), d_out.swapaxes(-1, -2)
 
   def dkv_of_key_block(carry, j):
     k_blk = jax.lax.dynamic_slice_in_dim(k, j * bk, bk, axis=2)
-    v_blk = jax.lax.dynamic_slice_in_dim(v, j * bk, bk, axis=2)
+    k_blk_t = jax.lax.dynamic_slice_in_dim(k_t, j * bk, bk, axis=3)
+    v_blk_t = jax.lax.dynamic_slice_in_dim(v_t, j * bk, bk, axis=3)
 
     def visit(i, inner):
       return _visit_in_reach(cfg, masks, i * bq, j * bk, bq, bk, functools.partial(update, i),
@@ -267,16 +282,21 @@ def _backward(cfg: _Static, q, k, v, bias, masks: _Masks, lse, d_out, delta):
     def update(i, inner):
       dk, dv, dq, d_bias = inner
       q_blk = jax.lax.dynamic_slice_in_dim(q, i * bq, bq, axis=3)
+      q_blk_t = jax.lax.dynamic_slice_in_dim(q_t, i * bq, bq, axis=4)
       do_blk = jax.lax.dynamic_slice_in_dim(d_out, i * bq, bq, axis=3)
-      logits = _block_logits(cfg, masks, q_blk, k_blk, bias, i * bq, j * bk, bq, bk)
+      do_blk_t = jax.lax.dynamic_slice_in_dim(d_out_t, i * bq, bq, axis=4)
+      logits = _block_logits(cfg, masks, q_blk, k_blk_t, bias, i * bq, j * bk, bq, bk)
       probs = jnp.exp(logits - jax.lax.dynamic_slice_in_dim(lse, i * bq, bq, axis=3)[..., None])
-      d_probs = jnp.einsum("bhgqd,bhkd->bhgqk", do_blk, v_blk,
+      d_probs = jnp.einsum("bhgqd,bhdk->bhgqk", do_blk, v_blk_t,
                            preferred_element_type=jnp.float32)
       d_logits = probs * (d_probs - jax.lax.dynamic_slice_in_dim(delta, i * bq, bq,
                                                                  axis=3)[..., None])
-      dv += jnp.einsum("bhgqk,bhgqd->bhkd", probs.astype(d_out.dtype), do_blk,
+      # dk and dv accumulate transposed, [.., D, bk]: the block's probabilities
+      # and dS are then the products' right operands as they are laid out, so
+      # XLA neither copies them transposed nor computes dS twice.
+      dv += jnp.einsum("bhgdq,bhgqk->bhdk", do_blk_t, probs.astype(d_out.dtype),
                        preferred_element_type=jnp.float32)
-      dk += jnp.einsum("bhgqk,bhgqd->bhkd", d_logits.astype(q.dtype), q_blk,
+      dk += jnp.einsum("bhgdq,bhgqk->bhdk", q_blk_t, d_logits.astype(q.dtype),
                        preferred_element_type=jnp.float32)
       dq_blk = jax.lax.dynamic_slice_in_dim(dq, i * bq, bq, axis=3) + jnp.einsum(
           "bhgqk,bhkd->bhgqd", d_logits.astype(k.dtype), k_blk,
@@ -288,10 +308,10 @@ def _backward(cfg: _Static, q, k, v, bias, masks: _Masks, lse, d_out, delta):
 
     dq, d_bias = carry
     lo, hi = _block_range(cfg, masks, common.q_block_range, j, bq, bk, cfg.q_len // bq)
-    init = (jnp.zeros(k.shape[:2] + (bk, k.shape[-1]), jnp.float32),
-            jnp.zeros(v.shape[:2] + (bk, v.shape[-1]), jnp.float32), dq, d_bias)
+    init = (jnp.zeros(k.shape[:2] + (k.shape[-1], bk), jnp.float32),
+            jnp.zeros(v.shape[:2] + (v.shape[-1], bk), jnp.float32), dq, d_bias)
     dk, dv, dq, d_bias = _visit_blocks(visit_lists, lo, hi, j, visit, init)
-    return (dq, d_bias), (dk * cfg.scale, dv)
+    return (dq, d_bias), (dk.swapaxes(-1, -2) * cfg.scale, dv.swapaxes(-1, -2))
 
   d_bias = None if bias is None else jnp.zeros(bias.shape, jnp.float32)
   dq = jnp.zeros(q.shape, jnp.float32)
