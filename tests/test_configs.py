@@ -65,13 +65,17 @@ def test_every_lra_task_has_a_config():
                          "retrieval.py", "text.py"]
 
 
-@pytest.mark.parametrize("name", LRA_CONFIGS)
+# The LRA tasks' configs and those of the generated tasks that share a model kind.
+TASK_CONFIGS = [f"lra/{name}" for name in LRA_CONFIGS] + ["matching/dual_encoder.py"]
+
+
+@pytest.mark.parametrize("path", TASK_CONFIGS)
 @pytest.mark.parametrize("arg", ["dot_product", "performer,smoke"])
-def test_lra_config_validates_and_builds_a_model_for_its_task(name, arg):
+def test_task_config_validates_and_builds_a_model_for_its_task(path, arg):
   from attention_jax import data  # pylint: disable=g-import-not-at-top
   from attention_jax.train.config import check_config  # pylint: disable=g-import-not-at-top
   from attention_jax.train.trainer import task_options  # pylint: disable=g-import-not-at-top
-  config = _load(f"lra/{name}").get_config(arg)
+  config = _load(path).get_config(arg)
   check_config(config)
   assert config.model.attention == arg.split(",")[0]
   info = data.get_task(config.task, **task_options(config)).info

@@ -35,6 +35,9 @@ _TASKS: Dict[str, Tuple[str, Dict[str, Any]]] = {
     "mqar": ("attention_jax.data.recall", {"kind": "mqar"}),
     "induction_heads": ("attention_jax.data.recall", {"kind": "induction_heads"}),
     "selective_copying": ("attention_jax.data.recall", {"kind": "selective_copying"}),
+    # Generated related / unrelated document pairs (not LRA): retrieval's shape
+    # for dual encoders where the AAN release files are absent.
+    "matching": ("attention_jax.data.matching", {}),
     # A character corpus in consecutive segments (not LRA): language modelling.
     "chars": ("attention_jax.data.chars", {}),
 }
