@@ -536,6 +536,8 @@ def test_chars_table_shows_bits_per_character_unscaled_for_memory_and_no_memory(
   assert "## Test bits per token: measured mean ± std (n seeds) per preset" in lines
   assert "| transformer_xl | 1.600 ± 0.141 (n=2) |" in lines
   assert "| no_memory | 2.100 ± 0.141 (n=2) |" in lines
+  # The plot is named by the metric it shows.
+  assert (out / "bits_per_token.png").is_file() and not (out / "accuracy.png").exists()
 
 
 ARCHITECTURES = """

@@ -288,9 +288,9 @@ def markdown(table: Any, rows: Sequence[Dict[str, Any]], data_dir: str = "data")
 
 
 def plot(table: Any, rows: Sequence[Dict[str, Any]], out: pathlib.Path) -> List[str]:
-  """`accuracy.png`: test accuracy by variant (ordered as the table's rows),
-  one bar group per task, error bars of one std over seeds, the paper's number
-  as a black tick."""
+  """`<metric>.png` (`accuracy.png` unless the table names another metric): the
+  test metric by variant (ordered as the table's rows), one bar group per task,
+  error bars of one std over seeds, the paper's number as a black tick."""
   plt = report.pyplot()
   groups = [(t, p) for t in task_names(table) for p in attention_presets(table)
             if any(r["task"] == t and r["preset"] == p and r["test"]["n"] for r in rows)]
@@ -322,4 +322,4 @@ def plot(table: Any, rows: Sequence[Dict[str, Any]], out: pathlib.Path) -> List[
                 + (" (%)" if table.get("percent", True) else ""))
   ax.set_title(table.get("description", table.name))
   ax.legend(fontsize=8)
-  return [report.save_figure(fig, out, "accuracy.png")]
+  return [report.save_figure(fig, out, f"{table.get('metric', 'accuracy')}.png")]
