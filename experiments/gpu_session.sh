@@ -120,6 +120,63 @@ listops_wait() {  # listops_wait SECONDS
   tail -n 5 $LRA_RUNS/queue_a.log $LRA_RUNS/queue_b.log
 }
 
+# #19: what a ViT needs to learn Pathfinder-32, where the smoke preset stays at
+# chance on CPU. Runs side by side on the one GPU; the data sets are made first,
+# once each (the generator uses every core), by a 1-step run per data set.
+# results.json and metrics.jsonl of each run (no checkpoints) go to $OUT/vit_pf/.
+VIT_RUNS=/tmp/vit_pf
+vit_pathfinder() {
+  local vit="configs/lra/pathfinder32.py:dot_product,vit,smoke"
+  local pixels="configs/lra/pathfinder32.py:dot_product,smoke"
+  local easy40="--config.task_options.train_size=40000"
+  local hard="--config.task_options.train_size=159840 --config.task_options.difficulty=hard --config.task_options.validation_size=4000 --config.task_options.test_size=4000"
+  local big="--config.model.num_layers=4 --config.model.embed_dim=128 --config.model.num_heads=4 --config.model.mlp_dim=256 --config.model.head_mlp_dim=256"
+  local long="--config.num_train_steps=10000 --config.batch_size=128 --config.optimizer.warmup_steps=500 --config.eval_every=500 --config.checkpoint_every=500"
+  local quiet="--config.progress=False --config.data_dir=$VIT_RUNS/data"
+  declare -A runs=(
+    [smoke]="$vit"
+    [easy40k_5k]="$vit $easy40 --config.num_train_steps=5000 --config.batch_size=64 --config.eval_every=500 --config.checkpoint_every=500"
+    [easy40k_big]="$vit $easy40 $big $long"
+    [easy40k_big_mean]="$vit $easy40 $big $long --config.model.pooling=mean"
+    [easy40k_big_p2]="$vit $easy40 $big $long --config.model.patch_size=2"
+    [easy40k_big_lr3e-4]="$vit $easy40 $big $long --config.optimizer.learning_rate=3e-4"
+    [easy4k_big]="$vit $big $long"
+    [hard_big]="$vit $hard $big $long --config.batch_size=256"
+    [hard_big_p2]="$vit $hard $big $long --config.batch_size=256 --config.model.patch_size=2"
+    [pixels_easy40k]="$pixels $easy40 --config.num_train_steps=5000 --config.batch_size=64 --config.eval_every=500 --config.checkpoint_every=500"
+  )
+  mkdir -p $VIT_RUNS "$OUT/vit_pf"
+  for data in "$easy40" "$hard"; do  # ($vit alone: the smoke data set)
+    $PY -m experiments.train --config=$vit $data $quiet --config.num_train_steps=1 --config.optimizer.warmup_steps=0 \
+        --workdir=$VIT_RUNS/prep_$RANDOM 2>&1 | tail -2 &
+  done
+  $PY -m experiments.train --config=$vit $quiet --config.num_train_steps=1 --config.optimizer.warmup_steps=0 \
+      --workdir=$VIT_RUNS/prep_smoke 2>&1 | tail -2
+  wait
+  for name in "${!runs[@]}"; do
+    XLA_PYTHON_CLIENT_MEM_FRACTION=0.09 timeout "${VIT_TIMEOUT:-300}" $PY -m experiments.train \
+        --config=${runs[$name]} $quiet --workdir=$VIT_RUNS/$name > $VIT_RUNS/$name.log 2>&1 &
+  done
+  wait
+  for name in "${!runs[@]}"; do
+    mkdir -p "$OUT/vit_pf/$name"
+    echo "${runs[$name]}" > "$OUT/vit_pf/$name/command.txt"
+    tail -20 $VIT_RUNS/$name.log > "$OUT/vit_pf/$name/log_tail.txt"
+    cp $VIT_RUNS/$name/results.json $VIT_RUNS/$name/metrics.jsonl "$OUT/vit_pf/$name/" 2>/dev/null
+  done
+  $PY - "$OUT/vit_pf" <<'PYEOF'
+import json, pathlib, sys
+for run in sorted(pathlib.Path(sys.argv[1]).iterdir()):
+  path = run / "results.json"
+  if not path.exists():
+    print(f"{run.name:22s} unfinished"); continue
+  metrics = json.loads(path.read_text())["metrics"]
+  print(f"{run.name:22s} best val {metrics['best_validation']['accuracy']:.3f} at "
+        f"{metrics['best_validation']['step']}, test {metrics['test']['accuracy']:.3f}, train "
+        f"{metrics['train']['accuracy']:.3f}, {metrics['steps_per_s']:.0f} steps/s")
+PYEOF
+}
+
 for stage in "$@"; do
   echo "=== $stage $(date +%T)"
   case "$stage" in
