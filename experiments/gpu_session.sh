@@ -123,7 +123,7 @@ listops_wait() {  # listops_wait SECONDS
 # #19: what a ViT needs to learn Pathfinder-32, where the smoke preset stays at
 # chance on CPU. Runs side by side on the one GPU; the data sets are made first,
 # once each (the generator uses every core), by a 1-step run per data set.
-# results.json and metrics.jsonl of each run (no checkpoints) go to $OUT/vit_pf/.
+# A summary and each run's command, log tail and train curve go to $OUT/vit_pf/.
 VIT_RUNS=/tmp/vit_pf
 vit_pathfinder() {
   local vit="configs/lra/pathfinder32.py:dot_product,vit,smoke"
@@ -145,8 +145,24 @@ vit_pathfinder() {
     [hard_big_p2]="$vit $hard $big $long --config.batch_size=256 --config.model.patch_size=2"
     [pixels_easy40k]="$pixels $easy40 --config.num_train_steps=5000 --config.batch_size=64 --config.eval_every=500 --config.checkpoint_every=500"
   )
+  if [ "${VIT_SET:-1}" = 2 ]; then  # second round: smaller patches, other positions and pooling
+    local b64="--config.num_train_steps=5000 --config.batch_size=64 --config.eval_every=500 --config.checkpoint_every=500"
+    local smoke2k="--config.num_train_steps=2000 --config.eval_every=250 --config.checkpoint_every=250"
+    runs=(
+      [p1_easy40k]="$vit $easy40 $b64 --config.model.patch_size=1"
+      [p2_easy40k]="$vit $easy40 $b64 --config.model.patch_size=2"
+      [p2_easy40k_sin_mean]="$vit $easy40 $long --config.model.patch_size=2 --config.model.position=sinusoidal --config.model.pooling=mean"
+      [p4_easy40k_sin_mean]="$vit $easy40 $long --config.model.position=sinusoidal --config.model.pooling=mean"
+      [p4_easy40k_big_lr1e-4]="$vit $easy40 $big $long --config.optimizer.learning_rate=1e-4"
+      [p1_smoke_2k]="$vit $smoke2k --config.model.patch_size=1"
+      [p2_smoke_4k]="$vit --config.num_train_steps=4000 --config.eval_every=500 --config.checkpoint_every=500 --config.model.patch_size=2"
+      [pixels_smoke_2k]="$pixels $smoke2k"
+    )
+  fi
   mkdir -p $VIT_RUNS "$OUT/vit_pf"
-  for data in "$easy40" "$hard"; do  # ($vit alone: the smoke data set)
+  local datasets=("$easy40" "$hard")
+  [ "${VIT_SET:-1}" = 2 ] && datasets=("$easy40")
+  for data in "${datasets[@]}"; do  # ($vit alone: the smoke data set)
     $PY -m experiments.train --config=$vit $data $quiet --config.num_train_steps=1 --config.optimizer.warmup_steps=0 \
         --workdir=$VIT_RUNS/prep_$RANDOM 2>&1 | tail -2 &
   done
@@ -158,18 +174,19 @@ vit_pathfinder() {
         --config=${runs[$name]} $quiet --workdir=$VIT_RUNS/$name > $VIT_RUNS/$name.log 2>&1 &
   done
   wait
-  for name in "${!runs[@]}"; do
-    mkdir -p "$OUT/vit_pf/$name"
-    echo "${runs[$name]}" > "$OUT/vit_pf/$name/command.txt"
-    tail -20 $VIT_RUNS/$name.log > "$OUT/vit_pf/$name/log_tail.txt"
-    cp $VIT_RUNS/$name/results.json $VIT_RUNS/$name/metrics.jsonl "$OUT/vit_pf/$name/" 2>/dev/null
+  for name in "${!runs[@]}"; do  # one file per run (a call brings back few files)
+    { echo "${runs[$name]}"; tail -5 $VIT_RUNS/$name.log
+      grep '"train"' $VIT_RUNS/$name/metrics.jsonl 2>/dev/null | awk 'NR % 20 == 0' | cut -c1-120
+    } > "$OUT/vit_pf/$name.txt"
   done
-  $PY - "$OUT/vit_pf" <<'PYEOF'
+  $PY - $VIT_RUNS "${!runs[@]}" <<'PYEOF' | tee "$OUT/vit_pf/summary.txt"
 import json, pathlib, sys
-for run in sorted(pathlib.Path(sys.argv[1]).iterdir()):
+for run in sorted(pathlib.Path(sys.argv[1]) / name for name in sys.argv[2:]):
   path = run / "results.json"
   if not path.exists():
-    print(f"{run.name:22s} unfinished"); continue
+    evals = [json.loads(line) for line in open(run / "metrics.jsonl") if '"validation"' in line] \
+        if (run / "metrics.jsonl").exists() else []
+    print(f"{run.name:22s} unfinished; last validation {evals[-1] if evals else None}"); continue
   metrics = json.loads(path.read_text())["metrics"]
   print(f"{run.name:22s} best val {metrics['best_validation']['accuracy']:.3f} at "
         f"{metrics['best_validation']['step']}, test {metrics['test']['accuracy']:.3f}, train "
