@@ -158,6 +158,53 @@ def prepare_generated(name: str, data_dir: pathlib.Path,
   return written
 
 
+class GeneratedTask(Task):
+  """A task made in-process: split `i` (train, validation, test) of seed `s` is
+  `generate(size, np.random.default_rng((s, i)), **generation)`, a pure function
+  of (seed, split), stored under `data_dir/<info.name>/<split>/` with its
+  settings (`generation`, `described`, the seed and the split's size) so that a
+  split made with other settings is made again.
+
+  Attributes:
+    info: the task's description; `info.split_sizes` are the sizes made.
+    generate: `(count, rng, **generation) -> {array name: [count, ...] array}`.
+    generation: the generator's keyword arguments.
+    arrays: the names of the arrays `splits` reads back.
+    described: settings recorded beside `generation` that the generator is
+      not passed (e.g. which of a module's generators it is).
+  """
+
+  def __init__(self, info: TaskInfo, generate: Callable[..., Dict[str, np.ndarray]], *,
+               generation: Mapping[str, Any], seed: int, arrays: Tuple[str, ...],
+               described: Mapping[str, Any] = None):
+    self.info, self.generate, self.arrays = info, generate, tuple(arrays)
+    self.generation, self.seed = dict(generation), int(seed)
+    self.described = dict(described or {})
+
+  def settings(self, split: str) -> Dict[str, Any]:
+    return dict(self.generation, **self.described, seed=self.seed,
+                size=self.info.split_sizes[split])
+
+  def prepare(self, data_dir: pathlib.Path, *, progress: bool = True) -> Dict[str, int]:
+    return prepare_generated(
+        self.info.name, data_dir, self.settings,
+        lambda index, split: self.generate(self.info.split_sizes[split],
+                                           np.random.default_rng((self.seed, index)),
+                                           **self.generation),
+        progress=progress)
+
+  def splits(self, data_dir: pathlib.Path) -> Dict[str, ExampleSource]:
+    return load_splits(data_dir, self.info.name, self.arrays)
+
+
+def check_split_sizes(sizes: Mapping[str, int]) -> Dict[str, int]:
+  """`{split: size}` checked to be positive integers (`<split>_size` in the error)."""
+  for split, size in sizes.items():
+    if int(size) != size or size < 1:
+      raise ValueError(f"{split}_size must be a positive integer, got {size!r}.")
+  return {split: int(size) for split, size in sizes.items()}
+
+
 def load_splits(data_dir: pathlib.Path, task: str,
                 names: Tuple[str, ...] = ("inputs", "label")) -> Dict[str, ArraySource]:
   """Every split of `task` prepared under `data_dir/<task>/`, memory-mapped.

@@ -23,13 +23,11 @@ Splits are a pure function of (seed, split), as the other generated tasks.
 
 from __future__ import annotations
 
-import pathlib
 from typing import Dict
 
 import numpy as np
 
-from attention_jax.data.base import (ExampleSource, Task, TaskInfo, load_splits,
-                                     prepare_generated)
+from attention_jax.data.base import GeneratedTask, TaskInfo
 
 PAD_ID = 0
 ARRAYS = ("inputs", "inputs2", "label")
@@ -67,32 +65,9 @@ def pairs(count: int, rng: np.random.Generator, **generation) -> Dict[str, np.nd
               inputs2=documents(second, rng, **generation), label=label)
 
 
-class MatchingTask(Task):
-  """Generated related / unrelated document pairs (see the module docstring)."""
-
-  def __init__(self, *, sizes: Dict[str, int], seed: int, generation: Dict[str, object]):
-    self.sizes, self.seed, self.generation = sizes, seed, generation
-    self.info = TaskInfo(name="matching", vocab_size=int(generation["vocab_size"]),
-                         num_classes=2, seq_len=int(generation["seq_len"]), dual=True,
-                         split_sizes=dict(sizes))
-
-  def _settings(self, split: str) -> dict:
-    return dict(self.generation, seed=self.seed, size=self.sizes[split])
-
-  def prepare(self, data_dir: pathlib.Path, *, progress: bool = True) -> Dict[str, int]:
-    return prepare_generated(
-        self.info.name, data_dir, self._settings,
-        lambda index, split: pairs(self.sizes[split], np.random.default_rng((self.seed, index)),
-                                   **self.generation),
-        progress=progress)
-
-  def splits(self, data_dir: pathlib.Path) -> Dict[str, ExampleSource]:
-    return load_splits(data_dir, self.info.name, ARRAYS)
-
-
 def make_task(train_size: int = 20_000, validation_size: int = 1_000, test_size: int = 1_000,
               seed: int = 0, seq_len: int = 256, num_topics: int = 16, words_per_topic: int = 8,
-              topic_rate: float = 0.1, vocab_size: int = 257) -> MatchingTask:
+              topic_rate: float = 0.1, vocab_size: int = 257) -> GeneratedTask:
   """The matching task over documents of at most `seq_len` tokens.
 
   Args:
@@ -123,4 +98,6 @@ def make_task(train_size: int = 20_000, validation_size: int = 1_000, test_size:
   generation = dict(seq_len=int(seq_len), num_topics=int(num_topics),
                     words_per_topic=int(words_per_topic), topic_rate=float(topic_rate),
                     vocab_size=int(vocab_size))
-  return MatchingTask(sizes=sizes, seed=int(seed), generation=generation)
+  info = TaskInfo(name="matching", vocab_size=int(vocab_size), num_classes=2, seq_len=int(seq_len),
+                  dual=True, split_sizes=sizes)
+  return GeneratedTask(info, pairs, generation=generation, seed=seed, arrays=ARRAYS)

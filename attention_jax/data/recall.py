@@ -36,13 +36,11 @@ probability, and memorising the train set could not answer unseen pairs.
 
 from __future__ import annotations
 
-import pathlib
-from typing import Dict, Sequence, Tuple
+from typing import Dict, Sequence
 
 import numpy as np
 
-from attention_jax.data.base import (ExampleSource, Task, TaskInfo, load_splits,
-                                     prepare_generated)
+from attention_jax.data.base import GeneratedTask, TaskInfo, check_split_sizes
 
 PAD_ID, FILLER_ID, TRIGGER_ID, SEPARATOR_ID = 0, 1, 2, 3
 FIRST_SYMBOL = 4  # the first token id of keys / values / data tokens
@@ -109,32 +107,6 @@ def selective_copying(count: int, rng: np.random.Generator, *, seq_len: int, num
   return dict(inputs=inputs, target_mask=target_mask, group=np.zeros(count, np.int32))
 
 
-class RecallTask(Task):
-  """A generated recall task (see the module docstring)."""
-
-  def __init__(self, *, kind: str, sizes: Dict[str, int], seed: int, seq_len: int,
-               generation: Dict[str, object], vocab_size: int, eval_groups: Tuple[str, ...]):
-    self.kind, self.sizes, self.seed = kind, sizes, seed
-    self.generation = dict(generation, seq_len=seq_len)
-    self.info = TaskInfo(name=kind, vocab_size=vocab_size, num_classes=vocab_size,
-                         seq_len=seq_len, split_sizes=dict(sizes), eval_groups=eval_groups)
-
-  def _settings(self, split: str) -> dict:
-    return dict(self.generation, kind=self.kind, seed=self.seed, size=self.sizes[split])
-
-  def prepare(self, data_dir: pathlib.Path, *, progress: bool = True) -> Dict[str, int]:
-    make = {"mqar": mqar, "induction_heads": induction_heads,
-            "selective_copying": selective_copying}[self.kind]
-    return prepare_generated(
-        self.info.name, data_dir, self._settings,
-        lambda index, split: make(self.sizes[split], np.random.default_rng((self.seed, index)),
-                                  **self.generation),
-        progress=progress)
-
-  def splits(self, data_dir: pathlib.Path) -> Dict[str, ExampleSource]:
-    return load_splits(data_dir, self.info.name, ARRAYS)
-
-
 def _check_positive(**values: int) -> None:
   for name, value in values.items():
     if int(value) < 1:
@@ -144,7 +116,7 @@ def _check_positive(**values: int) -> None:
 def make_task(kind: str = "mqar", train_size: int = 20_000, validation_size: int = 1_000,
               test_size: int = 1_000, seed: int = 0, seq_len: int = 64,
               pair_counts: Sequence[int] = (2, 4, 8, 16), num_keys: int = 64,
-              num_values: int = 64, num_symbols: int = 16, num_copy: int = 8) -> RecallTask:
+              num_values: int = 64, num_symbols: int = 16, num_copy: int = 8) -> GeneratedTask:
   """A recall task of `kind` ("mqar", "induction_heads" or "selective_copying")
   over sequences of `seq_len` tokens.
 
@@ -158,8 +130,9 @@ def make_task(kind: str = "mqar", train_size: int = 20_000, validation_size: int
   """
   if kind not in KINDS:
     raise ValueError(f"kind must be one of {KINDS}, got {kind!r}.")
-  sizes = {"train": train_size, "validation": validation_size, "test": test_size}
-  _check_positive(seq_len=seq_len, **{f"{split}_size": size for split, size in sizes.items()})
+  sizes = check_split_sizes({"train": train_size, "validation": validation_size,
+                             "test": test_size})
+  _check_positive(seq_len=seq_len)
   if kind == "mqar":
     pair_counts = tuple(int(p) for p in pair_counts)
     if not pair_counts or min(pair_counts) < 1 or len(set(pair_counts)) != len(pair_counts):
@@ -171,11 +144,10 @@ def make_task(kind: str = "mqar", train_size: int = 20_000, validation_size: int
       raise ValueError(f"num_keys and num_values must be at least the largest pair count "
                        f"{max(pair_counts)} (distinct keys and values per example), got "
                        f"num_keys={num_keys}, num_values={num_values}.")
-    return RecallTask(kind=kind, sizes=sizes, seed=seed, seq_len=seq_len,
-                      generation=dict(pair_counts=list(pair_counts), num_keys=num_keys,
-                                      num_values=num_values),
-                      vocab_size=FIRST_SYMBOL + num_keys + num_values,
-                      eval_groups=tuple(f"pairs{p}" for p in pair_counts))
+    return _task(kind, sizes, seed, seq_len, mqar, dict(pair_counts=list(pair_counts),
+                                                        num_keys=num_keys, num_values=num_values),
+                 vocab_size=FIRST_SYMBOL + num_keys + num_values,
+                 eval_groups=tuple(f"pairs{p}" for p in pair_counts))
   _check_positive(num_symbols=num_symbols)
   if kind == "induction_heads":
     if seq_len < 4:
@@ -188,5 +160,14 @@ def make_task(kind: str = "mqar", train_size: int = 20_000, validation_size: int
                        f"{2 * num_copy + 1} (the data among at least as many tokens, the "
                        f"separator and the copy), got seq_len={seq_len}.")
     generation = dict(num_symbols=num_symbols, num_copy=num_copy)
-  return RecallTask(kind=kind, sizes=sizes, seed=seed, seq_len=seq_len, generation=generation,
-                    vocab_size=FIRST_SYMBOL + num_symbols, eval_groups=())
+  return _task(kind, sizes, seed, seq_len,
+               induction_heads if kind == "induction_heads" else selective_copying, generation,
+               vocab_size=FIRST_SYMBOL + num_symbols, eval_groups=())
+
+
+def _task(kind, sizes, seed, seq_len, generate, generation, *, vocab_size, eval_groups):
+  info = TaskInfo(name=kind, vocab_size=vocab_size, num_classes=vocab_size, seq_len=seq_len,
+                  split_sizes=dict(sizes), eval_groups=eval_groups)
+  # `kind` is recorded in the settings (a split of one kind never stands in for another's).
+  return GeneratedTask(info, generate, generation=dict(generation, seq_len=seq_len), seed=seed,
+                       arrays=ARRAYS, described=dict(kind=kind))

@@ -19,13 +19,11 @@ below 1e-10 per pair.
 
 from __future__ import annotations
 
-import pathlib
 from typing import Dict
 
 import numpy as np
 
-from attention_jax.data.base import (ExampleSource, Task, TaskInfo, load_splits,
-                                     prepare_generated)
+from attention_jax.data.base import GeneratedTask, TaskInfo, check_split_sizes
 
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
 FIRST_SYMBOL = 3  # symbol s is token FIRST_SYMBOL + s
@@ -43,7 +41,8 @@ def generate(count: int, seed, *, kind: str, num_symbols: int, min_length: int,
   """`count` examples: `inputs` and `targets` `[count, max_length + 1]` int32.
 
   Tokens: 0 padding, 1 BOS (the decoder's first input; never in these arrays),
-  2 EOS (after the last symbol of both), symbols from 3.
+  2 EOS (after the last symbol of both), symbols from 3. `seed` is anything
+  `np.random.default_rng` takes (a Generator is used as it is).
   """
   rng = np.random.default_rng(seed)
   lengths = rng.integers(min_length, max_length + 1, size=count)
@@ -59,47 +58,24 @@ def generate(count: int, seed, *, kind: str, num_symbols: int, min_length: int,
   return dict(inputs=inputs, targets=targets)
 
 
-class Seq2SeqTask(Task):
-  """A generated reversal or sorting task."""
-
-  def __init__(self, *, kind: str, sizes: Dict[str, int], seed: int, num_symbols: int,
-               min_length: int, max_length: int):
-    if kind not in KINDS:
-      raise ValueError(f"kind must be one of {KINDS}, got {kind!r}.")
-    if not 1 <= min_length <= max_length:
-      raise ValueError(f"min_length and max_length must satisfy 1 <= min_length <= max_length, "
-                       f"got min_length={min_length}, max_length={max_length}.")
-    if num_symbols < 2:
-      raise ValueError(f"num_symbols must be at least 2, got {num_symbols}.")
-    for split, size in sizes.items():
-      if size < 1:
-        raise ValueError(f"{split}_size must be positive, got {size}.")
-    self.kind, self.sizes, self.seed = kind, sizes, seed
-    self.generation = dict(kind=kind, num_symbols=num_symbols, min_length=min_length,
-                           max_length=max_length)
-    vocab_size = FIRST_SYMBOL + num_symbols
-    self.info = TaskInfo(name=kind, vocab_size=vocab_size, num_classes=vocab_size,
-                         seq_len=max_length + 1, target_len=max_length + 1,
-                         split_sizes=dict(sizes))
-
-  def _settings(self, split: str) -> dict:
-    return dict(self.generation, seed=self.seed, size=self.sizes[split])
-
-  def prepare(self, data_dir: pathlib.Path, *, progress: bool = True) -> Dict[str, int]:
-    return prepare_generated(
-        self.info.name, data_dir, self._settings,
-        lambda index, split: generate(self.sizes[split], (self.seed, index), **self.generation),
-        progress=progress)
-
-  def splits(self, data_dir: pathlib.Path) -> Dict[str, ExampleSource]:
-    return load_splits(data_dir, self.info.name, ARRAYS)
-
-
 def make_task(kind: str = "reverse", train_size: int = 20_000, validation_size: int = 1_000,
               test_size: int = 1_000, seed: int = 0, num_symbols: int = 10,
-              min_length: int = 10, max_length: int = 30) -> Seq2SeqTask:
+              min_length: int = 10, max_length: int = 30) -> GeneratedTask:
   """A reversal ("reverse") or sorting ("sort") task of `num_symbols` symbols
   and source lengths in [min_length, max_length]."""
-  return Seq2SeqTask(kind=kind, sizes={"train": train_size, "validation": validation_size,
-                                       "test": test_size}, seed=seed, num_symbols=num_symbols,
-                     min_length=min_length, max_length=max_length)
+  if kind not in KINDS:
+    raise ValueError(f"kind must be one of {KINDS}, got {kind!r}.")
+  if not 1 <= min_length <= max_length:
+    raise ValueError(f"min_length and max_length must satisfy 1 <= min_length <= max_length, "
+                     f"got min_length={min_length}, max_length={max_length}.")
+  if num_symbols < 2:
+    raise ValueError(f"num_symbols must be at least 2, got {num_symbols}.")
+  sizes = check_split_sizes({"train": train_size, "validation": validation_size,
+                             "test": test_size})
+  vocab_size = FIRST_SYMBOL + num_symbols
+  info = TaskInfo(name=kind, vocab_size=vocab_size, num_classes=vocab_size,
+                  seq_len=max_length + 1, target_len=max_length + 1, split_sizes=sizes)
+  return GeneratedTask(info, generate, generation=dict(kind=kind, num_symbols=num_symbols,
+                                                       min_length=min_length,
+                                                       max_length=max_length),
+                       seed=seed, arrays=ARRAYS)

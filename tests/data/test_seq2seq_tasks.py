@@ -65,7 +65,7 @@ def test_missing_data_names_the_folder_and_the_command(tmp_path):
     (dict(kind="rotate"), "kind must be one of"),
     (dict(min_length=5, max_length=4), "min_length=5, max_length=4"),
     (dict(num_symbols=1), "num_symbols must be at least 2, got 1"),
-    (dict(test_size=0), "test_size must be positive, got 0"),
+    (dict(test_size=0), "test_size must be a positive integer, got 0"),
 ])
 def test_bad_options_are_named(options, message):
   with pytest.raises(ValueError, match=message):
