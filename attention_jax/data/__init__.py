@@ -38,6 +38,9 @@ _TASKS: Dict[str, Tuple[str, Dict[str, Any]]] = {
     # Generated related / unrelated document pairs (not LRA): retrieval's shape
     # for dual encoders where the AAN release files are absent.
     "matching": ("attention_jax.data.matching", {}),
+    # Generated 32 x 32 grey images of 10 shapes (not LRA): the image task's format
+    # for image models where CIFAR-10 cannot be downloaded.
+    "shapes": ("attention_jax.data.shapes", {}),
     # A character corpus in consecutive segments (not LRA): language modelling.
     "chars": ("attention_jax.data.chars", {}),
 }

@@ -35,7 +35,8 @@ class TaskInfo:
     dual: two sequences per example (`inputs` and `inputs2`), as in retrieval.
     target_len: for a sequence-to-sequence task, the length of every `targets`
       row (tokens over the same vocabulary); 0 for a classification task.
-    split_sizes: the number of examples of each split at the release's size.
+    split_sizes: the number of examples of each split at the release's size
+      (a generated task's: the sizes it makes).
     stream: the examples of a split are consecutive segments of one corpus:
       the trainer reads them with `stream_batches` (each row continues its own
       stream) and carries a model's "memory" collection from step to step.

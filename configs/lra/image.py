@@ -40,13 +40,18 @@ last step (less than 1% of the peak apart at any step). Presets:
   GELU MLP; the task's sizes otherwise. `:dot_product,vit,smoke` is its smoke
   run (CIFAR-10 must be downloaded; pathfinder32.py has the same preset on
   generated images).
+- shapes: the task is generated shapes (`attention_jax.data.shapes`: the
+  image task's format, 32 x 32 grey pixels and 10 classes, with images made
+  here; far easier than CIFAR-10) in place of CIFAR-10, at CIFAR-10's split
+  sizes (the smoke preset's sizes with it). It is what the architectures
+  table's ViT row trains on: `:dot_product,vit,smoke,shapes`.
 """
 
 import ml_collections
 
 from attention_jax.train.config import attention_preset_of, default_config, parse_config_arg
 
-PRESETS = ("smoke", "vit")
+PRESETS = ("smoke", "vit", "shapes")
 # base_cifar10_config.py: TRAIN_EXAMPLES, NUM_EPOCHS (train[:90%] of CIFAR-10's 50,000).
 TRAIN_EXAMPLES = 45_000
 NUM_EPOCHS = 200
@@ -88,6 +93,10 @@ def get_config(arg: str = "dot_product"):
     config.model.update(release, head_mlp_dim=release.get("mlp_dim", config.model.mlp_dim))
     config.optimizer.update(RELEASE_OPTIMIZERS.get(variant, {}))
 
+  if "shapes" in presets:
+    config.task = "shapes"
+    config.task_options = ml_collections.ConfigDict(dict(
+        train_size=TRAIN_EXAMPLES, validation_size=5_000, test_size=10_000))
   if "smoke" in presets:
     config.task_options.update(dict(train_size=2000, validation_size=256, test_size=256))
     config.batch_size = 32
