@@ -7,8 +7,10 @@ smoke config: the architectures table.
 One row per architecture, on the task it is built for: the encoder's layer
 stacks (reversible, Universal Transformer with ACT, LayerDrop), feed-forward
 layers and norms on smoke ListOps beside the plain encoder they modify; the
-Funnel and hierarchical Transformers on the same ListOps; ViT on smoke
-Pathfinder; the Transformer encoder-decoder on string reversal; the dual
+Funnel and hierarchical Transformers on the same ListOps; ViT on generated
+shapes (configs/lra/image.py's `shapes` preset: the image task's format,
+since CIFAR-10 cannot be downloaded here) and on smoke Pathfinder, where it
+stays at chance (docs/gpu.md, section 4: on a GPU too); the Transformer encoder-decoder on string reversal; the dual
 encoder with Sentence-BERT's pooled-pair features on generated document
 matching (configs/matching/dual_encoder.py: LRA retrieval's shape and smoke
 model over pairs made here, since the AAN release files cannot be fetched).
@@ -52,6 +54,10 @@ ROWS = {
     "funnel": dict(config="configs/lra/listops.py:dot_product,funnel,smoke", chance="majority"),
     "hierarchical": dict(config="configs/lra/listops.py:dot_product,hierarchical,smoke",
                          chance="majority"),
+    # ViT on generated shapes (the image task's format; CIFAR-10 cannot be downloaded
+    # here) and on smoke Pathfinder, where it stays at chance (docs/gpu.md, section 4).
+    "vit_image": dict(config="configs/lra/image.py:dot_product,vit,smoke,shapes",
+                      chance="majority"),
     "vit_pathfinder": dict(config="configs/lra/pathfinder32.py:dot_product,vit,smoke",
                            chance="majority"),
     "encoder_decoder": dict(config=REVERSE, metric="decoded_token_accuracy", **REVERSE_CHANCE),
