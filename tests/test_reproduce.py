@@ -516,6 +516,42 @@ def test_recall_table_is_every_causal_mixer_with_accuracy_per_pair_count(tmp_pat
   assert (out / "accuracy_by_group.png").stat().st_size > 1000
 
 
+def test_recall_plot_draws_each_task_in_its_own_colour_in_every_panel(tmp_path, monkeypatch):
+  """A variant with results only for the second task draws that task's line in
+  the second task's colour, and the figure's one legend names both tasks."""
+  from experiments.tables import report
+  out = tmp_path / "out"
+  for task, variant, pairs in (("mqar_T32", "dot_product", (2, 4)),
+                               ("mqar_T64", "dot_product", (2, 4, 8)),
+                               ("mqar_T64", "linear", (2, 4, 8))):
+    for seed in (0, 1):
+      results = fake_training_results(seed, 0.5)
+      results["metrics"]["test"].update({f"pairs{p}_accuracy": 0.5 for p in pairs})
+      path = out / "runs" / task / variant / "method" / f"seed{seed}" / "results.json"
+      path.parent.mkdir(parents=True, exist_ok=True)
+      path.write_text(json.dumps(results))
+  figures = []
+  save = report.save_figure
+  monkeypatch.setattr(report, "save_figure",
+                      lambda fig, where, name: figures.append(fig) or save(fig, where, name))
+  assert reproduce.main([f"--table={RECALL}", f"--results={out}", "--norun",
+                         f"--data_dir={tmp_path / 'data'}"]) == 0
+  figure = next(f for f in figures if f.axes and f.axes[0].get_title() in ("dot_product",
+                                                                          "linear"))
+  panels = {ax.get_title(): ax for ax in figure.axes if ax.get_title()}
+
+  def colours(ax):  # the colour of each error-bar line, by its label
+    return {bars.get_label(): bars.lines[0].get_color() for bars in ax.containers}
+  import matplotlib.colors
+  first, second = (matplotlib.colors.to_hex(f"C{i}") for i in (0, 1))
+  assert {k: matplotlib.colors.to_hex(v) for k, v in colours(panels["dot_product"]).items()} \
+      == {"mqar_T32": first, "mqar_T64": second}
+  assert {k: matplotlib.colors.to_hex(v) for k, v in colours(panels["linear"]).items()} \
+      == {"mqar_T64": second}
+  legend_labels = [text.get_text() for legend in figure.legends for text in legend.get_texts()]
+  assert legend_labels == ["mqar_T32", "mqar_T64"]
+
+
 def test_chars_table_shows_bits_per_character_unscaled_for_memory_and_no_memory(tmp_path):
   table_path = str(REPO / "configs" / "tables" / "chars.py")
   out = tmp_path / "out"

@@ -121,6 +121,11 @@ def plot(table: Any, rows: Sequence[Dict[str, Any]], out) -> List[str]:
   fig, axes = plt.subplots(num_rows, per_row, figsize=(2.2 * per_row, 2.0 * num_rows),
                            sharex=True, sharey=True, squeeze=False)
   by = {(r["task"], r["variant"], r["preset"], r["group"]): r for r in rows}
+  # One colour per task in every panel, and one legend for the figure: a panel
+  # holding only its second task's line must not draw it in the first's colour.
+  several_presets = len({preset for _, preset in grouped}) > 1
+  labels = {key: f"{key[0]} {key[1]}" if several_presets else key[0] for key in grouped}
+  colors = {key: f"C{index}" for index, key in enumerate(grouped)}
   for ax, variant in zip(axes.flat, variants):
     for task, preset in grouped:
       groups = [g for t, p, g in _columns(table, rows) if (t, p) == (task, preset)
@@ -130,7 +135,8 @@ def plot(table: Any, rows: Sequence[Dict[str, Any]], out) -> List[str]:
                 if s.get("n")]
       if points:
         xs, means, stds = zip(*points)
-        ax.errorbar(xs, means, yerr=stds, marker="o", markersize=3, capsize=2, label=task)
+        ax.errorbar(xs, means, yerr=stds, marker="o", markersize=3, capsize=2,
+                    color=colors[(task, preset)], label=labels[(task, preset)])
     ax.set_title(variant, fontsize=8)
     ax.set_ylim(0, 105)
     if all(re.search(r"\d+$", g) for _, _, g in _columns(table, rows) if g != OVERALL):
@@ -138,7 +144,9 @@ def plot(table: Any, rows: Sequence[Dict[str, Any]], out) -> List[str]:
     ax.tick_params(labelsize=7)
   for ax in list(axes.flat)[len(variants):]:
     ax.axis("off")
-  axes.flat[0].legend(fontsize=6)
+  fig.legend(handles=[plt.Line2D([], [], color=colors[key], marker="o", markersize=3,
+                                  label=labels[key]) for key in grouped],
+             loc="upper right", fontsize=7)
   fig.supxlabel(table.get("group_axis", "group"))
   fig.supylabel(f"test {table.get('metric', 'accuracy').replace('_', ' ')} (%)")
   fig.suptitle(table.get("description", table.name), fontsize=10)
