@@ -23,7 +23,9 @@ Zoology's finding, the anchor: dense attention keeps recall as the pairs
 grow, while gated convolutions and efficient attention with a fixed-size
 state lose it. Here the fixed-state variants are the kernelised ones
 (linear, performer, rfa) and the windowed ones (local, band, block_local,
-...), whose state is the window. The notes say what this table shows.
+...), whose state is the window. The notes say what this table shows: the
+anchor holds in the best seed, and dense attention's recall at this budget
+depends on the seed.
 
 Cell overrides, where a default does not fit T = 32 or 64 tokens: block
 and window sizes of at most T / 4, an axial grid that divides the length, and
@@ -98,7 +100,34 @@ def get_config():
   config.paper = False
   config.sort_by_accuracy = True
   config.group_axis = "key-value pairs"
-  config.notes = ()
+  config.notes = (
+      "Zoology's anchor holds in the best seed: dense attention (dot_product and every "
+      "variant computing the same attention: multi_head, grouped_query, flash, blockwise, "
+      "graph, adaptive_span, bigbird and sinkhorn at these sizes) reaches 99.8-100% at every "
+      "pair count and both lengths in seed 0 (sinkhorn 96.3% at 8 pairs), while no variant with a fixed-size state or "
+      "window (linear, rfa, performer, local, band, block_local, multi_scale, longformer, "
+      "dilated, strided, fixed, axial, lsh, routing, average, the Synthesizers) exceeds 56% "
+      "at 2 pairs or 15% at 8 pairs (T=64) in any seed, and each falls as the pairs grow "
+      "(about halving per doubling, with seed spreads of a few points)",
+      "Dense attention is bimodal over seeds at this budget (one learning rate, 1,000 steps): "
+      "in seed 1 it stays at 39% (T=32) and 20% (T=64) overall, and so does every variant "
+      "above that finished (37-40%, 20-21%: the same function from the same initialisation); "
+      "the mean +- std columns mix the two. Zoology reports the best of a learning-rate sweep",
+      "Relative positions form the recall circuit in both seeds: transformer_xl and "
+      "compressive (here without memory: one segment) and fixed_head_size reach 99.9-100% "
+      "at every pair count in both seeds",
+      "The section-A scoring functions (additive, luong_*, nadaraya_watson, structured_crf) "
+      "attend over every position yet fall with the pairs like the fixed-state variants; on "
+      "induction heads additive, luong_concat and structured_crf reach 100% while luong_dot, "
+      "luong_general, luong_local and nadaraya_watson stay at 15-45%",
+      "Induction heads (one key to recall) separate reach, not state: linear reaches 100% "
+      "in both seeds, the windowed variants stay near chance (5-6%, 16 symbols: the trigger "
+      "lies beyond the window)",
+      "6 cells diverged (gradient norm NaN with a finite loss; the trainer stops, no results): "
+      "performer in seed 1 of both MQAR lengths and both seeds of induction heads, bigbird "
+      "and global_tokens in seed 1 of MQAR at T=64; their columns show the seeds that "
+      "finished. The NaN gradients are under investigation, not a property of the methods",
+  )
   config.cell_overrides = {"mqar_T32": _overrides(32), "mqar_T64": _overrides(64),
                            "induction_T32": _overrides(32), "copying_T32": _overrides(32)}
   return config
