@@ -53,65 +53,109 @@ DEFAULT_CHUNK_SIZE = 64
 # ----------------------------------------------------------------------------
 
 
+@jax.custom_jvp
 def _safe_ratio(numerator: Array, denominator: Array) -> Array:
   """numerator / denominator[..., None], 0 where the denominator is 0 (no key
-  to attend: all padded), with finite gradients there."""
+  to attend: all padded).
+
+  The derivative is (dn - out dd) / d, dividing once: the built-in quotient
+  rule squares the denominator, which overflows to inf (and NaN after a zero
+  feature) once a query's normaliser falls below ~1e-19, while its output,
+  a weighted mean of values, is still exact.
+  """
   empty = denominator == 0
   safe = jnp.where(empty, 1.0, denominator)
   return jnp.where(empty[..., None], 0.0, numerator / safe[..., None])
 
 
+@_safe_ratio.defjvp
+def _safe_ratio_jvp(primals, tangents):
+  numerator, denominator = primals
+  d_numerator, d_denominator = tangents
+  out = _safe_ratio(numerator, denominator)
+  empty = denominator == 0
+  safe = jnp.where(empty, 1.0, denominator)
+  d_out = (d_numerator - out * d_denominator[..., None]) / safe[..., None]
+  return out, jnp.where(empty[..., None], 0.0, d_out)
+
+
+# A log-scale below every real one (finite, so that differences of two stay 0, not NaN).
+_NO_KEY = -1e30
+
+
 def _causal_chunk_scan(q_feat: Array, k_feat: Array, value: Array, log_gates: Array,
-                       chunk_size: int, initial_state: Optional[Array] = None):
-  """sum_{s <= t} exp(a_t - a_s) (phi(q_t) . phi(k_s)) v_s with a_t = sum_{r <= t} log g_r,
-  plus exp(a_t) phi(q_t) S_0 for the keys before these, summed in `initial_state`.
+                       key_log_scale: Array, chunk_size: int,
+                       initial_state: Optional[Array] = None,
+                       initial_shift: Optional[Array] = None):
+  """sum_{s <= t} exp(a_t - a_s + l_s) (phi(q_t) . phi(k_s)) v_s with a_t = sum_{r <= t} log g_r,
+  plus exp(a_t + c_0) phi(q_t) S_0 for the keys before these, summed in `initial_state`;
+  each query's sum is divided by exp(C_t), C_t the largest l_s (and c_0) it sees.
+
+  Key s's features are phi(k_s) exp(l_s): a feature map whose scale varies
+  over keys by more than float32 holds (Performer's exp(w . k - |k|^2 / 2))
+  passes each key's features divided by its own largest one, and that
+  largest's log as l_s. Dividing by a running maximum rather than one
+  constant over the whole sequence keeps every query's largest term at 1: an
+  early key far below a later one would otherwise underflow, and with it the
+  only keys the early queries see. exp(C_t) cancels in `feature_attention`'s
+  ratio (its normaliser rides in the same sums).
 
   q_feat, k_feat: `[B, T, H, F]`; value: `[B, T, H, Dv]`; log_gates: `[B, T, H]`
-  (zeros for ungated attention); initial_state: S_0 `[B, H, F, Dv]` (zeros
-  when None). Returns `([B, T, H, Dv], the state after the last key)`.
+  (zeros for ungated attention); key_log_scale: l `[B, T, H]` (zeros: features
+  as given; `_NO_KEY` for padding); initial_state: S_0 `[B, H, F, Dv]` (zeros
+  when None) and initial_shift: its log-scale c_0 `[B, H]` (`_NO_KEY`: no key
+  yet). Returns `([B, T, H, Dv], the state after the last key, its log-scale)`.
   """
   batch, length, heads, features = q_feat.shape
   chunk = min(chunk_size, length)
   padded = -(-length // chunk) * chunk
   if padded != length:
     # Zero features and zero log-gates make the padding a no-op on the state.
-    pad = lambda x: jnp.pad(x, [(0, 0), (0, padded - length)] + [(0, 0)] * (x.ndim - 2))
+    pad = lambda x, value=0.0: jnp.pad(x, [(0, 0), (0, padded - length)] + [(0, 0)] * (x.ndim - 2),
+                                       constant_values=value)
     q_feat, k_feat, value, log_gates = map(pad, (q_feat, k_feat, value, log_gates))
+    key_log_scale = pad(key_log_scale, _NO_KEY)
   num_chunks = padded // chunk
   # Time-major chunks for the scan: [N, B, c, ...].
   to_chunks = lambda x: jnp.moveaxis(x.reshape((batch, num_chunks, chunk) + x.shape[2:]), 1, 0)
-  lower = jnp.tril(jnp.ones((chunk, chunk), bool))
+  lower = jnp.tril(jnp.ones((chunk, chunk), bool))[None, :, :, None]
 
-  def step(state, chunk_inputs):
-    q, k, v, log_g = chunk_inputs  # [B, c, H, F], [B, c, H, F], [B, c, H, Dv], [B, c, H]
+  def step(carry, chunk_inputs):
+    state, shift = carry  # [B, H, F, Dv], [B, H]
+    q, k, v, log_g, log_scale = chunk_inputs  # [B, c, H, F] (q, k), [B, c, H, Dv], [B, c, H] x 2
     decay = jnp.cumsum(log_g, axis=1)  # a_t - a_start within the chunk, <= 0
-    # Within the chunk: pairs s <= t weighted by exp(a_t - a_s) (masked before exp).
-    gap = decay[:, :, None, :] - decay[:, None, :, :]  # [B, t, s, H]
-    weights = jnp.where(lower[None, :, :, None], jnp.exp(jnp.where(lower[None, :, :, None],
-                                                                    gap, 0.0)), 0.0)
+    query_shift = jnp.maximum(shift[:, None], jax.lax.cummax(log_scale, axis=1))  # C_t
+    # Within the chunk: pairs s <= t weighted by exp(a_t - a_s + l_s - C_t) (masked before exp).
+    log_weights = (decay[:, :, None, :] - decay[:, None, :, :] + log_scale[:, None, :, :]
+                   - query_shift[:, :, None, :])  # [B, t, s, H]
+    weights = jnp.where(lower, jnp.exp(jnp.where(lower, log_weights, 0.0)), 0.0)
     scores = jnp.einsum("bthf,bshf->btsh", q, k) * weights
     out = jnp.einsum("btsh,bshd->bthd", scores, v)
     # Earlier chunks: the carried state, decayed to each position.
-    out = out + jnp.einsum("bthf,bhfd->bthd", q * jnp.exp(decay)[..., None], state)
-    last = decay[:, -1]  # [B, H]
-    k_to_end = k * jnp.exp(last[:, None] - decay)[..., None]
-    state = (state * jnp.exp(last)[..., None, None]
+    carried = jnp.exp(decay + shift[:, None] - query_shift)
+    out = out + jnp.einsum("bthf,bhfd->bthd", q * carried[..., None], state)
+    last, new_shift = decay[:, -1], query_shift[:, -1]  # [B, H]
+    k_to_end = k * jnp.exp(last[:, None] - decay + log_scale - new_shift[:, None])[..., None]
+    state = (state * jnp.exp(last + shift - new_shift)[..., None, None]
              + jnp.einsum("bshf,bshd->bhfd", k_to_end, v))
-    return state, out
+    return (state, new_shift), out
 
   state = (jnp.zeros((batch, heads, features, value.shape[-1]), jnp.result_type(q_feat, value))
            if initial_state is None else initial_state)
-  state, out = jax.lax.scan(step, state,
-                            tuple(map(to_chunks, (q_feat, k_feat, value, log_gates))))
+  shift = (jnp.full((batch, heads), _NO_KEY, state.dtype) if initial_shift is None
+           else initial_shift)
+  (state, shift), out = jax.lax.scan(
+      step, (state, shift),
+      tuple(map(to_chunks, (q_feat, k_feat, value, log_gates, key_log_scale))))
   out = jnp.moveaxis(out, 0, 1).reshape((batch, padded) + out.shape[3:])
-  return out[:, :length], state
+  return out[:, :length], state, shift
 
 
 def feature_attention(q_feat: Array, k_feat: Array, value: Array, *, is_causal: bool = False,
                       key_valid: Optional[Array] = None, gates: Optional[Array] = None,
                       chunk_size: int = DEFAULT_CHUNK_SIZE,
                       normalizer: Optional[Callable[[Array], Array]] = None,
-                      key_shift: Optional[Array] = None,
+                      key_log_scale: Optional[Array] = None,
                       state: Optional[Mapping[str, Array]] = None):
   """sum_s phi(q_t) . phi(k_s) v_s / sum_s phi(q_t) . phi(k_s) over the keys s each query sees.
 
@@ -127,14 +171,16 @@ def feature_attention(q_feat: Array, k_feat: Array, value: Array, *, is_causal: 
     chunk_size: tokens per chunk of the causal scan.
     normalizer: applied to each query's normaliser `[B, Tq, H]` before the
       division (a stabiliser such as the LRA release's `+ eps`); None: as is.
-    key_shift: c `[B, 1, H, 1]` when the key features were divided by exp(c)
-      (one constant per batch and head, which cancels in the ratio); read
-      only with `state`, whose sums may have been made with another c.
+    key_log_scale: l `[B, Tk, H]` (no gradient) when each key's features
+      were divided by exp(l_s), to stay within float32: the features used are
+      `k_feat * exp(l)`, brought to each query's largest l_s it sees (causal)
+      or to the largest over all keys, factors that cancel in the ratio.
+      None: zeros.
     state: causal decoding: what the keys before these left, `{"sums":
       [B, H, F, Dv + 1], "shift": [B, H], "started": [B, H]}` (all zeros, or
-      `{}`: no key yet). The two constants become their maximum (the older
-      sums rescaled, as an online softmax does), so the outputs equal the
-      causal pass over all the keys at once.
+      `{}`: no key yet); the sums are divided by exp(shift), rescaled to a
+      larger one as an online softmax does, so the outputs equal the causal
+      pass over all the keys at once.
 
   Returns:
     `[B, Tq, H, Dv]`; a query with a zero normaliser (nothing to attend) gives
@@ -146,14 +192,17 @@ def feature_attention(q_feat: Array, k_feat: Array, value: Array, *, is_causal: 
   if is_causal and q_feat.shape[1] != k_feat.shape[1]:
     raise ValueError(f"causal feature attention needs Tq == Tk, got Tq={q_feat.shape[1]} and "
                      f"Tk={k_feat.shape[1]}.")
+  if state is not None and not is_causal:
+    raise ValueError("a recurrent state continues causal attention: pass is_causal=True.")
+  key_log_scale = (jnp.zeros(k_feat.shape[:3], k_feat.dtype) if key_log_scale is None
+                   else jax.lax.stop_gradient(key_log_scale))
   if key_valid is not None:
     k_feat = jnp.where(key_valid[:, :, None, None], k_feat, 0.0)
+    key_log_scale = jnp.where(key_valid[:, :, None], key_log_scale, _NO_KEY)
   if gates is not None:
     k_feat = k_feat * (1.0 - gates)[..., None]
   # A column of ones carries the normaliser through the same sums.
   value = jnp.concatenate([value, jnp.ones(value.shape[:-1] + (1,), value.dtype)], axis=-1)
-  if state is not None and not is_causal:
-    raise ValueError("a recurrent state continues causal attention: pass is_causal=True.")
   if is_causal:
     if gates is None:
       log_gates = jnp.zeros(k_feat.shape[:3], k_feat.dtype)
@@ -163,9 +212,12 @@ def feature_attention(q_feat: Array, k_feat: Array, value: Array, *, is_causal: 
         log_gates = jnp.where(key_valid[:, :, None], log_gates, 0.0)
     initial, shift = None, None
     if state is not None:
-      initial, shift, k_feat = _continued(state, k_feat, value.shape[-1], key_shift)
-    out, final = _causal_chunk_scan(q_feat, k_feat, value, log_gates, chunk_size, initial)
+      initial, shift = _continued(state, k_feat.shape, value.shape[-1])
+    out, final, shift = _causal_chunk_scan(q_feat, k_feat, value, log_gates, key_log_scale,
+                                           chunk_size, initial, shift)
   else:
+    largest = jnp.max(key_log_scale, axis=1, keepdims=True)
+    k_feat = k_feat * jnp.exp(key_log_scale - largest)[..., None]
     sums = jnp.einsum("bshf,bshd->bhfd", k_feat, value)
     out = jnp.einsum("bthf,bhfd->bthd", q_feat, sums)
   denominator = out[..., -1] if normalizer is None else normalizer(out[..., -1])
@@ -175,23 +227,17 @@ def feature_attention(q_feat: Array, k_feat: Array, value: Array, *, is_causal: 
   return out, {"sums": final, "shift": shift, "started": jnp.ones_like(shift)}
 
 
-def _continued(state: Mapping[str, Array], k_feat: Array, value_dim: int,
-               key_shift: Optional[Array]):
-  """The state's sums and the new key features brought to one constant:
-  `(sums [B, H, F, Dv + 1], shift [B, H], k_feat)`."""
-  batch, _, heads, features = k_feat.shape
-  sums = state.get("sums", jnp.zeros((batch, heads, features, value_dim), k_feat.dtype))
+def _continued(state: Mapping[str, Array], k_shape, value_dim: int):
+  """A decoding state's sums `[B, H, F, Dv + 1]` and their log-scale `[B, H]`
+  (`_NO_KEY` before the first key)."""
+  batch, _, heads, features = k_shape
+  sums = state.get("sums", jnp.zeros((batch, heads, features, value_dim), jnp.float32))
   if sums.shape != (batch, heads, features, value_dim):
     raise ValueError(f"state['sums'] must be [B, H, F, Dv + 1] = "
                      f"{[batch, heads, features, value_dim]}, got shape {list(sums.shape)}.")
-  started = state.get("started", jnp.zeros((batch, heads), k_feat.dtype)) > 0
-  old_shift = state.get("shift", jnp.zeros((batch, heads), k_feat.dtype))
-  new_shift = (jnp.zeros((batch, heads), k_feat.dtype) if key_shift is None
-               else jnp.broadcast_to(key_shift[:, 0, :, 0], (batch, heads)))
-  shift = jnp.where(started, jnp.maximum(old_shift, new_shift), new_shift)
-  sums = sums * jnp.exp(jnp.where(started, old_shift - shift, 0.0))[..., None, None]
-  k_feat = k_feat * jnp.exp(new_shift - shift)[:, None, :, None]
-  return sums, shift, k_feat
+  started = state.get("started", jnp.zeros((batch, heads), sums.dtype)) > 0
+  shift = jnp.where(started, state.get("shift", jnp.zeros((batch, heads), sums.dtype)), _NO_KEY)
+  return sums, shift
 
 
 def _prepare(variant: str, query: Array, key: Array, bias, mask, is_causal, segment_ids,
@@ -344,27 +390,25 @@ def positive_feature_logits(x: Array, projection: Array) -> Array:
           - 0.5 * jnp.sum(x * x, axis=-1, keepdims=True) - 0.5 * math.log(num_features))
 
 
-def performer_features(query: Array, key: Array, projection: Array,
-                       key_valid: Optional[Array] = None):
-  """Positive features of q `[B, Tq, H, D]` and k `[B, Tk, Hkv, D]`, stabilised.
+def performer_features(query: Array, key: Array, projection: Array):
+  """Positive features of q `[B, Tq, H, D]` and k `[B, Tk, Hkv, D]`, each row
+  divided by its largest feature.
 
-  A constant factor exp(-c) cancels between numerator and denominator: per
-  query row for the queries, and one constant per (batch, head) over all valid
-  keys for the keys (a per-key factor would not cancel). The constants are
-  treated as such (stop_gradient).
+  exp(w_i^T x - |x|^2 / 2) spans more than float32 over the rows of one
+  sequence (a key of large norm sits ~|k|^2 / 2 below the others). A query's
+  factor cancels in its own ratio; a key's does not, so its log comes back as
+  `feature_attention`'s `key_log_scale`, which restores it against the
+  largest each query sees. Both are constants (stop_gradient): exp(c) exp(x - c)
+  does not depend on c.
 
   Returns:
-    `(phi(q) [B, Tq, H, m], phi(k) [B, Tk, Hkv, m], the keys' constant
-    [B, 1, Hkv, 1])`: phi(k) is divided by exp of it.
+    `(phi(q) [B, Tq, H, m], phi(k) [B, Tk, Hkv, m], the keys' log-scale [B, Tk, Hkv])`.
   """
   q_logits = positive_feature_logits(query, projection)
   k_logits = positive_feature_logits(key, projection)
   q_max = jax.lax.stop_gradient(jnp.max(q_logits, axis=-1, keepdims=True))
-  valid_logits = k_logits if key_valid is None else jnp.where(
-      key_valid[:, :, None, None], k_logits, -jnp.inf)
-  k_max = jnp.max(valid_logits, axis=(1, 3), keepdims=True)
-  k_max = jax.lax.stop_gradient(jnp.where(jnp.isfinite(k_max), k_max, 0.0))
-  return jnp.exp(q_logits - q_max), jnp.exp(k_logits - k_max), k_max
+  k_max = jax.lax.stop_gradient(jnp.max(k_logits, axis=-1, keepdims=True))
+  return jnp.exp(q_logits - q_max), jnp.exp(k_logits - k_max), k_max[..., 0]
 
 
 def stabilized_performer_features(query: Array, key: Array, projection: Array,
@@ -463,7 +507,7 @@ def performer_attention(query: Array, key: Array, value: Array, bias: Optional[A
   kernel_epsilon = _check_epsilon("kernel_epsilon", kernel_epsilon)
   numerical_stabilizer = _check_epsilon("numerical_stabilizer", numerical_stabilizer)
   scaled_q, scaled_k = _scaled(query.astype(jnp.float32), key.astype(jnp.float32), scale)
-  normalizer, key_shift = None, None
+  normalizer, key_log_scale = None, None
   if kernel == "relu":
     if numerical_stabilizer:
       raise ValueError(f"numerical_stabilizer is an option of the softmax kernel, got "
@@ -489,15 +533,14 @@ def performer_attention(query: Array, key: Array, value: Array, bias: Optional[A
       eps = numerical_stabilizer
       normalizer = lambda r: r + 2 * eps * (jnp.abs(r) <= eps)
     else:
-      q_feat, k_feat, key_shift = performer_features(scaled_q, scaled_k, projection,
-                                                     key_valid)
+      q_feat, k_feat, key_log_scale = performer_features(scaled_q, scaled_k, projection)
   heads = query.shape[2]
   out = feature_attention(q_feat, common.repeat_kv_heads(k_feat, heads),
                           common.repeat_kv_heads(value.astype(jnp.float32), heads),
                           is_causal=is_causal, key_valid=key_valid, chunk_size=chunk_size,
                           normalizer=normalizer, state=recurrent_state,
-                          key_shift=None if key_shift is None else common.repeat_kv_heads(
-                              key_shift, heads))
+                          key_log_scale=None if key_log_scale is None else common.repeat_kv_heads(
+                              key_log_scale[..., None], heads)[..., 0])
   return _with_state(out, recurrent_state, lambda out: _padded_queries_zeroed(
       out.astype(query.dtype), query_seq_lengths, mask_padding))
 
@@ -604,14 +647,10 @@ def rfa_attention(query: Array, key: Array, value: Array, bias: Optional[Array] 
   scaled_q, scaled_k = _scaled(query, key, scale)
   projection = projection.astype(jnp.float32)
   q_feat = random_fourier_features(scaled_q, projection)
-  # exp(|k|^2 / 2) turns the Gaussian kernel into exp(q . k); one stabilising
-  # constant per (batch, head) over the valid keys cancels in the ratio.
-  log_norm = 0.5 * jnp.sum(scaled_k * scaled_k, axis=-1, keepdims=True)
-  valid_norm = log_norm if key_valid is None else jnp.where(key_valid[:, :, None, None],
-                                                            log_norm, -jnp.inf)
-  norm_max = jnp.max(valid_norm, axis=1, keepdims=True)
-  norm_max = jax.lax.stop_gradient(jnp.where(jnp.isfinite(norm_max), norm_max, 0.0))
-  k_feat = random_fourier_features(scaled_k, projection) * jnp.exp(log_norm - norm_max)
+  # exp(|k|^2 / 2) turns the Gaussian kernel into exp(q . k): each key's
+  # log-scale, which `feature_attention` brings to a common constant.
+  log_norm = 0.5 * jnp.sum(scaled_k * scaled_k, axis=-1)
+  k_feat = random_fourier_features(scaled_k, projection)
   heads = query.shape[2]
   out = feature_attention(
       q_feat, common.repeat_kv_heads(k_feat, heads),
@@ -619,7 +658,7 @@ def rfa_attention(query: Array, key: Array, value: Array, bias: Optional[Array] 
       key_valid=key_valid,
       gates=None if gates is None else common.repeat_kv_heads(gates[..., None], heads)[..., 0],
       chunk_size=chunk_size, state=recurrent_state,
-      key_shift=common.repeat_kv_heads(norm_max, heads))
+      key_log_scale=common.repeat_kv_heads(log_norm[..., None], heads)[..., 0])
   return _with_state(out, recurrent_state, lambda out: common.zero_padded_queries(
       out.astype(value.dtype), query_seq_lengths))
 

@@ -13,7 +13,8 @@ import attention_jax
 from attention_jax.core import reference_attention
 from attention_jax.models import build_model, default_model_config
 from attention_jax.variants import common, linear
-from attention_testing import assert_close, assert_same_outputs_and_grads, loop_mask, random_qkv
+from attention_testing import (as_float64, assert_close, assert_same_outputs_and_grads, loop_mask,
+                               outputs_and_grads, random_qkv)
 
 # This file's tolerance: float32 sums over whole sequences in a different order.
 _assert_same = functools.partial(assert_same_outputs_and_grads, rtol=2e-5, atol=2e-5)
@@ -185,6 +186,69 @@ def test_fourier_features_estimate_the_gaussian_kernel_without_bias():
                       @ linear.random_fourier_features(y, w))(projections)
   exact = float(jnp.exp(-jnp.sum((x - y) ** 2) / 2))
   assert abs(float(estimate.mean()) - exact) < 0.02 * exact
+
+
+def _performer_in_log_space(projection, is_causal):
+  """Performer's attention from its kernel's logarithm: log sum_m phi_m(q) phi_m(k)
+  as a logsumexp of feature logits, then a softmax over the keys; the same
+  function as phi(Q) (phi(K)^T V) / normaliser, computed without exponentials
+  that can underflow."""
+  def attend(query, key, value):
+    scaled_q, scaled_k = linear._scaled(query, key, None)
+    q_logits = linear.positive_feature_logits(scaled_q, projection)  # [B, T, H, m]
+    k_logits = linear.positive_feature_logits(scaled_k, projection)
+    log_kernel = jax.nn.logsumexp(q_logits[:, :, None] + k_logits[:, None], axis=-1)
+    if is_causal:
+      length = query.shape[1]
+      causal = jnp.tril(jnp.ones((length, length), bool))[None, :, :, None]
+      log_kernel = jnp.where(causal, log_kernel, -jnp.inf)
+    weights = jax.nn.softmax(log_kernel, axis=2)  # [B, t, s, H]
+    return jnp.einsum("btsh,bshd->bthd", weights, value, precision=jax.lax.Precision.HIGHEST)
+  return attend
+
+
+@pytest.mark.property("performer")
+@pytest.mark.parametrize("is_causal,chunk_size", [(True, 4), (True, 64), (False, 64)])
+def test_performer_keys_far_apart_in_scale_keep_exact_outputs_and_finite_gradients(
+    is_causal, chunk_size):
+  # exp(w . k - |k|^2 / 2) falls with a key's norm: a key 8 times the others'
+  # sits ~exp(-100) below them. Against one constant over the sequence, the
+  # first query (which sees only that key) had a normaliser of ~1e-40: its
+  # output came out 0 instead of v_0 and its gradient NaN (the recall table's
+  # diverged performer runs).
+  query, key, value = random_qkv(seed=3, batch=1, q_len=T, num_heads=2, head_dim=8)
+  key = key.at[:, 0].multiply(8.0).at[:, 6].multiply(6.0)
+  projection = linear.gaussian_projection(jax.random.PRNGKey(4), 16, 8)
+  ours = lambda q, k, v: linear.performer_attention(q, k, v, is_causal=is_causal,
+                                                    projection=projection,
+                                                    chunk_size=chunk_size)
+  _, grads = outputs_and_grads(ours, query, key, value)
+  assert all(np.isfinite(np.asarray(g)).all() for g in grads)
+  if is_causal:
+    assert_close(ours(query, key, value)[:, 0], value[:, 0], rtol=1e-5, atol=1e-5)
+  assert_same_outputs_and_grads(ours, _performer_in_log_space(projection, is_causal),
+                                query, key, value, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.property("rfa")
+@pytest.mark.parametrize("chunk_size", [4, 64])
+def test_rfa_keys_far_apart_in_norm_keep_exact_outputs(chunk_size):
+  # Unnormalised rfa weighs key s by exp(|k_s|^2 / 2): the same spread of scales.
+  query, key, value = random_qkv(seed=5, batch=1, q_len=T, num_heads=2, head_dim=8)
+  key = key.at[:, 0].multiply(0.2).at[:, 6].multiply(8.0)
+  projection = linear.gaussian_projection(jax.random.PRNGKey(6), 64, 8)
+  out = linear.rfa_attention(query, key, value, is_causal=True, projection=projection,
+                             normalize=False, chunk_size=chunk_size)
+  scaled_q, scaled_k = (as_float64(x) * 8 ** -0.25 for x in (query, key))
+  phi = lambda x: as_float64(linear.random_fourier_features(jnp.asarray(x, jnp.float32),
+                                                            projection))
+  kernel = (np.einsum("bthf,bshf->bhts", phi(scaled_q), phi(scaled_k))
+            * np.exp(0.5 * np.sum(scaled_k ** 2, -1)).transpose(0, 2, 1)[:, :, None, :])
+  kernel = np.where(np.tril(np.ones((T, T), bool)), kernel, 0.0)
+  expected = np.einsum("bhts,bshd->bthd", kernel / kernel.sum(-1, keepdims=True),
+                       as_float64(value))
+  assert np.isfinite(np.asarray(out)).all()
+  assert_close(out, expected, rtol=1e-3, atol=1e-3)
 
 
 @pytest.mark.property("rfa")
