@@ -194,14 +194,19 @@ def _merge_parts(parts: Sequence[_Part]) -> Array:
   Each part's sums are rescaled from its own row maximum to the common one:
   `exp(m_i - m) * sum_k exp(s_k - m_i) = sum_k exp(s_k - m)`. The maxima are
   constants, so the rescaling is exact in value and gradient; a part with no
-  allowed key (m_i = -inf) contributes zero.
+  allowed key (m_i = -inf) contributes zero. m is the largest of the parts'
+  own maxima, so the part holding it keeps its own scale and the common
+  normaliser is at least 1. (An empty part must not enter m as 0: with every
+  allowed logit far below 0, the normaliser underflowed towards 0 and the
+  quotient rule's 1 / normaliser^2 made the gradient NaN.)
 
   Returns:
     `[..., H, Dv]` float32; queries with no allowed key at all give zeros.
   """
-  row_max = _finite(parts[0].row_max)
+  row_max = parts[0].row_max
   for part in parts[1:]:
-    row_max = jnp.maximum(row_max, _finite(part.row_max))
+    row_max = jnp.maximum(row_max, part.row_max)
+  row_max = _finite(row_max)
   acc = total = 0.0
   for part in parts:
     rescale = jnp.where(jnp.isfinite(part.row_max), jnp.exp(_finite(part.row_max) - row_max), 0.0)
