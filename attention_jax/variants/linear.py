@@ -111,8 +111,8 @@ def _causal_chunk_scan(q_feat: Array, k_feat: Array, value: Array, log_gates: Ar
   padded = -(-length // chunk) * chunk
   if padded != length:
     # Zero features and zero log-gates make the padding a no-op on the state.
-    pad = lambda x, value=0.0: jnp.pad(x, [(0, 0), (0, padded - length)] + [(0, 0)] * (x.ndim - 2),
-                                       constant_values=value)
+    pad = lambda x, fill=0.0: jnp.pad(x, [(0, 0), (0, padded - length)] + [(0, 0)] * (x.ndim - 2),
+                                      constant_values=fill)
     q_feat, k_feat, value, log_gates = map(pad, (q_feat, k_feat, value, log_gates))
     key_log_scale = pad(key_log_scale, _NO_KEY)
   num_chunks = padded // chunk
