@@ -12,17 +12,27 @@ import numpy as np
 from attention_jax.core import reference_attention
 
 
+def _jit_called(fn, *args, **kwargs):
+  """`fn(*args, **kwargs)` compiled as one program; keyword arguments that are
+  not arrays (flags, methods, filters) are fixed, not traced."""
+  static = {k: v for k, v in kwargs.items() if not isinstance(v, (jax.Array, np.ndarray))}
+  arrays = {k: v for k, v in kwargs.items() if k not in static}
+  return jax.jit(functools.partial(fn, **static))(*args, **arrays)
+
+
 def jit_init(model, *args, method=None, **kwargs):
   """`model.init(*args, method=method, **kwargs)` compiled as one program.
 
   Eager `init` compiles every op of every initialiser on its own: seconds for
-  a small model on CPU, where one program takes a fraction. Keyword arguments
-  that are not arrays (flags) are fixed, not traced.
+  a small model on CPU, where one program takes a fraction.
   """
-  static = {k: v for k, v in kwargs.items() if not isinstance(v, (jax.Array, np.ndarray))}
-  arrays = {k: v for k, v in kwargs.items() if k not in static}
-  init = functools.partial(model.init, method=method, **static)
-  return jax.jit(init)(*args, **arrays)
+  return _jit_called(model.init, *args, method=method, **kwargs)
+
+
+def jit_apply(model, variables, *args, method=None, **kwargs):
+  """`model.apply(variables, *args, method=method, **kwargs)` compiled as one
+  program, for the same reason as `jit_init`."""
+  return _jit_called(model.apply, variables, *args, method=method, **kwargs)
 
 
 def random_qkv(seed=0, batch=2, q_len=7, kv_len=None, num_heads=4, num_kv_heads=None,

@@ -13,7 +13,7 @@ import pytest
 from attention_jax.models import FunnelTransformer, LayerStack, build_model
 from attention_jax.models.funnel import pool_pairs, upsample
 from attention_jax.models.stack import unstack_scanned
-from attention_testing import assert_close, jit_init, train_briefly
+from attention_testing import assert_close, jit_apply, jit_init, train_briefly
 
 V, E = 11, 16
 
@@ -35,7 +35,7 @@ def _tokens(batch, length, seed=0):
 
 def _captured(model, variables, tokens, names, method=None, **kwargs):
   """{name: output} of the submodules `names` in one forward pass."""
-  _, state = model.apply(variables, tokens, capture_intermediates=lambda m, _: m.name in names,
+  _, state = jit_apply(model, variables, tokens, capture_intermediates=lambda m, _: m.name in names,
                          mutable=["intermediates"], method=method, **kwargs)
   return {name: state["intermediates"][name]["__call__"][0] for name in names}
 
@@ -82,7 +82,7 @@ def test_each_stage_halves_the_sequence_the_cls_kept_apart(pooling, length, leng
   assert outputs["stage_0"][0].shape == (2, lengths[0], E)
   assert outputs["stage_1_pooling"][0].shape == (2, lengths[1], E)  # stage 1: the pooling block
   assert outputs["stage_2"][0].shape == (2, lengths[2], E)
-  assert model.apply(variables, tokens).shape == (2, 3)
+  assert jit_apply(model, variables, tokens).shape == (2, 3)
 
 
 def test_the_pooling_block_attends_from_pooled_queries_to_unpooled_keys():
@@ -90,7 +90,7 @@ def test_the_pooling_block_attends_from_pooled_queries_to_unpooled_keys():
   tokens = _tokens(2, 12)
   variables = _init(model, jax.random.PRNGKey(0), tokens)
   names = ("query", "key", "value")
-  _, state = model.apply(variables, tokens, mutable=["intermediates"],
+  _, state = jit_apply(model, variables, tokens, mutable=["intermediates"],
                          capture_intermediates=lambda m, _: m.name in names)
   projections = state["intermediates"]["stage_1_pooling"]["attention"]
   assert projections["query"]["__call__"][0].shape[:2] == (2, 6)
@@ -100,7 +100,7 @@ def test_the_pooling_block_attends_from_pooled_queries_to_unpooled_keys():
   model = _funnel(pooling="mean", funnel_pool_queries_only=False)
   variables = _init(model, jax.random.PRNGKey(0), tokens)
   assert "stage_1_pooling" not in variables["params"]
-  _, state = model.apply(variables, tokens, mutable=["intermediates"],
+  _, state = jit_apply(model, variables, tokens, mutable=["intermediates"],
                          capture_intermediates=lambda m, _: m.name == "key")
   keys = state["intermediates"]["stage_1"]["block_0"]["attention"]["key"]["__call__"][0]
   assert keys.shape[:2] == (2, 6)
@@ -115,11 +115,11 @@ def test_padding_changes_nothing_through_the_stages(overrides):
   variables = _init(model, jax.random.PRNGKey(0), tokens, padding_mask=mask)
   variables = {"params": {**variables["params"], "head": jax.tree.map(
       lambda a: jax.random.normal(jax.random.PRNGKey(1), a.shape), variables["params"]["head"])}}
-  logits = model.apply(variables, tokens, padding_mask=mask)
+  logits = jit_apply(model, variables, tokens, padding_mask=mask)
   changed = jnp.where(mask, tokens, (tokens + 3) % (V - 1) + 1)
-  assert_close(model.apply(variables, changed, padding_mask=mask), logits, rtol=1e-5, atol=1e-5)
+  assert_close(jit_apply(model, variables, changed, padding_mask=mask), logits, rtol=1e-5, atol=1e-5)
   # ...while a change to a real token does move them (the test can fail).
-  moved = model.apply(variables, tokens.at[:, 0].set(tokens[:, 0] % (V - 1) + 1),
+  moved = jit_apply(model, variables, tokens.at[:, 0].set(tokens[:, 0] % (V - 1) + 1),
                       padding_mask=mask)
   assert not np.allclose(moved, logits, atol=1e-4)
 
@@ -140,10 +140,10 @@ def test_decoder_is_blocks_over_the_repeated_last_stage_plus_the_first(pooling):
   up = np.concatenate([last[:, :prefix]] + [last[:, prefix + t // 4][:, None]
                                             for t in range(11)], axis=1) + first
   decoder = LayerStack(dataclasses.replace(config, num_layers=config.funnel_decoder_blocks))
-  x, _ = decoder.apply({"params": params["decoder"]}, jnp.asarray(up),
+  x, _ = jit_apply(decoder, {"params": params["decoder"]}, jnp.asarray(up),
                        mask=jnp.ones((2, 1, 1, 11 + prefix), bool))
   x = nn.LayerNorm(epsilon=1e-6).apply({"params": params["decoder_norm"]}, x)
-  token_outputs = model.apply(variables, tokens, method=model.token_outputs)
+  token_outputs = jit_apply(model, variables, tokens, method=model.token_outputs)
   assert token_outputs.shape == (2, 11, E)
   assert_close(token_outputs, x[:, prefix:], rtol=1e-5, atol=1e-5)
 
@@ -180,8 +180,8 @@ def test_scanned_stages_equal_unrolled_ones():
             for name, tree in stacked["params"].items()}
   reference = _init(unrolled, jax.random.PRNGKey(0), tokens, method=unrolled.token_outputs)
   assert jax.tree.map(jnp.shape, params) == jax.tree.map(jnp.shape, reference["params"])
-  assert_close(unrolled.apply({"params": params}, tokens, method=unrolled.token_outputs),
-               scanned.apply(stacked, tokens, method=scanned.token_outputs),
+  assert_close(jit_apply(unrolled, {"params": params}, tokens, method=unrolled.token_outputs),
+               jit_apply(scanned, stacked, tokens, method=scanned.token_outputs),
                rtol=1e-5, atol=1e-5)
 
 
@@ -189,7 +189,7 @@ def test_one_stage_with_pooling_off_takes_any_mixer():
   model = _funnel(attention="local", attention_options=dict(window_size=4),
                   funnel_pool_queries_only=False)
   tokens = _tokens(2, 12)
-  assert model.apply(_init(model, jax.random.PRNGKey(0), tokens), tokens).shape == (2, 3)
+  assert jit_apply(model, _init(model, jax.random.PRNGKey(0), tokens), tokens).shape == (2, 3)
   assert isinstance(_funnel(attention="local", funnel_blocks=(3,)), FunnelTransformer)
 
 
