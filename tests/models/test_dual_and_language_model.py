@@ -10,7 +10,7 @@ import pytest
 from attention_jax.models import (DualEncoderClassifier, Encoder, LanguageModel, ModelConfig,
                                   SequenceClassifier, build_model)
 from attention_jax.models.classifier import masked_mean
-from attention_testing import assert_close
+from attention_testing import assert_close, jit_apply
 
 B, T, V, E = 3, 10, 24, 16
 # dropout_rate=0.0: the old Encoder's and classifiers' default (ModelConfig's is 0.1).
@@ -49,13 +49,13 @@ def test_dual_classifier_is_the_head_on_its_pair_features(pooling, pair_features
   # One encoder shared by both towers.
   assert sorted(params) == sorted(["encoder", "head_hidden", "head"] +
                                   (["cls"] if pooling == "cls" else []))
-  logits = model.apply(variables, tokens, tokens2, padding_mask=mask, padding_mask2=mask2)
+  logits = jit_apply(model, variables, tokens, tokens2, padding_mask=mask, padding_mask2=mask2)
 
   encoder = Encoder(config)
 
   def tower(x, m):
     prefix = params["cls"] if pooling == "cls" else None
-    out = encoder.apply({"params": params["encoder"]}, x, padding_mask=m, prefix=prefix)
+    out = jit_apply(encoder, {"params": params["encoder"]}, x, padding_mask=m, prefix=prefix)
     if pooling == "cls":
       return out[:, 0]
     if pooling == "mean":
@@ -72,7 +72,7 @@ def test_dual_classifier_is_the_head_on_its_pair_features(pooling, pair_features
   assert logits.shape == (B, 3)
   assert_close(logits, expected, rtol=1e-5, atol=1e-5)
   # The order of the pair matters (u - v), so the towers are not mixed up.
-  swapped = model.apply(variables, tokens2, tokens, padding_mask=mask2, padding_mask2=mask)
+  swapped = jit_apply(model, variables, tokens2, tokens, padding_mask=mask2, padding_mask2=mask)
   assert not np.allclose(swapped, logits, atol=1e-4)
 
 
@@ -81,9 +81,9 @@ def test_dual_classifier_ignores_padded_tokens_of_either_document():
   tokens, tokens2 = _tokens(0), _tokens(1)
   mask = jnp.broadcast_to(jnp.arange(T)[None] < 6, (B, T))
   variables = _perturbed(model.init(jax.random.PRNGKey(0), tokens, tokens2))
-  logits = model.apply(variables, tokens, tokens2, padding_mask=mask, padding_mask2=mask)
-  changed = model.apply(variables, tokens.at[:, 6:].set(5), tokens2.at[:, 7:].set(9),
-                        padding_mask=mask, padding_mask2=mask)
+  logits = jit_apply(model, variables, tokens, tokens2, padding_mask=mask, padding_mask2=mask)
+  changed = jit_apply(model, variables, tokens.at[:, 6:].set(5), tokens2.at[:, 7:].set(9),
+                      padding_mask=mask, padding_mask2=mask)
   assert_close(changed, logits, rtol=1e-5, atol=1e-5)
 
 
@@ -94,10 +94,10 @@ def test_language_model_logits_never_depend_on_later_tokens(attention):
                                attention_options=options))
   tokens = _tokens(0)
   variables = _perturbed(model.init(jax.random.PRNGKey(0), tokens))
-  logits = model.apply(variables, tokens)
+  logits = jit_apply(model, variables, tokens)
   assert logits.shape == (B, T, V) and logits.dtype == jnp.float32
   for t in (0, 4, T - 2):
-    changed = model.apply(variables, tokens.at[:, t + 1:].set((tokens[:, t + 1:] + 5) % V))
+    changed = jit_apply(model, variables, tokens.at[:, t + 1:].set((tokens[:, t + 1:] + 5) % V))
     assert_close(changed[:, :t + 1], logits[:, :t + 1], rtol=1e-5, atol=1e-5)
     # ...while the changed positions do move (the test can fail).
     assert not np.allclose(changed[:, t + 1:], logits[:, t + 1:], atol=1e-3)
@@ -139,6 +139,6 @@ def test_cls_pooling_starts_with_gradients_of_the_size_of_mean_pooling(attention
     params["head"]["kernel"] = jax.random.normal(jax.random.PRNGKey(1),
                                                  params["head"]["kernel"].shape)
     grads = jax.grad(lambda p: jnp.mean(jax.nn.log_softmax(
-        model.apply({"params": p}, tokens))[:, 0]))(params)
+        jit_apply(model, {"params": p}, tokens))[:, 0]))(params)
     norms[pooling] = float(optax.tree.norm(grads))
   assert norms["cls"] < 5 * norms["mean"], norms

@@ -12,7 +12,7 @@ from attention_jax import positional
 from attention_jax.models import (Encoder, ModelConfig, SequenceClassifier, build_model,
                                   default_model_config)
 from attention_jax.models.classifier import masked_max, masked_mean
-from attention_testing import assert_close
+from attention_testing import assert_close, jit_apply
 
 B, T, V, E = 2, 8, 20, 16
 # dropout_rate=0.0: the old Encoder's default (ModelConfig's is 0.1).
@@ -66,7 +66,7 @@ def test_encoder_traces_under_jit_for_every_position_encoding(position):
   tokens = _tokens()
   encoder = _encoder(position=position)
   variables = _init_shapes(encoder, tokens)
-  apply = jax.jit(lambda v, t, m: encoder.apply(v, t, padding_mask=m, is_causal=True))
+  apply = jax.jit(lambda v, t, m: jit_apply(encoder, v, t, padding_mask=m, is_causal=True))
   out = jax.eval_shape(apply, variables, tokens, _suffix_padding([T, 5]))
   assert (out.shape, out.dtype) == ((B, T, E), jnp.float32)
 
@@ -75,7 +75,7 @@ def test_jitted_encoder_equals_eager_encoder():
   tokens, padding_mask = _tokens(), _suffix_padding([T, 5])
   encoder = _encoder(position="t5")
   variables = _init(encoder, tokens)
-  apply = lambda v, t, m: encoder.apply(v, t, padding_mask=m)
+  apply = lambda v, t, m: jit_apply(encoder, v, t, padding_mask=m)
   assert_close(jax.jit(apply)(variables, tokens, padding_mask),
                apply(variables, tokens, padding_mask), atol=1e-5)
 
@@ -85,9 +85,9 @@ def test_padded_outputs_equal_outputs_of_the_truncated_sequence(position):
   tokens = _tokens()
   encoder = _encoder(position=position)
   variables = _init(encoder, tokens)
-  padded = encoder.apply(variables, tokens, padding_mask=_suffix_padding([T, 5]))
-  truncated = encoder.apply(variables, tokens[1:, :5])
-  full = encoder.apply(variables, tokens[:1])
+  padded = jit_apply(encoder, variables, tokens, padding_mask=_suffix_padding([T, 5]))
+  truncated = jit_apply(encoder, variables, tokens[1:, :5])
+  full = jit_apply(encoder, variables, tokens[:1])
   assert_close(padded[1, :5], truncated[0], atol=1e-5)
   assert_close(padded[0], full[0], atol=1e-5)
 
@@ -99,13 +99,13 @@ def test_padding_anywhere_hides_the_padded_tokens():
   assert not np.array_equal(other_ids, tokens)
   encoder = _encoder(position="rope")
   variables = _init(encoder, tokens)
-  out = encoder.apply(variables, tokens, padding_mask=padding_mask)
-  out_other = encoder.apply(variables, other_ids, padding_mask=padding_mask)
+  out = jit_apply(encoder, variables, tokens, padding_mask=padding_mask)
+  out_other = jit_apply(encoder, variables, other_ids, padding_mask=padding_mask)
   valid = np.asarray(padding_mask)
   assert_close(np.asarray(out)[valid], np.asarray(out_other)[valid], atol=1e-5)
   # Without the mask the padded ids matter: the test can fail.
-  assert not np.allclose(encoder.apply(variables, tokens), encoder.apply(variables, other_ids),
-                         atol=1e-3)
+  assert not np.allclose(jit_apply(encoder, variables, tokens),
+                         jit_apply(encoder, variables, other_ids), atol=1e-3)
 
 
 @pytest.mark.parametrize("position", ["learned", "alibi"])
@@ -114,8 +114,8 @@ def test_causal_encoder_output_at_t_ignores_later_tokens(position):
   changed = tokens.at[:, 4:].set(_tokens(seed=3)[:, 4:])
   encoder = _encoder(position=position)
   variables = _init(encoder, tokens)
-  out = encoder.apply(variables, tokens, is_causal=True)
-  out_changed = encoder.apply(variables, changed, is_causal=True)
+  out = jit_apply(encoder, variables, tokens, is_causal=True)
+  out_changed = jit_apply(encoder, variables, changed, is_causal=True)
   assert_close(out[:, :4], out_changed[:, :4], atol=1e-5)
   assert not np.allclose(out[:, 4:], out_changed[:, 4:], atol=1e-3)
 
@@ -159,9 +159,9 @@ def test_encoder_dropout_needs_rng_and_acts_only_when_not_deterministic():
   encoder = _encoder(dropout_rate=0.2)
   variables = _init(encoder, tokens)
   reference = _encoder().apply(variables, tokens)
-  assert_close(encoder.apply(variables, tokens), reference)
-  dropped = encoder.apply(variables, tokens, deterministic=False,
-                          rngs={"dropout": jax.random.PRNGKey(0)})
+  assert_close(jit_apply(encoder, variables, tokens), reference)
+  dropped = jit_apply(encoder, variables, tokens, deterministic=False,
+                      rngs={"dropout": jax.random.PRNGKey(0)})
   assert not np.allclose(dropped, reference, atol=1e-3)
 
 
@@ -200,10 +200,10 @@ def test_pooling_ignores_padded_tokens(pooling):
   other_ids = jnp.where(padding_mask, tokens, _tokens(seed=11))
   model = _classifier(pooling)
   variables = _init_perturbed(model, tokens)
-  logits = model.apply(variables, tokens, padding_mask=padding_mask)
+  logits = jit_apply(model, variables, tokens, padding_mask=padding_mask)
   assert logits.shape == (B, 3) and logits.dtype == jnp.float32
-  assert_close(logits, model.apply(variables, other_ids, padding_mask=padding_mask), atol=1e-5)
-  assert not np.allclose(logits, model.apply(variables, other_ids), atol=1e-4)
+  assert_close(logits, jit_apply(model, variables, other_ids, padding_mask=padding_mask), atol=1e-5)
+  assert not np.allclose(logits, jit_apply(model, variables, other_ids), atol=1e-4)
 
 
 def test_cls_pooling_reads_the_prepended_embedding_at_position_zero():
@@ -219,7 +219,7 @@ def test_cls_pooling_reads_the_prepended_embedding_at_position_zero():
   hidden = jax.nn.relu(encoded[:, 0] @ params["head_hidden"]["kernel"]
                        + params["head_hidden"]["bias"])
   expected = hidden @ params["head"]["kernel"] + params["head"]["bias"]
-  assert_close(model.apply(variables, tokens), expected, atol=1e-5)
+  assert_close(jit_apply(model, variables, tokens), expected, atol=1e-5)
 
 
 def test_mean_pooling_equals_the_masked_mean_of_encoder_outputs():
@@ -231,7 +231,7 @@ def test_mean_pooling_equals_the_masked_mean_of_encoder_outputs():
                                    padding_mask=padding_mask)
   pooled = jnp.stack([encoded[0].mean(0), encoded[1, :5].mean(0)])
   expected = pooled @ params["head"]["kernel"] + params["head"]["bias"]
-  assert_close(model.apply({"params": params}, tokens, padding_mask=padding_mask), expected,
+  assert_close(jit_apply(model, {"params": params}, tokens, padding_mask=padding_mask), expected,
                atol=1e-5)
 
 
@@ -346,7 +346,7 @@ def test_build_model_trains_on_a_toy_task():
   optimizer = optax.adam(1e-2)
 
   def loss_fn(params):
-    logits = model.apply({"params": params}, tokens)
+    logits = jit_apply(model, {"params": params}, tokens)
     return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
 
   @jax.jit

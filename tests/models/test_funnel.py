@@ -36,7 +36,7 @@ def _tokens(batch, length, seed=0):
 def _captured(model, variables, tokens, names, method=None, **kwargs):
   """{name: output} of the submodules `names` in one forward pass."""
   _, state = jit_apply(model, variables, tokens, capture_intermediates=lambda m, _: m.name in names,
-                         mutable=["intermediates"], method=method, **kwargs)
+                       mutable=["intermediates"], method=method, **kwargs)
   return {name: state["intermediates"][name]["__call__"][0] for name in names}
 
 
@@ -91,7 +91,7 @@ def test_the_pooling_block_attends_from_pooled_queries_to_unpooled_keys():
   variables = _init(model, jax.random.PRNGKey(0), tokens)
   names = ("query", "key", "value")
   _, state = jit_apply(model, variables, tokens, mutable=["intermediates"],
-                         capture_intermediates=lambda m, _: m.name in names)
+                       capture_intermediates=lambda m, _: m.name in names)
   projections = state["intermediates"]["stage_1_pooling"]["attention"]
   assert projections["query"]["__call__"][0].shape[:2] == (2, 6)
   assert projections["key"]["__call__"][0].shape[:2] == (2, 12)
@@ -101,7 +101,7 @@ def test_the_pooling_block_attends_from_pooled_queries_to_unpooled_keys():
   variables = _init(model, jax.random.PRNGKey(0), tokens)
   assert "stage_1_pooling" not in variables["params"]
   _, state = jit_apply(model, variables, tokens, mutable=["intermediates"],
-                         capture_intermediates=lambda m, _: m.name == "key")
+                       capture_intermediates=lambda m, _: m.name == "key")
   keys = state["intermediates"]["stage_1"]["block_0"]["attention"]["key"]["__call__"][0]
   assert keys.shape[:2] == (2, 6)
 
@@ -117,10 +117,11 @@ def test_padding_changes_nothing_through_the_stages(overrides):
       lambda a: jax.random.normal(jax.random.PRNGKey(1), a.shape), variables["params"]["head"])}}
   logits = jit_apply(model, variables, tokens, padding_mask=mask)
   changed = jnp.where(mask, tokens, (tokens + 3) % (V - 1) + 1)
-  assert_close(jit_apply(model, variables, changed, padding_mask=mask), logits, rtol=1e-5, atol=1e-5)
+  assert_close(jit_apply(model, variables, changed, padding_mask=mask), logits,
+               rtol=1e-5, atol=1e-5)
   # ...while a change to a real token does move them (the test can fail).
   moved = jit_apply(model, variables, tokens.at[:, 0].set(tokens[:, 0] % (V - 1) + 1),
-                      padding_mask=mask)
+                    padding_mask=mask)
   assert not np.allclose(moved, logits, atol=1e-4)
 
 
@@ -141,7 +142,7 @@ def test_decoder_is_blocks_over_the_repeated_last_stage_plus_the_first(pooling):
                                             for t in range(11)], axis=1) + first
   decoder = LayerStack(dataclasses.replace(config, num_layers=config.funnel_decoder_blocks))
   x, _ = jit_apply(decoder, {"params": params["decoder"]}, jnp.asarray(up),
-                       mask=jnp.ones((2, 1, 1, 11 + prefix), bool))
+                   mask=jnp.ones((2, 1, 1, 11 + prefix), bool))
   x = nn.LayerNorm(epsilon=1e-6).apply({"params": params["decoder_norm"]}, x)
   token_outputs = jit_apply(model, variables, tokens, method=model.token_outputs)
   assert token_outputs.shape == (2, 11, E)

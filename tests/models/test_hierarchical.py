@@ -12,7 +12,7 @@ import pytest
 
 from attention_jax.models import Encoder, HierarchicalTransformer, VectorEncoder, build_model
 from attention_jax.models.classifier import masked_max, masked_mean
-from attention_testing import assert_close, train_briefly
+from attention_testing import assert_close, jit_apply, train_briefly
 
 V, E, L = 11, 16, 4
 
@@ -63,17 +63,17 @@ def test_equals_each_chunk_encoded_alone_then_the_chunk_vectors(pooling, positio
       part = np.asarray(tokens[b, c * L:(c + 1) * L])
       chunk[0, :len(part)] = part
       chunk_mask[0, :len(part)] = np.asarray(mask[b, c * L:(c + 1) * L])
-      out = token_encoder.apply({"params": params["token_encoder"]}, jnp.asarray(chunk),
-                                padding_mask=jnp.asarray(chunk_mask), prefix=chunk_prefix)
+      out = jit_apply(token_encoder, {"params": params["token_encoder"]}, jnp.asarray(chunk),
+                      padding_mask=jnp.asarray(chunk_mask), prefix=chunk_prefix)
       vectors.append(_pool(out, jnp.asarray(chunk_mask), pooling)[0])
       real.append(chunk_mask.any())
     real = jnp.asarray([real])
-    out = sentence_encoder.apply({"params": params["sentence_encoder"]},
-                                 jnp.stack(vectors)[None], padding_mask=real,
-                                 prefix=document_prefix)
+    out = jit_apply(sentence_encoder, {"params": params["sentence_encoder"]},
+                    jnp.stack(vectors)[None], padding_mask=real,
+                    prefix=document_prefix)
     document = _pool(out, real, pooling)[0]
     expected.append(document @ params["head"]["kernel"] + params["head"]["bias"])
-  assert_close(model.apply(variables, tokens, padding_mask=mask), jnp.stack(expected),
+  assert_close(jit_apply(model, variables, tokens, padding_mask=mask), jnp.stack(expected),
                rtol=1e-5, atol=1e-5)
 
 
@@ -83,19 +83,19 @@ def test_padding_chunks_and_padded_tokens_change_nothing(pooling):
   tokens = jax.random.randint(jax.random.PRNGKey(3), (2, 10), 1, V)
   mask = jnp.arange(10)[None] < jnp.array([[10], [7]])
   variables = _init(model, tokens, mask)
-  logits = model.apply(variables, tokens, padding_mask=mask)
+  logits = jit_apply(model, variables, tokens, padding_mask=mask)
   # Two more chunks of padding at the end of every document.
   longer = jnp.pad(tokens, ((0, 0), (0, 2 * L)))
   longer_mask = jnp.pad(mask, ((0, 0), (0, 2 * L)))
-  assert_close(model.apply(variables, longer, padding_mask=longer_mask), logits,
+  assert_close(jit_apply(model, variables, longer, padding_mask=longer_mask), logits,
                rtol=1e-5, atol=1e-5)
   # Whatever sits at padded positions.
   changed = jnp.where(longer_mask, longer, (longer + 4) % (V - 1) + 1)
-  assert_close(model.apply(variables, changed, padding_mask=longer_mask), logits,
+  assert_close(jit_apply(model, variables, changed, padding_mask=longer_mask), logits,
                rtol=1e-5, atol=1e-5)
   # ...while a real token of the second chunk does move them (the test can fail).
-  moved = model.apply(variables, tokens.at[:, 5].set(tokens[:, 5] % (V - 1) + 1),
-                      padding_mask=mask)
+  moved = jit_apply(model, variables, tokens.at[:, 5].set(tokens[:, 5] % (V - 1) + 1),
+                    padding_mask=mask)
   assert not np.allclose(moved, logits, atol=1e-4)
 
 
@@ -103,8 +103,8 @@ def test_without_a_mask_only_the_filled_up_tail_is_padding():
   model = _model()
   tokens = jax.random.randint(jax.random.PRNGKey(4), (2, 10), 1, V)
   variables = _init(model, tokens)
-  assert_close(model.apply(variables, tokens),
-               model.apply(variables, tokens, padding_mask=jnp.ones((2, 10), bool)),
+  assert_close(jit_apply(model, variables, tokens),
+               jit_apply(model, variables, tokens, padding_mask=jnp.ones((2, 10), bool)),
                rtol=1e-6, atol=1e-6)
 
 
@@ -112,8 +112,8 @@ def test_chunks_are_one_batch_through_the_shared_encoder():
   model = _model()
   tokens = jax.random.randint(jax.random.PRNGKey(5), (3, 22), 1, V)
   variables = _init(model, tokens)
-  _, state = model.apply(variables, tokens, mutable=["intermediates"],
-                         capture_intermediates=lambda m, _: isinstance(
+  _, state = jit_apply(model, variables, tokens, mutable=["intermediates"],
+                       capture_intermediates=lambda m, _: isinstance(
                              m, (Encoder, VectorEncoder)))
   # 3 documents of ceil(22 / 4) = 6 chunks: 18 rows of [CLS] + 4 tokens.
   assert state["intermediates"]["token_encoder"]["__call__"][0].shape == (18, 1 + L, E)

@@ -13,7 +13,7 @@ from attention_jax.models import build_model, decoding
 from attention_jax.models.seq2seq import shift_right
 from attention_jax.train import config as train_config
 from attention_jax.train.trainer import train_and_evaluate
-from attention_testing import assert_close
+from attention_testing import assert_close, jit_apply
 
 VOCAB = 13
 
@@ -42,13 +42,13 @@ def test_teacher_forcing_equals_decoding_one_step_at_a_time(overrides):
   model = _model(**overrides)
   inputs, targets = _batch()
   variables = _init(model, inputs, targets)
-  logits = model.apply(variables, inputs, targets)
+  logits = jit_apply(model, variables, inputs, targets)
   assert logits.shape == targets.shape + (VOCAB,)
-  annotations, lengths, carry = model.apply(variables, inputs, method=model.encode)
+  annotations, lengths, carry = jit_apply(model, variables, inputs, method=model.encode)
   previous = shift_right(targets)
   for t in range(targets.shape[1]):
-    step_logits, carry = model.apply(variables, previous[:, t], carry, annotations, lengths,
-                                     method=model.decode_step)
+    step_logits, carry = jit_apply(model, variables, previous[:, t], carry, annotations, lengths,
+                                   method=model.decode_step)
     assert_close(step_logits, logits[:, t], rtol=1e-5, atol=1e-5)
 
 
@@ -57,7 +57,7 @@ def test_greedy_decoding_is_the_argmax_of_teacher_forcing_on_its_own_output():
   inputs, targets = _batch(seed=1)
   variables = _init(model, inputs, targets, seed=3)
   tokens = decoding.decode(model, variables, inputs, max_length=targets.shape[1])
-  argmax = np.argmax(model.apply(variables, inputs, tokens), axis=-1)
+  argmax = np.argmax(jit_apply(model, variables, inputs, tokens), axis=-1)
   tokens = np.asarray(tokens)
   for row, predicted in zip(tokens, argmax):
     ended = np.flatnonzero((row == seq2seq_data.EOS_ID) | (row == seq2seq_data.PAD_ID))
@@ -68,7 +68,7 @@ def test_greedy_decoding_is_the_argmax_of_teacher_forcing_on_its_own_output():
 
 def _log_probability(model, variables, inputs, tokens):
   """log p(tokens | inputs) up to and including the first EOS or padding."""
-  log_probs = jax.nn.log_softmax(model.apply(variables, inputs, tokens))
+  log_probs = jax.nn.log_softmax(jit_apply(model, variables, inputs, tokens))
   picked = np.take_along_axis(np.asarray(log_probs), np.asarray(tokens)[..., None], -1)[..., 0]
   totals = []
   for row, values in zip(np.asarray(tokens), picked):
@@ -96,9 +96,9 @@ def test_source_padding_changes_nothing_and_weights_sum_to_one_over_the_source()
   model = _model()
   inputs, targets = _batch(seed=4)
   variables = _init(model, inputs, targets)
-  logits, state = model.apply(variables, inputs, targets, mutable=["intermediates"])
+  logits, state = jit_apply(model, variables, inputs, targets, mutable=["intermediates"])
   longer = jnp.pad(inputs, ((0, 0), (0, 5)))  # five more padding tokens
-  assert_close(model.apply(variables, longer, targets), logits, rtol=1e-5, atol=1e-5)
+  assert_close(jit_apply(model, variables, longer, targets), logits, rtol=1e-5, atol=1e-5)
   (weights,) = state["intermediates"]["step"]["attention"]["attention_weights"]
   weights = np.asarray(weights)[:, :, 0, 0]  # [B, Tt, Ts]: one head, one query a step
   lengths = np.sum(np.asarray(inputs) != 0, axis=1)

@@ -12,7 +12,7 @@ import pytest
 
 from attention_jax.models import ModelConfig, build_model, decoding
 from attention_jax.models.stack import LAYER_OUTPUTS, run_layers
-from attention_testing import assert_close, perturbed
+from attention_testing import assert_close, jit_apply, perturbed
 
 V, L = 13, 12
 MODEL = dict(kind="transformer_seq2seq", attention="dot_product", cross_attention="additive",
@@ -40,7 +40,7 @@ def test_greedy_decoding_is_the_argmax_of_the_teacher_forced_pass_on_its_own_out
   model, variables = _model_and_variables(cross_attention=cross_attention,
                                           transparent_attention=transparent)
   tokens = np.asarray(decoding.decode(model, variables, SOURCE, max_length=8))
-  forced = np.asarray(jnp.argmax(model.apply(variables, SOURCE, jnp.asarray(tokens)), -1))
+  forced = np.asarray(jnp.argmax(jit_apply(model, variables, SOURCE, jnp.asarray(tokens)), -1))
   for row in range(tokens.shape[0]):
     # Up to the first EOS or padding, after which decoding emits padding.
     stop = next((t for t, token in enumerate(tokens[row]) if token in (0, 2)), 7)
@@ -56,10 +56,11 @@ def test_beam_search_of_one_beam_decodes_as_greedy():
 
 def test_decoder_is_causal_and_ignores_padded_source_tokens():
   model, variables = _model_and_variables()
-  logits = model.apply(variables, SOURCE, TARGET)
+  logits = jit_apply(model, variables, SOURCE, TARGET)
   later = TARGET.at[:, 3:].set(5)
-  assert_close(model.apply(variables, SOURCE, later)[:, :4], logits[:, :4], atol=1e-5)
-  assert not np.allclose(model.apply(variables, SOURCE, later)[:, 4:], logits[:, 4:], atol=1e-3)
+  assert_close(jit_apply(model, variables, SOURCE, later)[:, :4], logits[:, :4], atol=1e-5)
+  assert not np.allclose(jit_apply(model, variables, SOURCE, later)[:, 4:], logits[:, 4:],
+                         atol=1e-3)
   # The padding's token ids are hidden from the encoder and the cross-attention.
   repadded = jnp.where(SOURCE == 0, 11, SOURCE)
   padding = SOURCE == 0
@@ -89,7 +90,7 @@ def test_the_stack_hands_on_every_layer_output_in_its_carry(scan_layers):
   x = jax.random.normal(jax.random.PRNGKey(0), (2, 8, 16))
   module = _Stack(config)
   variables = module.init(jax.random.PRNGKey(1), x)
-  out, carry = module.apply(variables, x)
+  out, carry = jit_apply(module, variables, x)
   layers = carry[LAYER_OUTPUTS]
   assert layers.shape == (2, 5, 8, 16)
   assert_close(layers[:, 0], x)
@@ -105,7 +106,7 @@ def test_the_stack_hands_on_every_layer_output_in_its_carry(scan_layers):
     else:
       params = {"params": {k: v for k, v in variables["params"].items()
                            if int(k.split("_")[1]) < i}}
-    assert_close(layers[:, i], cut.apply(params, x)[0], atol=1e-5)
+    assert_close(layers[:, i], jit_apply(cut, params, x)[0], atol=1e-5)
 
 
 class _Stack(nn.Module):
@@ -133,12 +134,12 @@ def test_transparent_attention_with_all_weight_on_the_last_layer_is_the_plain_mo
   plain_params = {"encoder": params["encoder"], "decoder": {
       k: v for k, v in params["decoder"].items()
       if k != "transparent_weights" and not k.startswith("context_norm")}}
-  assert_close(model.apply({"params": params}, SOURCE, TARGET),
-               plain.apply({"params": plain_params}, SOURCE, TARGET), atol=1e-5)
+  assert_close(jit_apply(model, {"params": params}, SOURCE, TARGET),
+               jit_apply(plain, {"params": plain_params}, SOURCE, TARGET), atol=1e-5)
   # Uniform weights read a different (mean) source.
   params["decoder"]["transparent_weights"] = jnp.zeros((2, 3))
-  assert not np.allclose(model.apply({"params": params}, SOURCE, TARGET),
-                         plain.apply({"params": plain_params}, SOURCE, TARGET), atol=1e-3)
+  assert not np.allclose(jit_apply(model, {"params": params}, SOURCE, TARGET),
+                         jit_apply(plain, {"params": plain_params}, SOURCE, TARGET), atol=1e-3)
 
 
 def test_bad_configs_raise_naming_the_field():

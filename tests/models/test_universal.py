@@ -11,7 +11,7 @@ from attention_jax import positional
 from attention_jax.models import Block, LayerStack, ModelConfig, build_model
 from attention_jax.models.universal import adaptive_computation
 from attention_jax.train.steps import sown_losses
-from attention_testing import assert_causal_language_model, perturbed, small_stack_config
+from attention_testing import assert_causal_language_model, jit_apply, perturbed, small_stack_config
 
 B, T, E = 2, 8, 16
 
@@ -117,7 +117,7 @@ def _run_universal_by_hand(config, params, x, mask):
   for n in range(config.num_layers):
     signal = (positional.sinusoidal_embedding(jnp.array([n + 1]), E)
               + positional.sinusoidal_embedding(jnp.arange(T), E))
-    new, _ = block.apply(block_params, state + signal, {}, mask)
+    new, _ = jit_apply(block, block_params, state + signal, {}, mask)
     state = np.where(running[..., None], np.asarray(new), state)
     h = 1 / (1 + np.exp(-(state @ w + bias)))
     trajectory.append(state)
@@ -161,7 +161,7 @@ def test_without_act_it_is_the_same_block_applied_num_layers_times():
   for n in range(config.num_layers):
     # Learned positions act at the embedding: each step adds the timestep only.
     signal = positional.sinusoidal_embedding(jnp.array([n + 1]), E)
-    expected, _ = block.apply({"params": params["universal"]["block"]}, expected + signal)
+    expected, _ = jit_apply(block, {"params": params["universal"]["block"]}, expected + signal)
   np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
 
 
@@ -194,8 +194,8 @@ def test_every_stacked_model_kind_trains_with_the_ponder_cost(kind):
   params = perturbed(nn.meta.unbox(model.init(jax.random.PRNGKey(1), *inputs)["params"]))
 
   def loss(params):
-    out, sown = model.apply({"params": params}, *inputs, deterministic=False,
-                            rngs={"dropout": jax.random.PRNGKey(2)}, mutable=["losses"])
+    out, sown = jit_apply(model, {"params": params}, *inputs, deterministic=False,
+                          rngs={"dropout": jax.random.PRNGKey(2)}, mutable=["losses"])
     return jnp.mean(out ** 2) + sown_losses(sown), sown
 
   (value, sown), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
