@@ -66,7 +66,7 @@ def test_encoder_traces_under_jit_for_every_position_encoding(position):
   tokens = _tokens()
   encoder = _encoder(position=position)
   variables = _init_shapes(encoder, tokens)
-  apply = jax.jit(lambda v, t, m: jit_apply(encoder, v, t, padding_mask=m, is_causal=True))
+  apply = jax.jit(lambda v, t, m: encoder.apply(v, t, padding_mask=m, is_causal=True))
   out = jax.eval_shape(apply, variables, tokens, _suffix_padding([T, 5]))
   assert (out.shape, out.dtype) == ((B, T, E), jnp.float32)
 
@@ -75,7 +75,7 @@ def test_jitted_encoder_equals_eager_encoder():
   tokens, padding_mask = _tokens(), _suffix_padding([T, 5])
   encoder = _encoder(position="t5")
   variables = _init(encoder, tokens)
-  apply = lambda v, t, m: jit_apply(encoder, v, t, padding_mask=m)
+  apply = lambda v, t, m: encoder.apply(v, t, padding_mask=m)
   assert_close(jax.jit(apply)(variables, tokens, padding_mask),
                apply(variables, tokens, padding_mask), atol=1e-5)
 
