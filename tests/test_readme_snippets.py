@@ -1,7 +1,12 @@
-"""The README's code for users' own models runs as written."""
+"""Every Python block of the README runs: the three below with checks of what they
+promise, the rest in order, in one namespace, by `test_the_other_readme_blocks_run`."""
 
+import os
 import pathlib
 import re
+import subprocess
+import sys
+import textwrap
 
 import jax
 import jax.numpy as jnp
@@ -9,11 +14,58 @@ import numpy as np
 
 README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
 
+# The sections whose block a test of its own runs and checks.
+CHECKED_SECTIONS = ("### Attention inside your own RNN", "### Generating from a language model",
+                    "### Segment recurrence (Transformer-XL)")
+# Where the README shows a size only an accelerator needs, the test runs a smaller one:
+# (the text as written, the text run). Each must occur, so a README edit cannot make
+# the substitution silently stop applying.
+SMALLER_SIZES = (("max_length=4096", "max_length=256"),
+                 ("tokens = jnp.ones((2, 4096), jnp.int32)", "tokens = jnp.ones((2, 256), jnp.int32)"))
+
+
+def _python_blocks():
+  """Every ```python block of the README: (the heading above it, its code), in order."""
+  text = README.read_text()
+  blocks = []
+  for match in re.finditer(r"```python\n(.*?)```", text, re.S):
+    headings = re.findall(r"^#+ .*$", text[:match.start()], re.M)
+    blocks.append((headings[-1], match.group(1)))
+  return blocks
+
 
 def _python_block_after(heading: str) -> str:
-  text = README.read_text()
-  section = text[text.index(heading):]
-  return re.search(r"```python\n(.*?)```", section, re.S).group(1)
+  matching = [code for section, code in _python_blocks() if section == heading]
+  assert len(matching) == 1, f"expected one Python block under {heading!r}, found {len(matching)}"
+  return matching[0]
+
+
+def test_the_other_readme_blocks_run():
+  """The blocks no test below checks run in the README's order in one namespace (later
+  blocks use the arrays of "Using it"), in a process with 8 CPU devices for the ring's
+  mesh."""
+  blocks = [code for section, code in _python_blocks() if section not in CHECKED_SECTIONS]
+  assert len(blocks) >= 5, "the README's blocks were not found"
+  program = "\n".join(blocks)
+  for written, run in SMALLER_SIZES:
+    assert written in program, f"README no longer contains {written!r}: update SMALLER_SIZES"
+    program = program.replace(written, run)
+  program += textwrap.dedent("""
+      assert out.shape == q.shape and y.shape == (2, 128, 512) and logits.shape == (2, 2)
+      print("README blocks ran")
+      """)
+  env = dict(os.environ, XLA_FLAGS=os.environ.get("XLA_FLAGS", "") +
+             " --xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+  result = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True,
+                          env=env, timeout=600, check=False)
+  assert result.returncode == 0 and "README blocks ran" in result.stdout, (
+      result.stdout[-3000:] + result.stderr[-3000:])
+  # A `print(...)` followed by a `# ...` line shows its output: it must be what printed.
+  shown = re.findall(r"^print\(.*\)\n# (.*)$", program, re.M)
+  assert shown, "the README's shown outputs were not found"
+  printed = result.stdout.splitlines()
+  for output in shown:
+    assert output in printed, f"README shows {output!r}; the block printed {printed}"
 
 
 def test_the_rnn_step_with_a_scoring_function_runs_and_ignores_padding():
