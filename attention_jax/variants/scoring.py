@@ -62,7 +62,7 @@ def scored_attention(query: Array, key: Array, value: Array, score: ScoreFn,
   accepts); grouped K/V heads are repeated to the query heads.
   `weighting(scores [B, H, Tq, Tk] float32, mask [B|1, H|1, Tq, Tk] bool or
   None)` replaces the softmax (structured attention's CRF marginals, a graph's
-  adjacency, Luong's local softmax times a Gaussian); masked entries must get
+  adjacency, Luong's local-p softmax times a Gaussian); masked entries must get
   weight 0.
   """
   if jnp.ndim(query) != 4 or jnp.ndim(key) != 4 or jnp.ndim(value) != 4:
@@ -161,21 +161,24 @@ def luong_local_attention(query: Array, key: Array, value: Array, bias: Optional
                           position_vector: Optional[Array] = None,
                           query_positions: Optional[Array] = None, **kwargs) -> Array:
   """Luong's local attention: each query attends to the keys within `window`
-  of an aligned position p_t, its softmax weights scaled by a Gaussian there.
+  of an aligned position p_t (Luong et al. 2015, section 3.2):
 
-  a_t(s) = softmax_{|s' - p_t| <= D}(score(h_t, k_s')) * exp(-(s - p_t)^2 / (2 sigma^2))
-
-  (not renormalised after the Gaussian, as in the paper), where p_t is
-
-  * "predictive" (local-p): S * sigmoid(v_p^T tanh(W_p h_t)), S the number
-    of keys (each row's `key_value_seq_lengths` where given);
-  * "monotonic" (local-m): the query's own position t.
+  * "monotonic" (local-m, eq. 7): p_t = t, the query's own position, and
+    a_t(s) = softmax_{|s' - p_t| <= D}(score(h_t, k_s')), the plain softmax
+    over the window [p_t - D, p_t + D];
+  * "predictive" (local-p): p_t = S * sigmoid(v_p^T tanh(W_p h_t)) (eq. 9),
+    S the number of keys (each row's `key_value_seq_lengths` where given),
+    and the window's softmax scaled by a Gaussian centred there (eq. 10),
+    a_t(s) = softmax_{|s' - p_t| <= D}(score(h_t, k_s')) * exp(-(s - p_t)^2 / (2 sigma^2)),
+    not renormalised after the Gaussian, as in the paper. p_t is real, so
+    the Gaussian favours the keys nearest the predicted point.
 
   Args:
     query: `[B, Tq, H, D]`; key: `[B, Tk, Hkv, D]`; value: `[B, Tk, Hkv, Dv]`.
     mode: "predictive" or "monotonic".
     window: D, the half-width of the window, in keys.
-    sigma: the Gaussian's standard deviation; D / 2 when None (the paper).
+    sigma: local-p's Gaussian standard deviation; D / 2 when None (the
+      paper). local-m has no Gaussian and refuses a sigma.
     score: "general" (q^T W k, with `score_kernel` `[H, D, D]`) or "dot".
     position_kernel: W_p `[H, D, A]`; position_vector: v_p `[H, A]` (local-p).
     query_positions: `[Tq]` or `[B, Tq]` positions t of the queries (local-m),
@@ -188,8 +191,12 @@ def luong_local_attention(query: Array, key: Array, value: Array, bias: Optional
   if score not in LUONG_LOCAL_SCORES:
     raise ValueError(f"score must be one of {LUONG_LOCAL_SCORES}, got {score!r}.")
   common.check_size("window", window, minimum=0)
+  if mode == "monotonic" and sigma is not None:
+    # Setting it would have no effect: refuse rather than ignore it.
+    raise ValueError(f"sigma is local-p's Gaussian width; mode='monotonic' (local-m) weights "
+                     f"its window by the softmax alone, got sigma={sigma!r}.")
   sigma = window / 2 if sigma is None else sigma
-  if not sigma > 0:
+  if mode == "predictive" and not sigma > 0:
     raise ValueError(f"sigma must be > 0 (or None for window / 2), got {sigma!r}.")
   common.check_query_key_sizes("luong_local", query, key)
   batch, q_len, num_heads, head_dim = query.shape
@@ -213,13 +220,15 @@ def luong_local_attention(query: Array, key: Array, value: Array, bias: Optional
   distance = jnp.arange(kv_len, dtype=jnp.float32) - centre[..., None]  # [B, H|1, Tq, Tk]
   in_window = jnp.abs(distance) <= window
   mask = in_window if mask is None else jnp.logical_and(mask, in_window)
-  gaussian = jnp.exp(-jnp.square(distance) / (2.0 * jnp.square(jnp.float32(sigma))))
 
   score_fn = dot_score
   if score == "general":
     if score_kernel is None:
       raise ValueError("score='general' needs score_kernel (W); got None.")
     score_fn = lambda q, k: _general_score(q, k, score_kernel)
+  if mode == "monotonic":  # eq. 7: the window's softmax is the weighting
+    return scored_attention(query, key, value, score_fn, bias, mask, **kwargs)
+  gaussian = jnp.exp(-jnp.square(distance) / (2.0 * jnp.square(jnp.float32(sigma))))
   local_weights = lambda scores, allowed: masked_softmax(scores, allowed) * gaussian
   return scored_attention(query, key, value, score_fn, bias, mask, weighting=local_weights,
                           **kwargs)
@@ -364,10 +373,12 @@ registry.register(registry.VariantSpec(
     extras=ConcatScore, options=_WIDTH, **_SCORING))
 registry.register(registry.VariantSpec(
     name="luong_local", fn=luong_local_attention, paper="Luong et al. 2015", extras=LocalScore,
-    options=dict(mode="'predictive' (local-p: p_t = S sigmoid(v^T tanh(W_p h_t))) or "
-                      "'monotonic' (local-m: p_t = t)",
+    options=dict(mode="'predictive' (local-p: p_t = S sigmoid(v^T tanh(W_p h_t)), the window's "
+                      "softmax times a Gaussian at p_t) or 'monotonic' (local-m: p_t = t, the "
+                      "window's softmax alone)",
                  window="D, the window's half-width in keys",
-                 sigma="the Gaussian's standard deviation at p_t; D / 2 when None",
+                 sigma="local-p's Gaussian standard deviation at p_t; D / 2 when None "
+                       "(local-m has no Gaussian)",
                  score="'general' (q^T W k) or 'dot'",
                  position_dim="A, the width of local-p's position predictor; the head dim "
                               "when None"),

@@ -140,13 +140,16 @@ def test_luong_dot_refuses_keys_of_another_size():
 # ---------------------------------------------------------------------------- luong_local
 
 
-def _np_local(scores, value, centre, window, sigma, allowed):
+def _np_local(scores, value, centre, window, allowed, sigma=None):
   """Luong's local weights in numpy: the softmax over the keys within `window`
-  of `centre` [B, H, Tq], times the Gaussian there (not renormalised)."""
+  of `centre` [B, H, Tq]; with `sigma` (local-p, eq. 10) times the Gaussian
+  there, not renormalised; without (local-m, eq. 7) the window softmax alone."""
   distance = np.arange(scores.shape[-1])[None, None, None, :] - centre[..., None]
   with np.errstate(invalid="ignore"):  # rows with no key in their window
     _, weights = _np_attention(scores, value, allowed & (np.abs(distance) <= window))
-  weights = np.nan_to_num(weights) * np.exp(-distance ** 2 / (2 * sigma ** 2))
+  weights = np.nan_to_num(weights)
+  if sigma is not None:
+    weights = weights * np.exp(-distance ** 2 / (2 * sigma ** 2))
   return np.einsum("bhqk,bkhv->bqhv", weights, _np(value)), weights
 
 
@@ -156,15 +159,19 @@ def test_luong_local_with_an_infinite_window_and_flat_gaussian_is_global_attenti
   query, key, value = random_qkv(seed=8, num_heads=2, head_dim=4, kv_len=9)
   p = _params(3, 2, 4, 4, 3)
   kwargs = dict(key_value_seq_lengths=jnp.array([9, 5]))
+  flat = dict(sigma=float("inf")) if mode == "predictive" else {}  # local-m has no Gaussian
   local = lambda q, k, v: scoring.luong_local_attention(
-      q, k, v, mode=mode, window=10**6, sigma=float("inf"), score="dot",
+      q, k, v, mode=mode, window=10**6, score="dot", **flat,
       position_kernel=p["query_kernel"], position_vector=p["score_vector"], **kwargs)
   global_ = lambda q, k, v: scoring.luong_dot_attention(q, k, v, **kwargs)
   assert_same_outputs_and_grads(local, global_, query, key, value, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.property("luong_local")
-def test_luong_local_monotonic_is_the_windowed_softmax_times_the_gaussian():
+def test_luong_local_monotonic_is_the_plain_softmax_over_the_window():
+  """local-m (Luong et al. 2015, eq. 7): p_t = t and the weights are the
+  softmax over the keys in [p_t - D, p_t + D]; the Gaussian of eq. 10 is
+  local-p's alone, so each row with a key in its window sums to 1."""
   query, key, value = random_qkv(seed=9, num_heads=2, head_dim=4, q_len=6, kv_len=11)
   p = _params(4, 2, 4, 4, 1)
   positions = jnp.array([[0, 2, 4, 6, 8, 10], [1, 1, 3, 3, 9, 9]])
@@ -175,12 +182,20 @@ def test_luong_local_monotonic_is_the_windowed_softmax_times_the_gaussian():
   scores = np.einsum("bqhd,hde,bkhe->bhqk", _np(query), _np(p["score_kernel"]), _np(key))
   allowed = (np.arange(11)[None, :] < lengths[:, None])[:, None, None, :]
   centre = np.broadcast_to(np.asarray(positions, np.float64)[:, None], (2, 2, 6))
-  expected, weights = _np_local(scores, value, centre, window=2, sigma=1.0, allowed=allowed)
+  expected, weights = _np_local(scores, value, centre, window=2, allowed=allowed)
   assert_close(got, expected, rtol=1e-5, atol=1e-5)
+  # The same as dense attention under the window mask: no other factor.
+  window_mask = (np.abs(np.arange(11)[None, None, :] - np.asarray(positions)[:, :, None]) <= 2)
+  dense = attention_jax.dot_product_attention(
+      jnp.einsum("bqhd,hde->bqhe", query, p["score_kernel"]), key, value, scale=1.0,
+      mask=jnp.asarray(window_mask)[:, None], key_value_seq_lengths=jnp.asarray(lengths),
+      implementation="xla")
+  assert_close(got, dense, rtol=1e-5, atol=1e-5)
   # Row 1's queries at 9 see only keys 7..11, all padding: no weight, output 0.
   assert np.all(weights[1, :, 4:] == 0) and np.all(np.asarray(got)[1, 4:] == 0)
-  # The weights are the Gaussian-scaled softmax: each row sums to less than 1.
-  assert np.all(weights[0].sum(-1) < 1.0) and np.all(weights[0].sum(-1) > 0.0)
+  # Every other row is a distribution over its window.
+  assert_close(weights[0].sum(-1), np.ones((2, 6)))
+  assert_close(weights[1, :, :4].sum(-1), np.ones((2, 4)))
 
 
 @pytest.mark.property("luong_local")
@@ -196,9 +211,14 @@ def test_luong_local_predictive_centres_at_s_sigmoid_of_the_query():
   centre = lengths[:, None, None] / (1 + np.exp(-logits))  # S sigmoid(v^T tanh(W_p h))
   scores = np.einsum("bqhd,bkhd->bhqk", _np(query), _np(key))
   allowed = (np.arange(12)[None, :] < lengths[:, None])[:, None, None, :]
-  expected, weights = _np_local(scores, value, centre, window=3, sigma=1.5, allowed=allowed)
+  expected, weights = _np_local(scores, value, centre, window=3, allowed=allowed, sigma=1.5)
   assert_close(got, expected, rtol=1e-4, atol=1e-5)
   assert np.all(weights[1, ..., 8:] == 0)  # padded keys get weight 0
+  # local-p keeps eq. 10's Gaussian (not renormalised): without it the
+  # output would be the window softmax alone, which it is not.
+  assert np.all(weights.sum(-1) < 1.0)
+  assert not np.allclose(got, _np_local(scores, value, centre, window=3, allowed=allowed)[0],
+                         atol=1e-3)
 
 
 def test_luong_local_layer_places_decoded_queries_at_their_positions():
@@ -224,7 +244,9 @@ def test_luong_local_layer_places_decoded_queries_at_their_positions():
     (dict(mode="local-x"), "mode must be one of"),
     (dict(score="concat"), "score must be one of"),
     (dict(window=-1, mode="monotonic", score="dot"), "window"),
-    (dict(sigma=0.0, mode="monotonic", score="dot"), "sigma must be > 0"),
+    (dict(sigma=0.0, score="dot"), "sigma must be > 0"),
+    (dict(sigma=1.0, mode="monotonic", score="dot"),
+     r"sigma is local-p's Gaussian width; mode='monotonic' .* got sigma=1.0"),
     (dict(score="dot"), "mode='predictive' needs position_kernel"),
     (dict(mode="monotonic"), "score='general' needs score_kernel"),
     (dict(mode="monotonic", score="dot", query_positions=jnp.zeros((3,))),
