@@ -65,7 +65,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from attention_jax import registry
-from attention_jax.core.masks import make_attention_mask, split_segment_ids
+from attention_jax.core.masks import length_predicate, make_attention_mask, split_segment_ids
 from attention_jax.core.softmax import masked_softmax
 from attention_jax.variants import common, sparse
 from attention_jax.variants.dense import dot_product_attention, prepare_batched_inputs
@@ -1137,6 +1137,17 @@ def predictive_attention(
   allowed weight through the convolution. g has no bias: a constant per head
   added to a whole row of logits would cancel in the softmax.
 
+  The carried rows of padded queries are zero too. Under key-only padding
+  (what `Encoder` passes) the softmax still gives a padded query a row over
+  the valid keys, made from its own padded token, and the next layer's g
+  reads rows i - k // 2 .. i + k // 2: that row would reach the valid queries
+  beside it. A carried map links the layers of one self-attention stack (its
+  shape is checked against the next layer's [Tq, Tk]), so with Tq == Tk the
+  key padding (`key_value_seq_lengths`, or a mask with no query axis) marks
+  the queries at the same positions as padded; query lengths, segments or a
+  pairwise mask already leave such rows with no allowed key. The padded
+  queries' own outputs are left as computed (meaningless, as in `Encoder`).
+
   Args:
     query, key, value, bias, mask, is_causal, query_seq_lengths,
       key_value_seq_lengths, segment_ids: as in `dot_product_attention`.
@@ -1149,7 +1160,8 @@ def predictive_attention(
     dropout_rate, dropout_rng: dropout on the attention weights.
 
   Returns:
-    `([B, Tq, H, Dv] in the query dtype, {"attention_maps": A_l float32})`.
+    `([B, Tq, H, Dv] in the query dtype, {"attention_maps": A_l float32})`,
+    A_l's rows of padded queries zeroed.
   """
   if not 0.0 <= previous_weight <= 1.0:
     raise ValueError(f"previous_weight must be in [0, 1] (the weight a of the predicted "
@@ -1172,7 +1184,27 @@ def predictive_attention(
   maps = masked_softmax(scores, inputs.dense_mask())
   weights = common.dropout_weights(maps, dropout_rate, dropout_rng)
   out = common.weighted_values(weights, inputs.value).astype(inputs.query.dtype)
+  real_queries = _real_queries_by_key_padding(inputs)
+  if real_queries is not None:
+    maps = jnp.where(real_queries, maps, 0.0)
   return out, {MAPS: maps}
+
+
+def _real_queries_by_key_padding(inputs) -> Optional[Array]:
+  """The queries a self-attention call's key padding leaves real, as rows of
+  the map: `[B|1, H|1, Tq, 1]` bool, or None when Tq != Tk or no key is
+  padded (`key_value_seq_lengths`, or a mask `[B|1, H|1, 1, Tk]`)."""
+  q_len, kv_len = inputs.query.shape[1], inputs.key.shape[1]
+  if q_len != kv_len:
+    return None
+  real = None
+  if inputs.key_value_seq_lengths is not None:
+    lengths = jnp.asarray(inputs.key_value_seq_lengths)
+    real = length_predicate(jnp.arange(kv_len)[None, :], lengths[:, None])[:, None, :]
+  mask = inputs.mask
+  if mask is not None and mask.shape[2] == 1 and mask.shape[3] == kv_len:
+    real = mask[:, :, 0, :] if real is None else jnp.logical_and(real, mask[:, :, 0, :])
+  return None if real is None else real[..., None]  # key position j is query row j
 
 
 class PredictiveConvolution(nn.Module):

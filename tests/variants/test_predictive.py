@@ -9,13 +9,13 @@ import numpy as np
 import pytest
 
 import attention_jax
-from attention_jax.models import Block, LayerStack, ModelConfig, build_model
+from attention_jax.models import Block, Encoder, LayerStack, ModelConfig, build_model
 from attention_jax.models.stack import unstack_scanned
 from attention_jax.variants import prior
 from attention_jax.variants.prior import MAPS
 from attention_testing import (B, H, Q_LENGTHS, TK, TQ, VARIANT_MASK_CASES, as_float64,
-                               assert_same_outputs_and_grads, loop_mask, perturbed,
-                               random_qkv)
+                               assert_same_outputs_and_grads, jit_apply, jit_init, loop_mask,
+                               perturbed, random_qkv)
 
 
 def _kernel(size=3, seed=3):
@@ -88,6 +88,80 @@ def test_logits_mix_the_scores_with_the_convolved_previous_map(case):
   np.testing.assert_allclose(carry[MAPS], maps, rtol=1e-4, atol=1e-5)
   expected = np.einsum("bhqk,bkhd->bqhd", maps, as_float64(value))
   np.testing.assert_allclose(out, expected, rtol=1e-4, atol=1e-5)
+
+
+# Padding anywhere, as Encoder passes it: a key mask [B, 1, 1, T], no query mask.
+PADDED = np.array([[False] * 6 + [True] * 2, [False, False, True] + [False] * 3 + [True] * 2])
+# Suffix padding, as key_value_seq_lengths give it.
+LENGTHS = np.array([6, 5])
+
+
+def _changed_at(padded, array, seed):
+  """`array` [B, T, ...] with its `padded` [B, T] positions redrawn, far from the rest."""
+  noise = 5.0 * jax.random.normal(jax.random.PRNGKey(seed), array.shape, array.dtype)
+  return jnp.where(padded.reshape(padded.shape + (1,) * (array.ndim - 2)), noise, array)
+
+
+@pytest.mark.property("predictive")
+@pytest.mark.parametrize("padding", ["key_mask", "key_value_seq_lengths"])
+def test_padded_tokens_reach_neither_the_valid_rows_nor_the_carried_map(padding):
+  """With key-only padding the softmax still gives every padded query a row
+  over the valid keys, made from the padded query; the next layer's
+  convolution reads rows i - 1 .. i + 1, so that row would reach the valid
+  query beside it. The carried rows of padded queries are zero instead."""
+  length = PADDED.shape[1]
+  if padding == "key_mask":
+    padded, masks = PADDED, dict(mask=jnp.asarray(~PADDED)[:, None, None, :])
+  else:
+    padded = np.arange(length)[None, :] >= LENGTHS[:, None]
+    masks = dict(key_value_seq_lengths=jnp.asarray(LENGTHS))
+  first = random_qkv(seed=11, batch=B, q_len=length, num_heads=H)
+  second = random_qkv(seed=12, batch=B, q_len=length, num_heads=H)
+
+  def two_layers(first, second):
+    _, carry = prior.predictive_attention(*first, **masks, conv_kernel=_kernel(seed=5))
+    out, last = prior.predictive_attention(*second, **masks, conv_kernel=_kernel(seed=6),
+                                           carry=carry)
+    return out, carry[MAPS], last[MAPS]
+
+  out, first_map, last_map = two_layers(first, second)
+  changed = two_layers(*[tuple(_changed_at(padded, a, seed=20 + i) for a in layer)
+                         for i, layer in enumerate((first, second))])
+  valid = ~padded
+  np.testing.assert_allclose(np.asarray(changed[0])[valid], np.asarray(out)[valid], rtol=1e-5,
+                             atol=1e-6)
+  for before, after in zip((first_map, last_map), changed[1:]):
+    np.testing.assert_allclose(after, before, rtol=1e-5, atol=1e-6)
+    # Zero rows at the padded queries, distributions over the valid keys elsewhere.
+    rows = np.asarray(before).transpose(0, 2, 1, 3)  # [B, T, H, T]
+    np.testing.assert_array_equal(rows[padded], 0.0)
+    np.testing.assert_allclose(rows[valid].sum(-1), 1.0, rtol=1e-5)
+  # The padded positions' own outputs do change: the test can tell them apart.
+  assert np.abs(np.asarray(changed[0] - out)[padded]).max() > 1e-3
+
+
+@pytest.mark.parametrize("scan_layers", [False, True])
+def test_encoder_outputs_at_valid_positions_ignore_the_padded_tokens(scan_layers):
+  """Through the encoder, whose stack carries each predictive layer's map to
+  the next (one dot_product layer between them hands it on untouched)."""
+  config = _config(kind="classifier", num_layers=4, scan_layers=scan_layers,
+                   layer_attention=("predictive", "predictive", "dot_product", "predictive"),
+                   max_length=8)
+  encoder = Encoder(config)
+  tokens = _tokens(length=8)
+  other = jnp.where(jnp.asarray(PADDED), (tokens % 10) + 1, tokens)
+  assert not np.array_equal(other, tokens)
+  variables = {"params": perturbed(nn.meta.unbox(
+      jit_init(encoder, jax.random.PRNGKey(0), tokens,
+               padding_mask=jnp.asarray(~PADDED))["params"]))}
+  apply = lambda t, m: jit_apply(encoder, variables, t, padding_mask=m)
+  out, out_other = apply(tokens, jnp.asarray(~PADDED)), apply(other, jnp.asarray(~PADDED))
+  valid = ~PADDED
+  np.testing.assert_allclose(np.asarray(out_other)[valid], np.asarray(out)[valid], rtol=1e-5,
+                             atol=1e-5)
+  # Without the mask the padded tokens matter: the test can fail.
+  unmasked = jnp.ones_like(jnp.asarray(PADDED))
+  assert np.abs(np.asarray(apply(other, unmasked) - apply(tokens, unmasked))[valid]).max() > 1e-3
 
 
 def _config(**overrides):
