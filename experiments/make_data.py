@@ -8,6 +8,8 @@
 text and image are downloaded and built by tensorflow-datasets the first time
 (network, and TensorFlow: pip install -e ".[data]"), into TFDS (default
 ~/tensorflow_datasets); --nodownload then converts a TFDS copied from elsewhere.
+Offline, tensorflow-datasets retries the download for about 3.5 minutes, then
+the command ends with one line naming the file to place in TFDS/downloads/manual/.
 
 Each task is `attention_jax.data.get_task(name, **options).prepare(DIR)`, which
 shows the task's own progress bars and skips splits already in DIR. One line per
@@ -183,13 +185,19 @@ def prepare(plans: Sequence[Tuple[str, Dict[str, Any]]], args: cli.Args) -> List
 
 def command_line(args: cli.Args) -> int:
   """The command line's run: a task not taking an option given is one line
-  and exit status 2, before any task is prepared."""
+  and exit status 2, before any task is prepared; data that is not here and
+  cannot be downloaded (offline) is one line saying where to place its files,
+  and exit status 1."""
   try:
     plans = plan(args)
   except ValueError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
-  prepare(plans, args)
+  try:
+    prepare(plans, args)
+  except data.DataUnavailableError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 1
   return 0
 
 

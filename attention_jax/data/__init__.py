@@ -15,8 +15,8 @@ import importlib
 import inspect
 from typing import Any, Dict, Tuple
 
-from attention_jax.data.base import (SPLITS, ArraySource, ExampleSource, Task, TaskInfo,
-                                     batches, stream_batches)
+from attention_jax.data.base import (SPLITS, ArraySource, DataUnavailableError, ExampleSource,
+                                     Task, TaskInfo, batches, stream_batches)
 
 # name -> (module, keyword arguments of its `make_task`).
 _TASKS: Dict[str, Tuple[str, Dict[str, Any]]] = {
@@ -67,5 +67,5 @@ def get_task(name: str, **options) -> Task:
   return module.make_task(**{**_TASKS[name][1], **options})
 
 
-__all__ = ["SPLITS", "ArraySource", "ExampleSource", "Task", "TaskInfo", "batches", "get_task",
-           "list_tasks", "stream_batches", "task_parameters"]
+__all__ = ["SPLITS", "ArraySource", "DataUnavailableError", "ExampleSource", "Task", "TaskInfo",
+           "batches", "get_task", "list_tasks", "stream_batches", "task_parameters"]

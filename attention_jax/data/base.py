@@ -22,6 +22,12 @@ import numpy as np
 SPLITS = ("train", "validation", "test")
 
 
+class DataUnavailableError(FileNotFoundError):
+  """A task's source data is not on this machine and could not be fetched (not
+  prepared where it is read from, or its download failed); the message is one line
+  naming the data set and how to place its files by hand."""
+
+
 @dataclasses.dataclass(frozen=True)
 class TaskInfo:
   """What a model needs to know about a task.

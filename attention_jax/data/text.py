@@ -29,7 +29,8 @@ from typing import Any, Dict, Iterable, Mapping, Optional, Sequence, Tuple, Unio
 
 import numpy as np
 
-from attention_jax.data.base import SPLITS, ArraySource, ExampleSource, Task, TaskInfo
+from attention_jax.data.base import (SPLITS, ArraySource, DataUnavailableError, ExampleSource, Task,
+                                     TaskInfo)
 
 LRA_TEXT_LENGTH = 4000
 BYTE_VOCAB_SIZE = 257  # 256 byte values shifted by one, plus padding id 0.
@@ -100,15 +101,19 @@ def open_tfds_split(name: str, split: str, data_dir_tfds: Optional[str],
                     download: bool) -> Sequence[Mapping[str, Any]]:
   """`tfds.data_source(name, split=split)`: random access without TensorFlow.
 
-  With `download=False` a dataset that is not prepared in `data_dir_tfds`
-  raises FileNotFoundError naming the folder tensorflow-datasets looks in.
+  Raises:
+    DataUnavailableError: with `download=False`, when the data set is not prepared
+      in `data_dir_tfds`; with `download=True`, when its download fails (no
+      network), saying where to place the downloaded file by hand.
+    RuntimeError: any other failure of tensorflow-datasets (e.g. TensorFlow
+      missing to build it).
   """
   import tensorflow_datasets as tfds  # Imported only by the tasks that read tfds.
 
   if not download:
     builder = tfds.builder(name, data_dir=data_dir_tfds, file_format="array_record")
     if not builder.is_prepared():
-      raise FileNotFoundError(
+      raise DataUnavailableError(
           f"tensorflow-datasets {name!r} is not prepared in {builder.data_dir} (expected its "
           f"dataset_info.json and array_record files there); prepare it with "
           f"tfds.data_source({name!r}, data_dir=...) where the download works, or pass "
@@ -119,6 +124,9 @@ def open_tfds_split(name: str, split: str, data_dir_tfds: Optional[str],
     return tfds.data_source(name, split=split, data_dir=data_dir_tfds, download=download,
                             builder_kwargs={"file_format": "array_record"})
   except Exception as error:  # Network, missing TensorFlow for building, wrong file format.
+    url = _failed_download_url(error)
+    if url is not None:
+      raise DataUnavailableError(_offline_instructions(name, url, data_dir_tfds, error)) from error
     hint = ""
     if _missing_module(error) == "tensorflow":
       hint = (" Building a tensorflow-datasets data set needs TensorFlow: "
@@ -128,14 +136,59 @@ def open_tfds_split(name: str, split: str, data_dir_tfds: Optional[str],
                        f"{hint}") from error
 
 
-def _missing_module(error: BaseException) -> Optional[str]:
-  """The top-level module whose import failed somewhere in `error`'s chain, if any."""
+def _offline_instructions(name: str, url: str, data_dir_tfds: Optional[str],
+                          error: BaseException) -> str:
+  """One line: which download of `name` failed, and where to put the file by hand.
+
+  tensorflow-datasets takes a download from `<data_dir>/downloads/manual/<file
+  name>` when that file exists (and checks it against the registered checksum),
+  so a file fetched on another machine can be placed there.
+  """
+  import tensorflow_datasets as tfds
+
+  root = pathlib.Path(data_dir_tfds or tfds.core.constants.DATA_DIR).expanduser()
+  manual_dir = root / "downloads" / "manual"
+  if url:
+    failed, file_name = url, url.rstrip("/").rsplit("/", 1)[-1]
+  else:  # requests did not say which: the builder's URLs are in its checksums.tsv.
+    failed, file_name = "a download", "each file of its checksums.tsv"
+  return (f"tensorflow-datasets could not download {name!r}: {failed} failed "
+          f"({type(_root_cause(error)).__name__}; no network?). Download {file_name} where the "
+          f"network works and place it in {manual_dir}/ (tensorflow-datasets reads it from "
+          f"there), or copy a prepared {root / name}/ from such a machine and pass --nodownload.")
+
+
+def _causes(error: Optional[BaseException]) -> Iterable[BaseException]:
+  """`error` and every exception it was raised from or during, outermost first."""
   seen = set()
   while error is not None and id(error) not in seen:
     seen.add(id(error))
-    if isinstance(error, ModuleNotFoundError) and error.name:
-      return error.name.split(".")[0]
+    yield error
     error = error.__cause__ or error.__context__
+
+
+def _root_cause(error: BaseException) -> BaseException:
+  *_, root = _causes(error)
+  return root
+
+
+def _failed_download_url(error: BaseException) -> Optional[str]:
+  """The URL whose download failed for want of a connection somewhere in `error`'s
+  chain ("" when the request is unknown), or None when no download failed."""
+  import requests  # tensorflow-datasets downloads with it.
+
+  for link in _causes(error):
+    if isinstance(link, (requests.exceptions.ConnectionError, requests.exceptions.Timeout)):
+      request = getattr(link, "request", None)
+      return getattr(request, "url", None) or ""
+  return None
+
+
+def _missing_module(error: BaseException) -> Optional[str]:
+  """The top-level module whose import failed somewhere in `error`'s chain, if any."""
+  for link in _causes(error):
+    if isinstance(link, ModuleNotFoundError) and link.name:
+      return link.name.split(".")[0]
   return None
 
 

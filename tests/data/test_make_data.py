@@ -4,11 +4,12 @@ and rejects options a task does not take."""
 import numpy as np
 import pytest
 import tensorflow_datasets as tfds
+import urllib3
 from absl import flags
 
 import tfds_offline
 from attention_jax import data
-from experiments import make_data
+from experiments import cli, make_data
 
 
 def _write_release(folder):
@@ -117,3 +118,29 @@ def test_bad_flags_are_named(tmp_path):
     make_data.main(["--task=image", f"--data_dir={tmp_path}", "--size_scale=0"])
   with pytest.raises(flags.IllegalFlagValueError, match="flag --task=.*nope"):
     make_data.main(["--task=nope", f"--data_dir={tmp_path}"])
+
+
+def test_offline_text_is_one_line_naming_the_download_and_where_to_place_it(
+    tmp_path, monkeypatch, capsys):
+  # No network: every request goes to a closed port on this machine and fails at once.
+  for proxy in ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy"):
+    monkeypatch.setenv(proxy, "http://127.0.0.1:9")
+  for variable in ("NO_PROXY", "no_proxy"):
+    monkeypatch.delenv(variable, raising=False)
+  # tensorflow-datasets retries 10 times with exponential back-off (about 3.5 minutes
+  # offline); the test keeps the retries and drops the waits between them.
+  monkeypatch.setattr(urllib3.util.retry.Retry, "get_backoff_time", lambda retry: 0.0)
+  tfds_dir = tmp_path / "tfds"
+  args = cli.parse(make_data.define_flags, ["--task=text", f"--data_dir={tmp_path / 'out'}",
+                                            f"--tfds_data_dir={tfds_dir}", "--quiet"])
+  assert make_data.command_line(args) == 1
+  (line,) = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+  manual_dir = tfds_dir / "downloads" / "manual"
+  assert "'imdb_reviews'" in line and f"{tfds_offline.IMDB_URL} failed" in line
+  assert f"place it in {manual_dir}/" in line and "Download aclImdb_v1.tar.gz" in line
+  # The instruction is the one tensorflow-datasets follows: a file placed there is read
+  # instead of the download (this one is not the real archive, so its checksum is refused).
+  tfds_offline.write_imdb_archive(manual_dir, {"aclImdb/train/pos/0_9.txt": b"placed by hand"})
+  with pytest.raises(RuntimeError, match=r"(?i)checksum"):
+    make_data.main(["--task=text", f"--data_dir={tmp_path / 'out'}",
+                    f"--tfds_data_dir={tfds_dir}", "--quiet"])
