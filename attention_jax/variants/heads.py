@@ -5,10 +5,10 @@ The pure function takes the projection kernels as arrays; the Flax module is
 `attention_jax.MultiHeadAttention`, which owns them (named in the registry by
 its path, so this file imports no layer).
 
-* `talking_heads` (Shazeer et al. 2020): learned `[H, H]` mixing of the
-  logits across heads before the softmax and of the weights after it; a
-  scoring-family function (`scoring.scored_attention` with its own
-  weighting) whose two matrices `TalkingHeadsMixing` makes.
+* `talking_heads` (Shazeer et al. 2020): learned mixing of the logits across
+  heads before the softmax (P_l `[h, h_k]`) and of the weights after it
+  (P_w `[h_v, h]`), square by default; its two matrices `TalkingHeadsMixing`
+  makes.
 * `fixed_head_size` (Bhojanapalli et al. 2020): multi-head attention whose
   head size D is an option, not width / H, so adding heads does not shrink
   them (the low-rank bottleneck of D < T). The module's `head_dim` field does
@@ -45,7 +45,7 @@ import numpy as np
 from attention_jax import registry
 from attention_jax.core.softmax import masked_softmax
 from attention_jax.variants import common, scoring
-from attention_jax.variants.dense import dot_product_attention
+from attention_jax.variants.dense import dot_product_attention, prepare_inputs
 from attention_jax.variants.sparse import band_attention, local_attention
 
 Array = jnp.ndarray
@@ -92,21 +92,58 @@ def multi_head_attention(
 
 
 def _mix_heads(mixing: Array, x: Array) -> Array:
-  """`x'[h] = sum_g mixing[h, g] x[g]` over the head axis of `x` `[B, H, Tq, Tk]`."""
+  """`x'[h] = sum_g mixing[h, g] x[g]` over the head axis of `x` `[B, G, Tq, Tk]`;
+  mixing `[H, G]` (out heads, in heads) -> `[B, H, Tq, Tk]`."""
   return jnp.einsum("hg,bgqk->bhqk", mixing.astype(jnp.float32), x)
 
 
-@common.passes_on_masks
+def _talking_head_counts(logits_mixing: Array, weights_mixing: Array, key_heads: int,
+                        value_heads: int) -> Tuple[int, int]:
+  """(h, h_v) read from P_l `[h, h_k]` and P_w `[h_v, h]`, checked against the
+  h_k = `key_heads` query heads and the `value_heads` heads of the values
+  (repeated to h_v, so they must divide it)."""
+  logits_shape, weights_shape = tuple(jnp.shape(logits_mixing)), tuple(jnp.shape(weights_mixing))
+  if len(logits_shape) != 2 or logits_shape[1] != key_heads or logits_shape[0] < 1:
+    raise ValueError(f"logits_mixing must be P_l [h, h_k] = [*, {key_heads}] (h >= 1 softmax "
+                     f"heads, each a mix of the h_k = {key_heads} query heads' logits), got "
+                     f"{list(logits_shape)}.")
+  softmax_heads = logits_shape[0]
+  if len(weights_shape) != 2 or weights_shape[1] != softmax_heads or weights_shape[0] < 1:
+    raise ValueError(f"weights_mixing must be P_w [h_v, h] = [*, {softmax_heads}] (h = "
+                     f"{softmax_heads}, logits_mixing's rows; h_v >= 1 output heads), got "
+                     f"{list(weights_shape)}.")
+  out_heads = weights_shape[0]
+  if out_heads % value_heads:
+    raise ValueError(f"value must have a number of heads dividing h_v = {out_heads} "
+                     f"(weights_mixing's rows; each is repeated to h_v / Hv output heads), got "
+                     f"{value_heads} heads.")
+  return softmax_heads, out_heads
+
+
 def talking_heads_attention(query: Array, key: Array, value: Array, bias: Optional[Array] = None,
                             mask: Optional[Array] = None, *, logits_mixing: Array,
                             weights_mixing: Array, scale: Optional[float] = None,
-                            **kwargs) -> Array:
+                            is_causal: bool = False, query_seq_lengths: Optional[Array] = None,
+                            key_value_seq_lengths: Optional[Array] = None, segment_ids=None,
+                            dropout_rate: float = 0.0,
+                            dropout_rng: Optional[jax.Array] = None) -> Array:
   """Talking-heads attention: out = (P_w softmax(P_l (q . k * scale + bias))) v.
 
-  The products P x mix the head axis: logits'[h] = sum_g P_l[h, g] logits[g]
-  (every head's logits a learned combination of all heads' logits), and
-  likewise the weights after the softmax with P_w. With P_l = P_w = I it is
-  `dot_product_attention`.
+  Shazeer et al. 2020 let three head counts differ: h_k heads of queries and
+  keys (their logits), h heads where the softmax is taken and h_v heads of
+  weights, values and output. The products P x mix the head axis:
+
+      logits'[i] = sum_k P_l[i, k] logits[k]    P_l `[h, h_k]`
+      weights'[v] = sum_i P_w[v, i] weights[i]  P_w `[h_v, h]`
+
+  (every softmax head's logits a learned combination of all key heads' logits,
+  likewise the weights after the softmax). With h_k = h = h_v and
+  P_l = P_w = I it is `dot_product_attention`.
+
+  Orientation: our matrices are (out heads, in heads), `einsum("ik,bkqs->biqs",
+  P_l, logits)`. The paper writes `einsum("BNMk,kh->BNMh", logits, P_l)` with
+  P_l `[h_k, h]` and P_w `[h, h_v]` (in, out): ours are the transposes of
+  the paper's, so port its (Mesh TensorFlow's) weights as P_l.T and P_w.T.
 
   Masks: the softmax sees the mixed logits under the mask, so no masked key
   gets weight there. After P_w a head's weights are a combination of every
@@ -114,38 +151,58 @@ def talking_heads_attention(query: Array, key: Array, value: Array, bias: Option
   weight; the mixed weights are therefore masked again. For the masks that are
   the same in every head (causal, padding, segments, a `[B, 1, Tq, Tk]` mask)
   that changes nothing: a key masked in every head has weight 0 in every
-  head, and stays 0 after the mix. Mixed weights need not sum to 1 (P_w is
-  any matrix), as in the paper.
+  head, and stays 0 after the mix. A mask per head needs h_k = h = h_v (its
+  heads would not be the same heads on both sides of a mix). Mixed weights
+  need not sum to 1 (P_w is any matrix), as in the paper.
 
   Args:
-    query: `[B, Tq, H, D]`; key: `[B, Tk, Hkv, D]`; value: `[B, Tk, Hkv, Dv]`.
-    bias: added to the logits before the mix, broadcastable to `[B, H, Tq, Tk]`.
-    logits_mixing: P_l `[H, H]`, applied before the softmax.
-    weights_mixing: P_w `[H, H]`, applied after it.
+    query: `[B, Tq, h_k, D]`; key: `[B, Tk, Hkv, D]` (Hkv divides h_k; grouped
+      heads are repeated); value: `[B, Tk, Hv, Dv]` (Hv divides h_v, output
+      head j reading value head j // (h_v / Hv); `MultiHeadAttention`
+      projects Hv = Hkv).
+    bias: added to the logits before the mix, broadcastable to `[B, h_k, Tq, Tk]`.
+    logits_mixing: P_l `[h, h_k]`, applied before the softmax.
+    weights_mixing: P_w `[h_v, h]`, applied after it.
     scale: multiplies q . k; 1/sqrt(D) when None.
-    **kwargs: the masks of `dot_product_attention` (is_causal,
-      query_seq_lengths, key_value_seq_lengths, segment_ids) and dropout
-      (on the mixed weights).
+    is_causal, query_seq_lengths, key_value_seq_lengths, segment_ids: as in
+      `dot_product_attention`.
+    dropout_rate, dropout_rng: dropout on the mixed weights.
 
   Returns:
-    `[B, Tq, H, Dv]` in the query dtype.
+    `[B, Tq, h_v, Dv]` in the query dtype.
   """
+  if jnp.ndim(query) != 4 or jnp.ndim(key) != 4 or jnp.ndim(value) != 4:
+    raise ValueError(f"query, key and value must be [B, T, H, D], got shapes "
+                     f"{list(jnp.shape(query))}, {list(jnp.shape(key))}, "
+                     f"{list(jnp.shape(value))}.")
   common.check_query_key_sizes("talking_heads", query, key)
-  num_heads = query.shape[2]
-  common.check_per_head("logits_mixing", logits_mixing, (num_heads, num_heads))
-  common.check_per_head("weights_mixing", weights_mixing, (num_heads, num_heads))
+  key_heads = query.shape[2]
+  softmax_heads, out_heads = _talking_head_counts(logits_mixing, weights_mixing, key_heads,
+                                                  value.shape[2])
   scale = query.shape[-1] ** -0.5 if scale is None else scale
+  # prepare_inputs checks the masks against the logits [B, h_k, Tq, Tk] and
+  # wants values with the keys' heads: it sees a stand-in (the real values
+  # are read below, with their own head count).
+  stand_in_value = jnp.zeros(key.shape[:3] + (1,), query.dtype)
+  inputs, _ = prepare_inputs(query, key, stand_in_value, bias, mask, is_causal=is_causal,
+                             query_seq_lengths=query_seq_lengths,
+                             key_value_seq_lengths=key_value_seq_lengths, segment_ids=segment_ids)
+  allowed = inputs.dense_mask()
+  square = key_heads == softmax_heads == out_heads
+  if allowed is not None and allowed.shape[1] != 1 and not square:
+    raise ValueError(f"mask has a head axis of {allowed.shape[1]}, and a mask per head needs "
+                     f"h_k = h = h_v, got h_k = {key_heads}, h = {softmax_heads}, h_v = "
+                     f"{out_heads}; mask every head alike ([B, 1, Tq, Tk]).")
 
-  def score(q, k):
-    return scoring.dot_score(q, k) * jnp.float32(scale)
-
-  def talking_weights(scores, allowed):
-    weights = _mix_heads(weights_mixing, masked_softmax(_mix_heads(logits_mixing, scores),
-                                                        allowed))
-    return weights if allowed is None else jnp.where(allowed, weights, 0.0)
-
-  return scoring.scored_attention(query, key, value, score, bias, mask,
-                                  weighting=talking_weights, **kwargs)
+  scores = scoring.dot_score(query, common.repeat_kv_heads(key, key_heads)) * jnp.float32(scale)
+  if inputs.bias is not None:
+    scores = scores + inputs.bias.astype(jnp.float32)
+  weights = _mix_heads(weights_mixing, masked_softmax(_mix_heads(logits_mixing, scores),
+                                                      allowed))
+  if allowed is not None:
+    weights = jnp.where(allowed, weights, 0.0)
+  weights = common.dropout_weights(weights, dropout_rate, dropout_rng)
+  return common.weighted_values(weights, jnp.asarray(value)).astype(query.dtype)
 
 
 def _identity(rng, shape, dtype=jnp.float32):
@@ -154,15 +211,37 @@ def _identity(rng, shape, dtype=jnp.float32):
 
 
 class TalkingHeadsMixing(nn.Module):
-  """`talking_heads`' P_l and P_w `[H, H]`, initialised to the identity, so a
-  new layer starts as multi-head attention."""
+  """`talking_heads`' P_l `[h, h_k]` and P_w `[h_v, h]` (out heads, in heads:
+  the paper's transposes), h_k the layer's query heads.
+
+  Initialised to the identity, so a square layer (the defaults, h = h_v =
+  h_k) starts as multi-head attention; a non-square one starts with head i
+  of each side mixed into head i of the other, the surplus heads at 0.
+
+  Attributes:
+    softmax_heads: h, the heads the softmax is taken in; h_k when None.
+    value_heads: h_v, the heads of the mixed weights and of the output; h_k
+      when None. The layer's `num_kv_heads` value heads are repeated to h_v,
+      so they must divide it.
+  """
+
+  softmax_heads: Optional[int] = None
+  value_heads: Optional[int] = None
 
   @nn.compact
   def __call__(self, query, key, value, deterministic: bool = True) -> dict:
-    del key, value, deterministic
-    shape = (query.shape[2], query.shape[2])
-    return {"logits_mixing": self.param("logits_mixing", _identity, shape),
-            "weights_mixing": self.param("weights_mixing", _identity, shape)}
+    del key, deterministic
+    key_heads = query.shape[2]
+    softmax_heads = common.check_size(
+        "softmax_heads", key_heads if self.softmax_heads is None else self.softmax_heads)
+    out_heads = common.check_size(
+        "value_heads", key_heads if self.value_heads is None else self.value_heads)
+    if out_heads % value.shape[2]:
+      raise ValueError(f"value_heads must be a multiple of the layer's {value.shape[2]} value "
+                       f"heads (num_kv_heads), which are repeated to it, got {out_heads}.")
+    return {"logits_mixing": self.param("logits_mixing", _identity, (softmax_heads, key_heads)),
+            "weights_mixing": self.param("weights_mixing", _identity,
+                                         (out_heads, softmax_heads))}
 
 
 def head_windows(windows: Sequence[int], num_heads: int, length: int) -> Tuple[int, ...]:
@@ -586,7 +665,12 @@ registry.register(registry.VariantSpec(
     name="talking_heads", fn=talking_heads_attention, paper="Shazeer et al. 2020",
     family="heads", complexity="O(T^2)", subquadratic=False, exact=False, causal=True,
     cross=True, extras=TalkingHeadsMixing,
-    options=dict(scale="multiplies the logits q . k; 1/sqrt(D) when None")))
+    options=dict(scale="multiplies the logits q . k; 1/sqrt(D) when None",
+                 softmax_heads="h, the heads the softmax is taken in: P_l [h, num_heads] mixes "
+                               "the query/key heads' logits into them; num_heads when None",
+                 value_heads="h_v, the output heads: P_w [h_v, h] mixes the weights into "
+                             "them; output head j reads value head j // (h_v / num_kv_heads); "
+                             "num_heads when None")))
 registry.register(registry.VariantSpec(
     name="multi_scale", fn=multi_scale_attention, paper="Guo et al. 2020", family="heads",
     complexity="O(T w)", subquadratic=True, exact=True, causal=True, cross=False,

@@ -104,14 +104,176 @@ def test_talking_heads_masks_the_mixed_weights_of_a_per_head_mask():
   assert np.all(np.asarray(weights)[0, :, 1, 0] > 0.0)
 
 
+def _np_paper_talking_heads(Q, K, V, P_l, P_w, allowed):
+  """Shazeer et al. 2020's TalkingHeadsAttention (section 4's pseudocode,
+  batched as in their appendix), in their layout and orientation:
+
+    Q [B, n, d_k, h_k], K [B, m, d_k, h_k], V [B, m, d_v, h_v],
+    P_l [h_k, h], P_w [h, h_v], allowed [B, n, m] (key padding);
+    returns O [B, n, d_v, h_v]. No 1/sqrt(d_k): the paper folds it into P_q.
+  """
+  J = np.einsum("BNdk,BMdk->BNMk", Q, K)
+  L = np.einsum("BNMk,kh->BNMh", J, P_l)
+  L = np.where(allowed[..., None], L, -np.inf)
+  W = np.exp(L - L.max(2, keepdims=True))
+  W = W / W.sum(2, keepdims=True)  # softmax over the keys M
+  U = np.einsum("BNMh,hv->BNMv", W, P_w)
+  return np.einsum("BNMv,BMdv->BNdv", U, V)
+
+
+def _numeric_gradients(loss, arrays, eps=1e-6):
+  """Central differences of the float64 scalar `loss(*arrays)`, every entry."""
+  grads = []
+  for index, array in enumerate(arrays):
+    grad = np.zeros_like(array)
+    for position in np.ndindex(array.shape):
+      shifted = [a.copy() for a in arrays]
+      shifted[index][position] += eps
+      up = loss(*shifted)
+      shifted[index][position] -= 2 * eps
+      grad[position] = (up - loss(*shifted)) / (2 * eps)
+    grads.append(grad)
+  return grads
+
+
 @pytest.mark.property("talking_heads")
-@pytest.mark.parametrize("argument", ["logits_mixing", "weights_mixing"])
-def test_talking_heads_refuses_a_mixing_matrix_of_the_wrong_shape(argument):
-  query, key, value = random_qkv(num_heads=4)
-  mixing = dict(logits_mixing=jnp.eye(4), weights_mixing=jnp.eye(4))
-  mixing[argument] = jnp.eye(3)
-  with pytest.raises(ValueError, match=rf"{argument} must have shape \[4, 4\], got \[3, 3\]"):
-    heads.talking_heads_attention(query, key, value, **mixing)
+@pytest.mark.parametrize("key_heads, softmax_heads, value_heads", [(2, 3, 4), (4, 2, 3)])
+def test_talking_heads_with_different_head_counts_is_the_papers_attention(
+    key_heads, softmax_heads, value_heads):
+  """h_k query/key heads, h softmax heads, h_v value heads. Ours mixes with
+  P_l `[h, h_k]` and P_w `[h_v, h]`: the transposes of the paper's
+  P_l `[h_k, h]` and P_w `[h, h_v]`. Output and gradients."""
+  batch, q_len, kv_len, key_dim, value_dim = 2, 4, 5, 3, 2
+  rng = np.random.default_rng(key_heads)
+  Q = rng.normal(size=(batch, q_len, key_dim, key_heads))
+  K = rng.normal(size=(batch, kv_len, key_dim, key_heads))
+  V = rng.normal(size=(batch, kv_len, value_dim, value_heads))
+  P_l = rng.normal(size=(key_heads, softmax_heads))
+  P_w = rng.normal(size=(softmax_heads, value_heads))
+  lengths = np.array([5, 3])
+  allowed = np.broadcast_to((np.arange(kv_len) < lengths[:, None])[:, None, :],
+                            (batch, q_len, kv_len))
+  cotangent = rng.normal(size=(batch, q_len, value_dim, value_heads))
+
+  def paper_loss(Q, K, V, P_l, P_w):
+    return np.sum(_np_paper_talking_heads(Q, K, V, P_l, P_w, allowed) * cotangent)
+
+  def ours(query, key, value, logits_mixing, weights_mixing):
+    return heads.talking_heads_attention(
+        query, key, value, logits_mixing=logits_mixing, weights_mixing=weights_mixing,
+        scale=1.0, key_value_seq_lengths=jnp.asarray(lengths))
+
+  heads_first = lambda x: jnp.asarray(np.swapaxes(x, 2, 3), jnp.float32)  # [B, T, H, D]
+  arguments = (heads_first(Q), heads_first(K), heads_first(V), jnp.asarray(P_l.T, jnp.float32),
+               jnp.asarray(P_w.T, jnp.float32))
+  out = ours(*arguments)
+  assert out.shape == (batch, q_len, value_heads, value_dim)
+  want = _np_paper_talking_heads(Q, K, V, P_l, P_w, allowed)
+  assert_close(out, np.swapaxes(want, 2, 3), rtol=1e-4, atol=1e-5)
+
+  ours_loss = lambda *a: jnp.sum(ours(*a) * np.swapaxes(cotangent, 2, 3))
+  got = jax.grad(ours_loss, argnums=tuple(range(5)))(*arguments)
+  wanted = _numeric_gradients(paper_loss, [Q, K, V, P_l, P_w])
+  layouts = [lambda g: np.swapaxes(g, 2, 3)] * 3 + [lambda g: g.T] * 2
+  for name, grad, expected, layout in zip(
+      ["query", "key", "value", "logits_mixing", "weights_mixing"], got, wanted, layouts):
+    assert_close(grad, layout(expected), rtol=1e-4, atol=1e-5, err_msg=f"gradient of {name}")
+
+
+def _square_talking_heads_before(query, key, value, logits_mixing, weights_mixing, **masks):
+  """The square-only implementation this library had: `scored_attention`
+  with the mixing in its weighting."""
+  from attention_jax.core.softmax import masked_softmax  # pylint: disable=import-outside-toplevel
+  from attention_jax.variants import scoring  # pylint: disable=import-outside-toplevel
+  scale = query.shape[-1] ** -0.5
+  mix = lambda p, x: jnp.einsum("hg,bgqk->bhqk", p.astype(jnp.float32), x)
+
+  def weighting(scores, allowed):
+    weights = mix(weights_mixing, masked_softmax(mix(logits_mixing, scores), allowed))
+    return weights if allowed is None else jnp.where(allowed, weights, 0.0)
+
+  return scoring.scored_attention(query, key, value,
+                                  lambda q, k: scoring.dot_score(q, k) * jnp.float32(scale),
+                                  weighting=weighting, **masks)
+
+
+@pytest.mark.property("talking_heads")
+@pytest.mark.parametrize("masks", [dict(is_causal=True),
+                                   dict(key_value_seq_lengths=jnp.array([3, 7]),
+                                        bias=jnp.ones((1, 4, 7, 7)) * jnp.arange(7.0))])
+def test_talking_heads_square_mixing_is_unchanged(masks):
+  """h_k = h = h_v: the same outputs and gradients as the square-only
+  implementation, grouped K/V heads included."""
+  query, key, value = random_qkv(seed=9, q_len=7, num_heads=4, num_kv_heads=2)
+  logits_mixing, weights_mixing = _mixing(10, 4)
+  ours = lambda q, k, v: heads.talking_heads_attention(
+      q, k, v, logits_mixing=logits_mixing, weights_mixing=weights_mixing, **masks)
+  before = lambda q, k, v: _square_talking_heads_before(q, k, v, logits_mixing, weights_mixing,
+                                                        **masks)
+  assert_same_outputs_and_grads(ours, before, query, key, value, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.property("talking_heads")
+@pytest.mark.parametrize("arguments, message", [
+    (dict(logits_mixing=jnp.eye(3)),
+     r"logits_mixing must be P_l \[h, h_k\] = \[\*, 4\] .*got \[3, 3\]"),
+    (dict(logits_mixing=jnp.ones((4,))),
+     r"logits_mixing must be P_l \[h, h_k\] = \[\*, 4\] .*got \[4\]"),
+    (dict(logits_mixing=jnp.ones((5, 4)), weights_mixing=jnp.eye(4)),
+     r"weights_mixing must be P_w \[h_v, h\] = \[\*, 5\] .*got \[4, 4\]"),
+    (dict(weights_mixing=jnp.ones((6, 4)), value_heads=4),
+     r"value must have a number of heads dividing h_v = 6 .*got 4 heads"),
+    (dict(weights_mixing=jnp.ones((6, 4)), value_heads=2, mask=jnp.ones((1, 4, 7, 7), bool)),
+     r"mask has a head axis of 4, .*needs h_k = h = h_v, got h_k = 4, h = 4, h_v = 6"),
+])
+def test_talking_heads_refuses_bad_head_counts(arguments, message):
+  arguments = dict(arguments)
+  query, key, value = random_qkv(num_heads=4, num_kv_heads=arguments.pop("value_heads", 4))
+  arguments = {"logits_mixing": jnp.eye(4), "weights_mixing": jnp.eye(4), **arguments}
+  with pytest.raises(ValueError, match=message):
+    heads.talking_heads_attention(query, key, value, **arguments)
+
+
+@pytest.mark.property("talking_heads")
+def test_talking_heads_layer_takes_the_head_counts_as_options():
+  """softmax_heads (h) and value_heads (h_v) size P_l, P_w and the output
+  projection; the layer's 2 value heads are repeated to h_v = 6."""
+  x = jax.random.normal(jax.random.PRNGKey(0), (2, 6, 16))
+  layer = attention_jax.MultiHeadAttention(
+      num_heads=4, num_kv_heads=2, attention="talking_heads",
+      attention_options=dict(softmax_heads=5, value_heads=6))
+  params = nn.meta.unbox(layer.init(jax.random.PRNGKey(1), x)["params"])
+  assert params["variant"]["logits_mixing"].shape == (5, 4)
+  assert params["variant"]["weights_mixing"].shape == (6, 5)
+  assert params["out"]["kernel"].shape == (6, 4, 16)
+  params = perturbed(params)
+  out = jax.jit(layer.apply)({"params": params}, x)
+  assert out.shape == x.shape
+  # The layer is its projections around the pure function.
+  project = lambda name, y: jnp.einsum("bte,ehd->bthd", y, params[name]["kernel"]) + \
+      params[name]["bias"]
+  attended = heads.talking_heads_attention(
+      project("query", x), project("key", x), project("value", x),
+      logits_mixing=params["variant"]["logits_mixing"],
+      weights_mixing=params["variant"]["weights_mixing"])
+  want = jnp.einsum("bthd,hde->bte", attended, params["out"]["kernel"]) + params["out"]["bias"]
+  assert_close(out, want, rtol=1e-5, atol=1e-5)
+  options = {o.name: o for o in attention_jax.variant_options("talking_heads")}
+  assert options["softmax_heads"].default is None and options["value_heads"].default is None
+
+
+@pytest.mark.property("talking_heads")
+@pytest.mark.parametrize("options, message", [
+    (dict(softmax_heads=0), r"softmax_heads must be an int >= 1, got 0"),
+    (dict(value_heads=5),
+     r"value_heads must be a multiple of the layer's 2 value heads \(num_kv_heads\).* got 5"),
+])
+def test_talking_heads_layer_refuses_bad_head_counts(options, message):
+  x = jnp.zeros((1, 3, 16))
+  layer = attention_jax.MultiHeadAttention(num_heads=4, num_kv_heads=2,
+                                           attention="talking_heads", attention_options=options)
+  with pytest.raises(ValueError, match=message):
+    layer.init(jax.random.PRNGKey(0), x)
 
 
 @pytest.mark.property("talking_heads")
