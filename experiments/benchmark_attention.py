@@ -568,8 +568,9 @@ def format_table(records: list[dict[str, Any]], backend: str) -> str:
 
 def environment() -> dict[str, Any]:
   """What the numbers were measured on, and with which commit."""
-  from attention_jax.train.trainer import git_revision  # pylint: disable=import-outside-toplevel
+  from attention_jax.train.provenance import git_revision, host_cpu  # pylint: disable=import-outside-toplevel
   device = jax.devices()[0]
+  cpu_model, cpu_isa = host_cpu()
   return {
       "git_revision": git_revision(),
       "backend": jax.default_backend(),
@@ -579,6 +580,8 @@ def environment() -> dict[str, Any]:
       "attention_jax_version": getattr(attention_jax, "__version__", None),
       "python": sys.version.split()[0],
       "cpu_count": os.cpu_count(),
+      "cpu_model": cpu_model,
+      "cpu_isa": list(cpu_isa),
   }
 
 
@@ -586,7 +589,7 @@ def write_records(path: pathlib.Path, script: str, settings: dict[str, Any],
                   records: list[dict[str, Any]]) -> None:
   """A benchmark script's JSON: where it ran (git revision, devices), the command
   line that made it (`python -m <script> ...`), its settings and its records."""
-  from attention_jax.train.trainer import device_summary, git_revision  # pylint: disable=import-outside-toplevel
+  from attention_jax.train.provenance import device_summary, git_revision  # pylint: disable=import-outside-toplevel
   write_json(path, dict(git_revision=git_revision(), devices=device_summary(),
                         command=" ".join([f"python -m {script}"] + sys.argv[1:]),
                         settings=settings, records=records))

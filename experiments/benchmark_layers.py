@@ -100,7 +100,7 @@ def define_flags(flag_values: flags.FlagValues, argv: Sequence[str]) -> None:
 
 def benchmark(args: cli.Args) -> int:
   """Compiles every cell, prints a table with ratios, writes the JSON."""
-  from attention_jax.train.trainer import device_summary, git_revision  # pylint: disable=g-import-not-at-top
+  from attention_jax.train.provenance import device_summary, git_revision  # pylint: disable=g-import-not-at-top
   records = []
   print(f"{'layers':>6} {'T':>6} {'mode':>14} {'compile s':>10} {'temp MiB':>9} "
         f"{'compile x':>9} {'temp x':>7}")

@@ -95,7 +95,7 @@ def measure(variant: str, length: int, batch_size: int, steps: int = 10, warmup:
   from attention_jax.train.state import create_sharded_state  # pylint: disable=g-import-not-at-top
   from attention_jax.train.steps import make_train_step  # pylint: disable=g-import-not-at-top
   # pylint: disable-next=g-import-not-at-top
-  from attention_jax.train.trainer import device_summary, git_revision
+  from attention_jax.train.provenance import device_summary, git_revision
   from experiments import benchmark_attention as bench  # pylint: disable=g-import-not-at-top
 
   for name, value, minimum in (("batch_size", batch_size, 1), ("steps", steps, 1),

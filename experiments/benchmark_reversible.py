@@ -104,7 +104,7 @@ def define_flags(flag_values: flags.FlagValues, argv: Sequence[str]) -> None:
 
 def benchmark(args: cli.Args) -> int:
   """Compiles every cell, prints a table with ratios, writes the JSON and the table."""
-  from attention_jax.train.trainer import device_summary, git_revision  # pylint: disable=g-import-not-at-top
+  from attention_jax.train.provenance import device_summary, git_revision  # pylint: disable=g-import-not-at-top
   lines: List[str] = []
 
   def emit(line: str) -> None:

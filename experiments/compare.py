@@ -25,6 +25,7 @@ from typing import Any, Dict, List, Optional, Sequence
 from absl import flags
 from ml_collections import config_flags
 
+from attention_jax.train.provenance import describe_devices
 from attention_jax.train.trainer import RESULTS_FILE
 from experiments import cli
 from experiments.tables.accuracy import training_command
@@ -142,7 +143,7 @@ def compare(args: cli.Args) -> int:
   if first:
     devices = first["devices"]
     header = (f"{first['config']['task']} ({', '.join(args.preset) or 'full'}), "
-              f"{devices['count']} x {devices['kind']}, git {first['git_revision']}\n\n")
+              f"{describe_devices(devices)}, git {first['git_revision']}\n\n")
   table = header + markdown_table(table_rows(results)) + "\n"
   workdir.mkdir(parents=True, exist_ok=True)
   (workdir / "table.md").write_text(table)

@@ -152,7 +152,7 @@ def experiment(args: cli.Args) -> int:
 
 
 def _revision() -> str:
-  from attention_jax.train.trainer import git_revision  # pylint: disable=import-outside-toplevel
+  from attention_jax.train.provenance import git_revision  # pylint: disable=import-outside-toplevel
   return git_revision() or "unknown"
 
 

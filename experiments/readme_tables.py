@@ -68,7 +68,7 @@ def provenance(text: str) -> str:
   listed = re.search(r"- git revision: (.+)", text)
   revisions = (re.findall(r"[0-9a-f]{7,40}\S*", listed.group(1)) if listed else
                re.findall(r"git ([0-9a-f]{7,40}\S*)", text)[:1])
-  device = re.search(r"- device: (.+)|, (\d+ x \w+),", text)
+  device = re.search(r"- device: (.+)|, (\d+ x \w+(?: \([^)]*\))?), git", text)
   where = device.group(1) or device.group(2) if device else "unknown device"
   return f"git {', '.join(r[:7] for r in revisions) or 'unknown'}, {where}"
 

@@ -31,7 +31,6 @@ import math
 import os
 import pathlib
 import signal
-import subprocess
 import threading
 import time
 from typing import Any, Dict, Iterator, Optional
@@ -53,6 +52,7 @@ from attention_jax.train.config import (apply_attention_preset, check_config,
 from attention_jax.train.metrics import MetricsLogger, peak_memory
 from attention_jax.train.objectives import CLASSIFIER_KINDS, get_objective
 from attention_jax.train.optim import make_optimizer
+from attention_jax.train.provenance import device_summary, git_revision
 from attention_jax.train.state import (MEMORY_COLLECTION, abstract_state_and_shardings,
                                        create_sharded_state)
 from attention_jax.train.steps import make_eval_step, make_train_step, summarize_eval
@@ -639,39 +639,3 @@ class _StepTimer:
     """Steps per second so far (None before any timed step)."""
     seconds = self.seconds + (time.perf_counter() - self._since if self._since else 0.0)
     return self.steps / seconds if self.steps and seconds > 0 else None
-
-
-# Folders of measured outputs: a reproduction writes its cells into results/,
-# which git tracks, so counting them would mark every cell after the first
-# "+dirty" although the code measured is the commit's.
-OUTPUT_FOLDERS = ("results", "benchmarks")
-
-
-def git_revision() -> Optional[str]:
-  """The commit of the checkout this package runs from ("+dirty" with local
-  changes to anything but `OUTPUT_FOLDERS`), or None outside a git checkout.
-
-  $ATTENTION_JAX_GIT_REVISION, when set, is returned instead: for a copy of a
-  clean checkout sent to another machine whose `.git` does not describe it
-  (experiments/gpu_session.sh sets it from the sender's `git rev-parse HEAD`).
-  """
-  if os.environ.get("ATTENTION_JAX_GIT_REVISION"):
-    return os.environ["ATTENTION_JAX_GIT_REVISION"]
-  root = pathlib.Path(__file__).resolve().parents[2]
-  try:
-    revision = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True,
-                              text=True, timeout=10, check=True).stdout.strip()
-    dirty = subprocess.run(
-        ["git", "status", "--porcelain", "--untracked-files=no", "--", "."]
-        + [f":(exclude){folder}" for folder in OUTPUT_FOLDERS],
-        cwd=root, capture_output=True, text=True, timeout=10).stdout.strip()
-  except (OSError, subprocess.SubprocessError):
-    return None
-  return revision + ("+dirty" if dirty else "")
-
-
-def device_summary() -> Dict[str, Any]:
-  """The devices a run used: kind, platform, counts."""
-  device = jax.devices()[0]
-  return dict(kind=device.device_kind, platform=device.platform, count=jax.device_count(),
-              local_count=jax.local_device_count(), process_count=jax.process_count())

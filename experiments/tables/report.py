@@ -11,6 +11,7 @@ import pathlib
 import statistics
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence
 
+from attention_jax.train.provenance import describe_devices
 from experiments import lra_paper
 from experiments.tables.cells import Cell, read_results
 
@@ -76,7 +77,7 @@ def provenance(cells: Sequence[Cell]) -> Dict[str, Any]:
     results = read_results(cell.results_path) or {}
     d = results.get("devices")
     if d:
-      devices.add(f"{d.get('count')} x {d.get('kind')} ({d.get('platform')})")
+      devices.add(describe_devices(d) + ("" if d.get("cpu_model") else f" ({d.get('platform')})"))
     env = results.get("environment")
     if env:
       devices.add(f"{env.get('device_count')} x {env.get('device_kind')} ({env.get('backend')})")
