@@ -151,8 +151,7 @@ def _block_logits(cfg: _Static, masks: _Masks, q_blk, k_blk_t, bias, q_start, k_
   operand as XLA's CPU matmuls take it (given `[bk, D]`, XLA copies it
   transposed at every step of the loop).
   """
-  logits = jnp.einsum("bhgqd,bhdk->bhgqk", q_blk, k_blk_t,
-                      preferred_element_type=jnp.float32) * cfg.scale
+  logits = common.einsum_float32("bhgqd,bhdk->bhgqk", q_blk, k_blk_t) * cfg.scale
   if bias is not None:
     logits += _block_of(bias, q_start, k_start, bq, bk).astype(jnp.float32)
   q_pos = _positions(masks.q_positions, q_start, bq)
@@ -227,8 +226,8 @@ def _forward(cfg: _Static, q, k, v, bias, masks: _Masks):
       probs = jnp.exp(logits - safe_max[..., None])
       correction = jnp.exp(row_max - safe_max)
       row_sum = correction * row_sum + probs.sum(-1)
-      acc = correction[..., None] * acc + jnp.einsum(
-          "bhgqk,bhkd->bhgqd", probs.astype(v.dtype), v_blk, preferred_element_type=jnp.float32)
+      acc = correction[..., None] * acc + common.einsum_float32(
+          "bhgqk,bhkd->bhgqd", probs.astype(v.dtype), v_blk)
       return new_max, row_sum, acc
 
     lo, hi = _block_range(cfg, masks, common.kv_block_range, i, bq, bk, num_kv_blocks)
@@ -287,20 +286,16 @@ def _backward(cfg: _Static, q, k, v, bias, masks: _Masks, lse, d_out, delta):
       do_blk_t = jax.lax.dynamic_slice_in_dim(d_out_t, i * bq, bq, axis=4)
       logits = _block_logits(cfg, masks, q_blk, k_blk_t, bias, i * bq, j * bk, bq, bk)
       probs = jnp.exp(logits - jax.lax.dynamic_slice_in_dim(lse, i * bq, bq, axis=3)[..., None])
-      d_probs = jnp.einsum("bhgqd,bhdk->bhgqk", do_blk, v_blk_t,
-                           preferred_element_type=jnp.float32)
+      d_probs = common.einsum_float32("bhgqd,bhdk->bhgqk", do_blk, v_blk_t)
       d_logits = probs * (d_probs - jax.lax.dynamic_slice_in_dim(delta, i * bq, bq,
                                                                  axis=3)[..., None])
       # dk and dv accumulate transposed, [.., D, bk]: the block's probabilities
       # and dS are then the products' right operands as they are laid out, so
       # XLA neither copies them transposed nor computes dS twice.
-      dv += jnp.einsum("bhgdq,bhgqk->bhdk", do_blk_t, probs.astype(d_out.dtype),
-                       preferred_element_type=jnp.float32)
-      dk += jnp.einsum("bhgdq,bhgqk->bhdk", q_blk_t, d_logits.astype(q.dtype),
-                       preferred_element_type=jnp.float32)
-      dq_blk = jax.lax.dynamic_slice_in_dim(dq, i * bq, bq, axis=3) + jnp.einsum(
-          "bhgqk,bhkd->bhgqd", d_logits.astype(k.dtype), k_blk,
-          preferred_element_type=jnp.float32)
+      dv += common.einsum_float32("bhgdq,bhgqk->bhdk", do_blk_t, probs.astype(d_out.dtype))
+      dk += common.einsum_float32("bhgdq,bhgqk->bhdk", q_blk_t, d_logits.astype(q.dtype))
+      dq_blk = jax.lax.dynamic_slice_in_dim(dq, i * bq, bq, axis=3) + common.einsum_float32(
+          "bhgqk,bhkd->bhgqd", d_logits.astype(k.dtype), k_blk)
       dq = jax.lax.dynamic_update_slice_in_dim(dq, dq_blk, i * bq, axis=3)
       if d_bias is not None:
         d_bias = _add_block(d_bias, common.sum_to_shape(d_logits, bias.shape), i * bq, j * bk)

@@ -182,6 +182,28 @@ def flash_attention_vjp(forward: Callable, backward: Callable) -> Callable:
   return attention
 
 
+def einsum_float32(subscripts: str, a: Array, b: Array) -> Array:
+  """`jnp.einsum(subscripts, a, b)` accumulated in float32 and returned as float32.
+
+  On GPU and TPU narrow operands (bfloat16, float16) go to the matrix units as
+  they are: bf16 x bf16 -> f32 is their fast path. On CPU they are upcast to
+  float32 first. XLA's CPU backend runs such a mixed product only where it
+  hands it to its bfloat16 library kernels (YNNPACK), in the layouts those
+  take; a product its simplifier has rewritten falls back to the generic dot,
+  which has no bf16 x bf16 -> f32 and fails ("Unsupported element type for
+  DotThunk::Execute"). The blockwise backward meets this when its key loop runs
+  once: the transpose of the dk/dv accumulators is folded into their dot. The
+  upcast changes no value: every bfloat16 or float16 is exactly a float32, and
+  the product is accumulated in float32 either way.
+  """
+  product = lambda x, y: jnp.einsum(subscripts, x, y, preferred_element_type=jnp.float32)
+  if all(jnp.dtype(x.dtype).itemsize >= 4 for x in (a, b)):
+    return product(a, b)
+  upcast = lambda x, y: product(x.astype(jnp.float32), y.astype(jnp.float32))
+  # Resolved when lowering, for the platform compiled for: no branch at run time.
+  return jax.lax.platform_dependent(a, b, cpu=upcast, default=product)
+
+
 def sum_to_shape(x: Array, shape: Tuple[int, ...]) -> Array:
   """Sums `x` over the axes where an array of `shape` broadcasts (size 1), keeping them."""
   axes = tuple(a for a, (n, m) in enumerate(zip(x.shape, shape)) if m == 1 and n != 1)

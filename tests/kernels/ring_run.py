@@ -1,10 +1,11 @@
 """Ring attention against dense attention on 8 simulated CPU devices.
 
 Run as a script (tests/kernels/test_ring.py does, in a subprocess, with a JSON
-list of "mesh-layout-full|causal-masks" case names): the device count must be
-set before jax initialises. Prints one JSON object on the last line: per case,
-the largest differences from `implementation="xla"` of the
-output, the log-sum-exp and the gradients of q, k and v.
+list of "mesh-layout-full|causal-masks[-dtype]" case names; float32 unless a
+dtype is named): the device count must be set before jax initialises. Prints one
+JSON object on the last line: per case, the largest differences from
+`implementation="xla"` (in float32, of the same input values) of the output,
+the log-sum-exp and the gradients of q, k and v.
 """
 
 import json
@@ -45,22 +46,24 @@ MASKS = {
 }
 
 
-def differences(mesh, layout, is_causal, masks):
-  """Largest |ring - dense| of out, lse and d(q, k, v) of a loss using both."""
-  q, k, v = inputs()
+def differences(mesh, layout, is_causal, masks, dtype=jnp.float32):
+  """Largest |ring - dense| of out, lse and d(q, k, v) of a loss using both: the
+  ring takes the inputs in `dtype`, dense attention the same values in float32."""
+  q, k, v = (x.astype(dtype) for x in inputs())
+  dense_qkv = tuple(x.astype(jnp.float32) for x in (q, k, v))
   kwargs = dict(is_causal=is_causal, return_residual=True, **masks)
 
   def loss(attention, *qkv):
-    out, lse = attention(*qkv)
+    out, lse = (x.astype(jnp.float32) for x in attention(*qkv))
     return (jnp.sum(out * jnp.cos(jnp.arange(D))) + jnp.sum(jnp.sin(lse) * (lse > -1e30)))
 
   ring_attention = lambda *qkv: ring.ring_attention(
       *qkv, mesh=mesh, layout=layout, block_sizes=BlockSizes(8, 8), **kwargs)
   dense = lambda *qkv: aj.dot_product_attention(*qkv, implementation="xla", **kwargs)
-  (out, lse), (dense_out, dense_lse) = jax.jit(ring_attention)(q, k, v), dense(q, k, v)
+  (out, lse), (dense_out, dense_lse) = jax.jit(ring_attention)(q, k, v), dense(*dense_qkv)
   grads = jax.jit(jax.grad(lambda *a: loss(ring_attention, *a), argnums=(0, 1, 2)))(q, k, v)
-  dense_grads = jax.grad(lambda *a: loss(dense, *a), argnums=(0, 1, 2))(q, k, v)
-  diff = lambda a, b: float(jnp.max(jnp.abs(a - b)))
+  dense_grads = jax.grad(lambda *a: loss(dense, *a), argnums=(0, 1, 2))(*dense_qkv)
+  diff = lambda a, b: float(jnp.max(jnp.abs(a.astype(jnp.float32) - b)))
   return dict(out=diff(out, dense_out), lse=diff(lse, dense_lse),
               **{f"d{name}": diff(a, b) for name, a, b in zip("qkv", grads, dense_grads)})
 
@@ -80,8 +83,9 @@ def main():
             "data2_sequence4": jax.make_mesh((2, 4), ("data", "sequence"))}
   cases = {}
   for name in json.loads(sys.argv[1]):
-    mesh_name, layout, attend, mask_name = name.split("-")
-    cases[name] = differences(meshes[mesh_name], layout, attend == "causal", MASKS[mask_name])
+    mesh_name, layout, attend, mask_name, *dtype = name.split("-")
+    cases[name] = differences(meshes[mesh_name], layout, attend == "causal", MASKS[mask_name],
+                              jnp.dtype(dtype[0]) if dtype else jnp.float32)
   result = dict(cases=cases,
                 collectives={layout: collectives(meshes["sequence8"], layout)
                              for layout in ring.LAYOUTS})
