@@ -334,8 +334,16 @@ def _probs_and_dlogits(cfg: _Static, refs: Dict[str, Any], c: _Coords, block_q: 
   """Recomputed p = exp(logits - lse) and ds = p * (dO v^T - delta): `(bq, bk)` float32."""
   logits = _masked_logits(cfg, refs, refs["q"][...], refs["k"][...], c.q_block * block_q,
                           c.kv_block * block_k, kv_length, in_pattern)
-  # Rows with nothing to attend have all logits at -inf: p = 0 there.
-  probs = jnp.exp(logits - _lanes(refs["lse"][...], block_k))
+  # A row the forward pass left empty has lse EMPTY_ROW_LSE, and its logits here
+  # are not always all -inf: the forward skips a query block wholly past the
+  # valid length (or the padding), and the dk/dv pass, tiled by block_q_dkv (or
+  # by a block-sparse list that ignores lengths), can still visit its rows in a
+  # taller block. exp(logit - EMPTY_ROW_LSE) overflows to inf there, and inf
+  # times the row's dO (0) is NaN; against lse = +inf the row's probabilities
+  # are exactly 0. (A comparison per row, not per pair.)
+  lse = refs["lse"][...]
+  lse = jnp.where(lse == common.EMPTY_ROW_LSE, jnp.inf, lse)
+  probs = jnp.exp(logits - _lanes(lse, block_k))
   d_probs = _dot(refs["do"][...], refs["v"][...], _NT)
   d_logits = probs * (d_probs - _lanes(refs["delta"][...], block_k))
   return probs, d_logits

@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
 
-from attention_jax.core import reach_of, reference_attention
-from attention_jax.kernels.flash_attention import BlockSizes, common, pallas_tpu
+from attention_jax.core import patterns, reach_of, reference_attention
+from attention_jax.kernels.flash_attention import BlockSizes, block_sparse, common, pallas_tpu
 from attention_jax.variants.dense import prepare_inputs
 from attention_testing import (MASK_CASES, assert_close, check_against_reference, loop_mask,
                                random_qkv)
@@ -186,6 +186,46 @@ def test_fully_masked_rows_give_zeros_and_zero_gradients():
   np.testing.assert_array_equal(np.asarray(d_key)[0], 0.0)  # batch 0 attends no key
   np.testing.assert_array_equal(np.asarray(d_value)[0], 0.0)
   assert np.abs(np.asarray(out)[~empty]).min() > 0.0  # the other rows did attend
+
+
+@pytest.mark.parametrize("q_len, q_lengths", [(65, None), (33, [10])])
+def test_query_blocks_the_forward_skips_pass_no_nan_to_key_gradients(q_len, q_lengths):
+  """Issue #36: with block_q_dkv (64) > block_q (32) the dk/dv pass visits, beside
+  valid rows, the rows of a forward query block wholly past the valid queries
+  (the padding of Tq = 65 up to 128, or queries past a length of 10), whose lse
+  is EMPTY_ROW_LSE while their logits are not masked: dk and dv were NaN."""
+  query, key, value = random_qkv(batch=1, q_len=q_len, kv_len=1, num_heads=1, head_dim=1)
+  kwargs = {} if q_lengths is None else dict(query_seq_lengths=jnp.array(q_lengths))
+  allowed = jnp.array(loop_mask(1, q_len, 1, q_lengths=q_lengths))
+  blocks = BlockSizes(block_q=32, block_k=128, block_q_dkv=64, block_k_dkv=128)
+  ours = lambda q, k, v, b: _pallas(q, k, v, block_sizes=blocks, **kwargs)
+  oracle = lambda q, k, v, b: reference_attention(q, k, v, mask=allowed)
+  out, grads = _outputs_and_grads(ours, query, key, value, None)
+  expected_out, expected_grads = _outputs_and_grads(oracle, query, key, value, None)
+  assert_close(out, expected_out)
+  for name, got, want in zip("qkv", grads, expected_grads):
+    assert_close(got, want, err_msg=f"gradient of {name}")
+
+
+def test_block_sparse_query_blocks_past_the_length_pass_no_nan_to_key_gradients():
+  """The same hazard through the block-sparse lists (one block size for both
+  passes): the dk/dv pass follows the layout, which ignores query lengths, into
+  the query block (32..63) that the forward skipped as past the length 10."""
+  query, key, value = random_qkv(batch=1, q_len=64, kv_len=1, num_heads=1, head_dim=1)
+  q_lengths = jnp.array([10])
+  allowed = jnp.array(loop_mask(1, 64, 1, q_lengths=[10]))
+
+  def ours(q, k, v, b):
+    inputs, _ = prepare_inputs(q, k, v, query_seq_lengths=q_lengths)
+    return block_sparse.block_sparse_attention(
+        inputs, patterns.Band(64, 64), implementation="pallas_tpu", block_sizes=BlockSizes(32, 128))
+
+  oracle = lambda q, k, v, b: reference_attention(q, k, v, mask=allowed)
+  out, grads = _outputs_and_grads(ours, query, key, value, None)
+  expected_out, expected_grads = _outputs_and_grads(oracle, query, key, value, None)
+  assert_close(out, expected_out)
+  for name, got, want in zip("qkv", grads, expected_grads):
+    assert_close(got, want, err_msg=f"gradient of {name}")
 
 
 @pytest.mark.parametrize("head_dim", [32, 64, 80, 96, 128, 256])
