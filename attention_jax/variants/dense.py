@@ -28,7 +28,8 @@ import numpy as np
 
 from attention_jax import registry
 from attention_jax.core.masks import Window, make_attention_mask, normalize_window, split_segment_ids
-from attention_jax.core.softmax import logsumexp_residual, masked_softmax_and_logsumexp
+from attention_jax.core.softmax import (MASKED_LOGSUMEXP, logsumexp_residual,
+                                        masked_softmax_and_logsumexp)
 from attention_jax.variants import common
 
 Array = jnp.ndarray
@@ -332,6 +333,9 @@ def dot_product_attention(
     jax.nn's overflows to -inf). Unlike jax.nn's, the residual is
     differentiable (d lse / d logits = the attention weights), in every
     implementation but "cudnn", whose residual passes no gradient (as jax.nn's).
+    An empty sequence gives what jax.nn gives (`attention_of_empty_sequence`):
+    Tk = 0 zeros `[B, Tq, H, Dv]` (the residual `MASKED_LOGSUMEXP`), Tq = 0
+    empty arrays, in every implementation, with zero gradients.
   """
   inputs, unbatched = prepare_inputs(
       query, key, value, bias, mask, scale=scale, is_causal=is_causal,
@@ -343,10 +347,33 @@ def dot_product_attention(
     # Seen once per call site (the warnings module's default), at trace time.
     warnings.warn(f"dot_product_attention: using implementation {implementation!r}; {note}.",
                   stacklevel=2)
+  empty = attention_of_empty_sequence(inputs, return_residual)
+  if empty is not None:
+    return returned_outputs(empty, unbatched)
   options = dict(dropout_rate=dropout_rate, dropout_rng=dropout_rng) if dropout else {}
   if return_residual:
     options["return_residual"] = True
   return returned_outputs(_IMPLEMENTATIONS[implementation].fn(inputs, **options), unbatched)
+
+
+def attention_of_empty_sequence(inputs: AttentionInputs, return_residual: bool = False
+                                ) -> Union[None, Array, Tuple[Array, Array]]:
+  """What attention over `inputs` returns when Tq = 0 or Tk = 0; None otherwise.
+
+  With no key every query attends nothing: out zeros `[B, Tq, H, Dv]` (as
+  jax.nn's) and lse `MASKED_LOGSUMEXP` `[B, Tq, H]` float32 (jax.nn: -inf).
+  With no query both are empty. Every implementation answers these here,
+  before its own arithmetic: the kernels divide by block sizes fitted to the
+  lengths (0), XLA's softmax takes a maximum over an empty axis. The result
+  does not depend on q, k, v or the bias, so their gradients are zeros of their
+  own shapes (empty for empty inputs).
+  """
+  batch, q_len, num_heads, _ = inputs.query.shape
+  if q_len and inputs.key.shape[1]:
+    return None
+  out = jnp.zeros((batch, q_len, num_heads, inputs.value.shape[-1]), inputs.query.dtype)
+  lse = jnp.full((batch, q_len, num_heads), MASKED_LOGSUMEXP, jnp.float32)
+  return (out, lse) if return_residual else out
 
 
 def prepare_batched_inputs(variant: str, query, key, value, bias=None, mask=None,

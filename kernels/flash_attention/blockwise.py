@@ -26,7 +26,8 @@ import jax
 import jax.numpy as jnp
 
 from attention_jax.core import patterns
-from attention_jax.variants.dense import AttentionInputs, prepare_inputs, returned_outputs
+from attention_jax.variants.dense import (AttentionInputs, attention_of_empty_sequence,
+                                          prepare_inputs, returned_outputs)
 
 from . import common
 
@@ -341,6 +342,9 @@ def blockwise_attention(inputs: AttentionInputs,
     return_residual: also return the log-sum-exp `[B, Tq, H]` float32
       (differentiable; `common.EMPTY_ROW_LSE` where a query attends nothing).
   """
+  empty = attention_of_empty_sequence(inputs, return_residual)  # Tq = 0 or Tk = 0
+  if empty is not None:
+    return empty
   cfg, operands, masks = blocked_layout(inputs, block_sizes)
   out, lse = _attention(cfg, operands, masks)  # [B, Hkv, G, Tq', Dv], [B, Hkv, G, Tq']
   out, lse = from_blocked_layout(out, lse, inputs)

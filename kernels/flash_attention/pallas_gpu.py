@@ -46,7 +46,8 @@ from jax.experimental.pallas import triton as plgpu
 
 from attention_jax.core import masks as mask_lib
 from attention_jax.core import patterns
-from attention_jax.variants.dense import AttentionInputs, prepare_inputs, returned_outputs
+from attention_jax.variants.dense import (AttentionInputs, attention_of_empty_sequence,
+                                          prepare_inputs, returned_outputs)
 
 from . import common
 
@@ -607,6 +608,9 @@ def flash_attention_gpu(inputs: AttentionInputs, block_sizes: Optional[common.Bl
     block_sizes = default_block_sizes_gpu(
         max(inputs.query.shape[-1], inputs.value.shape[-1]), inputs.query.dtype)
   _check_block_sizes(block_sizes)
+  empty = attention_of_empty_sequence(inputs, return_residual)  # Tq = 0 or Tk = 0
+  if empty is not None:
+    return empty
   if interpret is None:
     interpret = jax.default_backend() != "gpu"
   cfg = _config(inputs, block_sizes, bool(interpret), num_warps, num_stages)

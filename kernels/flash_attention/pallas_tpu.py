@@ -58,7 +58,8 @@ from jax.experimental.pallas import tpu as pltpu
 
 from attention_jax.core import masks as mask_lib
 from attention_jax.core import patterns
-from attention_jax.variants.dense import AttentionInputs, prepare_inputs, returned_outputs
+from attention_jax.variants.dense import (AttentionInputs, attention_of_empty_sequence,
+                                          prepare_inputs, returned_outputs)
 
 from . import common
 
@@ -700,6 +701,9 @@ def flash_attention_tpu(inputs: AttentionInputs,
   reason = tpu_rejects(inputs, block_sizes)
   if reason is not None:
     raise ValueError(reason)
+  empty = attention_of_empty_sequence(inputs, return_residual)  # Tq = 0 or Tk = 0
+  if empty is not None:
+    return empty
 
   fit = lambda block, length, multiple: min(block, _round_up(length, multiple))
   bq_dkv, bk_dkv = block_sizes.dkv

@@ -37,7 +37,8 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from attention_jax import axes
-from attention_jax.variants.dense import AttentionInputs, prepare_inputs, returned_outputs
+from attention_jax.variants.dense import (AttentionInputs, attention_of_empty_sequence,
+                                          prepare_inputs, returned_outputs)
 
 from . import blockwise, common
 
@@ -89,6 +90,9 @@ def attention_over_ring(inputs: AttentionInputs, *, mesh=None, axis_name: str = 
   reason = ring_rejects(inputs, mesh, axis_name, layout)
   if reason is not None:
     raise ValueError(reason)
+  empty = attention_of_empty_sequence(inputs, return_residual)  # Tq = 0 or Tk = 0
+  if empty is not None:
+    return empty
   mesh, ring_size = _ring_mesh(mesh, axis_name)
   static = _RingStatic(axis_name=axis_name, ring_size=ring_size, layout=layout,
                        scale=float(inputs.scale), is_causal=inputs.is_causal,
