@@ -46,7 +46,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from attention_jax.core import masks as mask_lib
-from attention_jax.variants.dense import AttentionInputs, prepare_inputs, returned_outputs
+from attention_jax.variants.dense import (AttentionInputs, attention_of_empty_sequence,
+                                          prepare_inputs, returned_outputs)
 
 from . import common, pallas_gpu
 
@@ -562,6 +563,9 @@ def flash_attention_mgpu(inputs: AttentionInputs, block_sizes: Optional[common.B
   _check_block_sizes(block_sizes)
   if not isinstance(max_concurrent_steps, int) or max_concurrent_steps < 1:
     raise ValueError(f"max_concurrent_steps must be a positive int, got {max_concurrent_steps!r}.")
+  empty = attention_of_empty_sequence(inputs, return_residual)  # Tq = 0 or Tk = 0
+  if empty is not None:
+    return empty
   if interpret is None:
     interpret = jax.default_backend() != "gpu"
 

@@ -21,7 +21,7 @@ import attention_jax
 from attention_jax.core import MASKED_LOGSUMEXP
 from attention_jax.kernels.flash_attention import (BlockSizes, blockwise_dot_product_attention,
                                                    flash_dot_product_attention, pallas_gpu,
-                                                   pallas_tpu, ring)
+                                                   pallas_mgpu, pallas_tpu, ring)
 from attention_jax.variants import dense
 
 BATCH, HEADS, KV_HEADS, HEAD_DIM, VALUE_DIM = 2, 4, 2, 8, 5
@@ -131,3 +131,17 @@ def test_dispatch_answers_empty_sequences_before_any_implementation_runs(monkeyp
       assert out.shape == (BATCH, q_len, HEADS, VALUE_DIM) and out.dtype == jnp.bfloat16, name
       assert not np.asarray(out, np.float32).any(), name
       assert residual.shape == (BATCH, q_len, HEADS), name
+
+
+@pytest.mark.parametrize("lengths", sorted(LENGTHS))
+def test_mosaic_gpu_entry_point_answers_empty_sequences(lengths):
+  # Its own entry point, with the inputs it takes (16-bit, head dim 64, no mask).
+  q_len, kv_len = LENGTHS[lengths]
+  shape = lambda length: (BATCH, length, KV_HEADS, 64)
+  query, key, value = (jnp.ones(shape(n), jnp.bfloat16) for n in (q_len, kv_len, kv_len))
+  out, residual = pallas_mgpu.mgpu_dot_product_attention(query, key, value, interpret=True,
+                                                         return_residual=True)
+  np.testing.assert_array_equal(out, jnp.zeros((BATCH, q_len, KV_HEADS, 64), jnp.bfloat16))
+  # The residual comes back in the query dtype, as from every entry point.
+  np.testing.assert_array_equal(residual, jnp.full((BATCH, q_len, KV_HEADS), MASKED_LOGSUMEXP,
+                                                   residual.dtype))
