@@ -36,10 +36,10 @@ from attention_jax.core.softmax import MASKED_LOGSUMEXP
 # (about a second; several for the interpreted Pallas kernels), so the counts keep
 # the file near a minute of CPU; the fixed-case tests beside it cover each path.
 IMPLEMENTATIONS: Dict[str, Tuple[Callable[..., Any], int]] = {
-    "xla": (functools.partial(aj.dot_product_attention, implementation="xla"), 12),
-    "blockwise": (kernels.blockwise_dot_product_attention, 12),
-    "pallas_gpu": (functools.partial(kernels.gpu_dot_product_attention, interpret=True), 4),
-    "pallas_tpu": (functools.partial(kernels.tpu_dot_product_attention, interpret=True), 3),
+    "xla": (functools.partial(aj.dot_product_attention, implementation="xla"), 10),
+    "blockwise": (kernels.blockwise_dot_product_attention, 8),
+    "pallas_gpu": (functools.partial(kernels.gpu_dot_product_attention, interpret=True), 3),
+    "pallas_tpu": (functools.partial(kernels.tpu_dot_product_attention, interpret=True), 2),
 }
 # (output and residual, gradients): absolute, relative to the largest magnitude of
 # the reference's values.
@@ -243,6 +243,33 @@ def check(name: str, case: Case):
       close(got_grads[arg], want, grad_tol, f"d{arg}")
 
 
+def plain_case(dtype, query_shape, kv_shape, **fields) -> Case:
+  """Normal inputs of these shapes with nothing masked, unless `fields` say otherwise."""
+  rng = np.random.default_rng(3)
+  representable = lambda shape: np.asarray(
+      jnp.asarray(rng.normal(size=shape), dtype).astype(jnp.float32))
+  defaults = dict(bias=None, mask=None, is_causal=False, window=None, query_seq_lengths=None,
+                  key_value_seq_lengths=None, segment_ids=None, block_sizes=None)
+  return Case(query=representable(query_shape), key=representable(kv_shape),
+              value=representable(kv_shape), dtype=dtype, **{**defaults, **fields})
+
+
+# Inputs that broke an implementation once (issue #36), run before the drawn ones:
+# (implementations, dtypes, the case).
+KNOWN_FAILURES = (
+    # bfloat16 backward on CPU: an unmasked [2, 16, 2, 8] raised "Unsupported element type
+    # for DotThunk" in the blockwise loops.
+    (("xla", "blockwise", "pallas_gpu", "pallas_tpu"), (jnp.bfloat16,),
+     lambda dtype: plain_case(dtype, (2, 16, 2, 8), (2, 16, 2, 8))),
+    # Mosaic TPU: a forward query block wholly past the query length (block_q 32 <
+    # block_q_dkv 64) gave NaN key and value gradients.
+    (("pallas_tpu",), (jnp.float32,),
+     lambda dtype: plain_case(dtype, (1, 33, 1, 1), (1, 1, 1, 1),
+                              query_seq_lengths=np.array([10], np.int32),
+                              block_sizes=kernels.BlockSizes(32, 128, 64, 128))),
+)
+
+
 def _property_test(name: str, dtype):
   examples = IMPLEMENTATIONS[name][1]
 
@@ -252,6 +279,9 @@ def _property_test(name: str, dtype):
   def test(case):
     check(name, case)
 
+  for names, dtypes, make_case in KNOWN_FAILURES:
+    if name in names and dtype in dtypes:
+      test = hypothesis.example(case=make_case(dtype))(test)
   test()
 
 
