@@ -8,7 +8,7 @@ ramp R, timed forward and forward+backward (gradients of sum(out^2) in the
 queries, keys, values and spans) for each largest span z in `--spans` (every
 head at z). The arrays are the same in every cell (the band of S + R - 1
 keys, one key block at a time); only the work changes, since the key blocks
-past z + R are skipped by `lax.cond` (`sparse.band_attention`'s `reach`).
+past z + R are skipped by `lax.cond` (`sparse.windows.band_attention`'s `reach`).
 Printed per z: the median milliseconds, the ratio to z = S (the whole band,
 below 1: cheaper) and the share of the band's key blocks in reach, the
 figure the time should follow.

@@ -16,9 +16,9 @@ its path, so this file imports no layer).
 * `multi_scale` (Guo et al. 2020): fixed windows of different sizes per head,
   each head `local` attention with its own window. It is registered here, in
   the heads family where VARIANTS.md lists it, because what it adds is the
-  assignment of windows to heads; the computation is `sparse.local_attention`
-  (blockwise, O(T w)) called once per distinct window, so none of sparse.py's
-  internals are needed.
+  assignment of windows to heads; the computation is
+  `sparse.windows.local_attention` (blockwise, O(T w)) called once per
+  distinct window, so none of the sparse engine's internals are needed.
 * `disagreement` (Li et al. 2018): multi-head dot-product attention whose
   function hands back three disagreement regularisers (subspace, position,
   output) as auxiliary losses, through the `sow_loss` callback that
@@ -26,7 +26,7 @@ its path, so this file imports no layer).
 * `adaptive_span` (Sukhbaatar et al. 2019): each head masks keys beyond its
   learned span z_h with a soft ramp; its arrays are the static band of the
   largest possible span S, its work skips the key blocks beyond the current
-  largest span z (`sparse.band_attention` with `reach`), O(T (z + R)).
+  largest span z (`sparse.windows.band_attention` with `reach`), O(T (z + R)).
 * `routing_aggregation` (Li et al. 2019): the heads' outputs aggregated by
   routing-by-agreement (capsule dynamic routing) instead of Concat W^O; a
   token mixer (`RoutingAggregation`) running dot-product attention on its
@@ -46,7 +46,7 @@ from attention_jax import registry
 from attention_jax.core.softmax import masked_softmax
 from attention_jax.variants import common, scoring
 from attention_jax.variants.dense import dot_product_attention, prepare_inputs
-from attention_jax.variants.sparse import band_attention, local_attention
+from attention_jax.variants.sparse.windows import band_attention, local_attention
 
 Array = jnp.ndarray
 
@@ -268,7 +268,7 @@ def multi_scale_attention(query: Array, key: Array, value: Array, bias: Optional
   Query i of head h sees keys [i - w_h, i + w_h] ([i - w_h, i] when causal);
   small windows capture local structure, large ones longer range, in the
   same layer. Heads that share a window are computed together by
-  `sparse.local_attention` (blockwise, never a T x T array), so the cost is
+  `sparse.windows.local_attention` (blockwise, never a T x T array), so the cost is
   O(T sum_h w_h). Masks, padding and segments as `local` takes them (self-
   attention only; a key-padding mask, no dense bias).
 
@@ -452,7 +452,7 @@ def adaptive_span_attention(query: Array, key: Array, value: Array, bias: Option
   Cost: a key at distance >= z + R has mask 0, and z <= S, so only the
   band of S + R - 1 keys each side can count: its shapes bound the memory,
   O(T (S + R)), no T x T array. The work follows the current largest span
-  z* = max_h z_h: `sparse.band_attention` computes the band one key block
+  z* = max_h z_h: `sparse.windows.band_attention` computes the band one key block
   (of `block_size`) offset at a time and skips, under `lax.cond`, every
   offset whose nearest key is z* + R or more away, forward and backward:
   O(T (z* + R + b)). (The paper's code trims its keys to z* by slicing,

@@ -67,8 +67,9 @@ import numpy as np
 from attention_jax import registry
 from attention_jax.core.masks import length_predicate, make_attention_mask, split_segment_ids
 from attention_jax.core.softmax import masked_softmax
-from attention_jax.variants import common, sparse
+from attention_jax.variants import common
 from attention_jax.variants.dense import dot_product_attention, prepare_batched_inputs
+from attention_jax.variants.sparse.windows import positional_band_attention
 
 Array = jnp.ndarray
 Dtype = Any
@@ -752,7 +753,7 @@ def hard_coded_gaussian_attention(
   common.reject_unsupported("hard_coded_gaussian (with a window)", bias=bias)
   in_window = lambda q_pos, k_pos: jnp.abs(k_pos - (q_pos + offset)) <= window
   # The band [i - left, i + right] holds [c_i - w, c_i + w]; `in_window` trims it.
-  return sparse.positional_band_attention(
+  return positional_band_attention(
       "hard_coded_gaussian", value, num_heads, position_logits, left=max(window - offset, 0),
       right=max(window + offset, 0), allowed=in_window, mask=mask, is_causal=is_causal,
       query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,

@@ -13,7 +13,7 @@ import pytest
 from attention_jax.layers.attention import MultiHeadAttention
 from attention_jax.variants import heads
 from attention_jax.variants.dense import dot_product_attention
-from attention_jax.variants.sparse import local_attention
+from attention_jax.variants.sparse.windows import local_attention
 from attention_testing import (B, H, KV_LENGTHS, as_float64, assert_close, largest_intermediate,
                                random_qkv)
 

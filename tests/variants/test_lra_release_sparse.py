@@ -19,7 +19,12 @@ import pytest
 from attention_jax import registry
 from attention_jax.core import reference_attention
 from attention_jax.models import build_model
-from attention_jax.variants import common, sparse
+from attention_jax.variants import common
+from attention_jax.variants.sparse.factorized import fixed_attention
+from attention_jax.variants.sparse.global_window import longformer_attention
+from attention_jax.variants.sparse.random_patterns import (bigbird_attention, bigbird_candidates,
+                                                           bigbird_random_blocks, pattern_key)
+from attention_jax.variants.sparse.windows import local_attention
 from attention_testing import assert_close, random_qkv
 
 LRA_TASKS = ("listops", "text", "retrieval", "image", "pathfinder32", "pathfinder128")
@@ -77,7 +82,7 @@ def test_local_release_strided_matches_the_release_reshape(length, block_size):
   query, key, value = random_qkv(seed=1, batch=2, q_len=length, num_heads=2, num_kv_heads=1,
                                  head_dim=4, value_dim=3)
   lengths = np.array([length, length - 3])  # every group keeps a valid key
-  ours = jax.jit(functools.partial(sparse.local_attention, pattern="release_strided",
+  ours = jax.jit(functools.partial(local_attention, pattern="release_strided",
                                    block_size=block_size))(
       query, key, value, key_value_seq_lengths=jnp.asarray(lengths))
   key, value = (jnp.repeat(x, 2, axis=2) for x in (key, value))
@@ -94,7 +99,7 @@ def test_local_release_strided_at_listops_length_spreads_keys_over_the_sequence(
   positions = np.arange(length, dtype=np.float32)
   value = jnp.asarray(positions)[None, :, None, None]
   zeros = jnp.zeros((1, length, 1, 2))
-  out = jax.jit(functools.partial(sparse.local_attention, pattern="release_strided",
+  out = jax.jit(functools.partial(local_attention, pattern="release_strided",
                                   block_size=block_size))(zeros, zeros, value)
   groups = np.arange(2050).reshape(block_size, 41)  # the release's reshape
   seen = groups[:, 1000 % 41]
@@ -141,7 +146,7 @@ FIXED_RELEASE = dict(summary_at_block_start=True, causal_pattern=True)
 def test_fixed_release_options_match_the_release_mask(length, stride, c, cls):
   query, key, value = random_qkv(seed=2, batch=2, q_len=length, num_heads=2, head_dim=4)
   lengths = np.array([length, length - 6])
-  ours = jax.jit(functools.partial(sparse.fixed_attention, stride=stride, num_summary=c,
+  ours = jax.jit(functools.partial(fixed_attention, stride=stride, num_summary=c,
                                    num_global=int(cls), **FIXED_RELEASE))(
       query, key, value, key_value_seq_lengths=jnp.asarray(lengths))
   allowed = (_release_fixed_mask(length, stride, c, cls)
@@ -155,7 +160,7 @@ def test_fixed_preset_at_listops_length_matches_the_release_mask():
   length = 2001
   options = registry.preset_options("fixed", "lra_release", "listops")
   query, key, value = random_qkv(seed=3, batch=1, q_len=length, num_heads=1, head_dim=4)
-  ours = jax.jit(functools.partial(sparse.fixed_attention, **options))(query, key, value)
+  ours = jax.jit(functools.partial(fixed_attention, **options))(query, key, value)
   allowed = _release_fixed_mask(length, 50, 10, use_cls_token=True)
   assert_close(ours, _dense(query, key, value, allowed))
   # A query sees 241.9 keys on average here (the method's defaults, l = 45 and
@@ -190,7 +195,7 @@ def test_longformer_release_window_matches_the_release_mask(window):
   length = 19
   query, key, value = random_qkv(seed=4, batch=2, q_len=length, num_heads=2, head_dim=4)
   lengths = np.array([length, 12])
-  ours = jax.jit(functools.partial(sparse.longformer_attention, **_longformer_window(window)))(
+  ours = jax.jit(functools.partial(longformer_attention, **_longformer_window(window)))(
       query, key, value, key_value_seq_lengths=jnp.asarray(lengths))
   allowed = (_release_sliding_window_mask(length, window)
              & _key_padding(lengths, length)[:, None, None, :])
@@ -250,8 +255,8 @@ def test_bigbird_release_candidates_match_get_block_rand_mask(length, block_size
   seq_length = _release_padded_length(length, block_size)
   num_blocks = seq_length // block_size
   release = _release_rand_candidates(seq_length, block_size, min(seq_length, within))
-  ours = sparse.bigbird_candidates(num_blocks, within_blocks=within // block_size,
-                                   rule="lra_release")
+  ours = bigbird_candidates(num_blocks, within_blocks=within // block_size,
+                            rule="lra_release")
   for n in range(num_blocks):
     want = set(release.get(n, ()))  # blocks 0 and nb - 1 are global: no draws
     assert set(np.flatnonzero(ours[n])) == want, (n, sorted(want))
@@ -261,7 +266,7 @@ def test_bigbird_exact_candidates_equal_the_release_ones_when_nothing_is_cut():
   for num_blocks in (8, 16, 17):
     seq_length = num_blocks * 4
     release = _release_rand_candidates(seq_length, 4, seq_length)
-    ours = sparse.bigbird_candidates(num_blocks)
+    ours = bigbird_candidates(num_blocks)
     for n in range(1, num_blocks - 1):
       assert set(np.flatnonzero(ours[n])) == set(release[n]), (num_blocks, n)
 
@@ -298,13 +303,13 @@ def test_bigbird_release_options_match_the_release_block_structure(length, withi
   query, key, value = random_qkv(seed=5, batch=2, q_len=length, num_heads=heads, head_dim=4)
   lengths = np.array([length, length - 7])
   ours = jax.jit(functools.partial(
-      sparse.bigbird_attention, rng=rng, block_size=block_size, num_random_blocks=r,
+      bigbird_attention, rng=rng, block_size=block_size, num_random_blocks=r,
       random_blocks_within=within, **BIGBIRD_RELEASE))(
           query, key, value, key_value_seq_lengths=jnp.asarray(lengths))
   num_blocks = _release_padded_length(length, block_size) // block_size
-  candidates = sparse.bigbird_candidates(num_blocks, within_blocks=within // block_size,
-                                         rule="lra_release")
-  drawn = np.asarray(sparse.bigbird_random_blocks(rng, heads, candidates, r))
+  candidates = bigbird_candidates(num_blocks, within_blocks=within // block_size,
+                                  rule="lra_release")
+  drawn = np.asarray(bigbird_random_blocks(rng, heads, candidates, r))
   release = _release_rand_candidates(num_blocks * block_size, block_size,
                                      min(num_blocks * block_size, within))
   allowed = []
@@ -328,10 +333,10 @@ def test_bigbird_preset_draws_exactly_r_distinct_blocks_at_lra_lengths():
   within = options["random_blocks_within"] // options["block_size"]
   for length in (1001, 1024, 1025, 2001, 4001):
     num_blocks = _release_padded_length(length, 64) // 64
-    candidates = sparse.bigbird_candidates(num_blocks, within_blocks=within,
-                                           rule=options["random_candidates"])
-    drawn = np.asarray(sparse.bigbird_random_blocks(jax.random.PRNGKey(length), 8, candidates,
-                                                    options["num_random_blocks"]))
+    candidates = bigbird_candidates(num_blocks, within_blocks=within,
+                                    rule=options["random_candidates"])
+    drawn = np.asarray(bigbird_random_blocks(jax.random.PRNGKey(length), 8, candidates,
+                                             options["num_random_blocks"]))
     rows = drawn[:, 1:num_blocks - 1]  # blocks 0 and nb - 1 are global
     assert np.all(rows >= 1) and np.all(rows < min(num_blocks - 1, within))
     assert all(len(set(row)) == 3 for row in rows.reshape(-1, 3))
@@ -343,7 +348,7 @@ def test_bigbird_preset_runs_at_listops_length_with_padding():
   options = registry.preset_options("bigbird", "lra_release", "listops")
   length = 2001
   query, key, value = random_qkv(seed=6, batch=1, q_len=length, num_heads=2, head_dim=4)
-  fn = jax.jit(functools.partial(sparse.bigbird_attention, rng=jax.random.PRNGKey(0),
+  fn = jax.jit(functools.partial(bigbird_attention, rng=jax.random.PRNGKey(0),
                                  **options))
   lengths = jnp.array([1500])
   out = fn(query, key, value, key_value_seq_lengths=lengths)
@@ -363,8 +368,8 @@ def test_bigbird_patterns_differ_per_layer_in_a_scanned_encoder():
   variables = jax.jit(model.init)(jax.random.PRNGKey(0), tokens)
   (kept,) = jax.tree.leaves(variables[common.RANDOM_COLLECTION])
   assert kept.shape == (2, 2)
-  candidates = sparse.bigbird_candidates(9)  # 33 tokens with [CLS]: 9 blocks of 4
-  patterns = [np.asarray(sparse.bigbird_random_blocks(sparse.pattern_key(k), 2, candidates, 1))
+  candidates = bigbird_candidates(9)  # 33 tokens with [CLS]: 9 blocks of 4
+  patterns = [np.asarray(bigbird_random_blocks(pattern_key(k), 2, candidates, 1))
               for k in kept]
   assert np.any(patterns[0] != patterns[1])
 

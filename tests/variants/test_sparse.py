@@ -21,7 +21,17 @@ from attention_jax.core import patterns, reference_attention
 from attention_jax.kernels.flash_attention import block_sparse, blockwise
 from attention_jax.kernels.flash_attention.common import BlockSizes
 from attention_jax.layers.attention import MultiHeadAttention
-from attention_jax.variants import common, dense, sparse
+from attention_jax.variants import common, dense
+from attention_jax.variants.sparse.factorized import (axial_attention, axial_shape, fixed_attention,
+                                                      strided_attention)
+from attention_jax.variants.sparse.global_window import (global_tokens_attention,
+                                                         longformer_attention)
+from attention_jax.variants.sparse.kernel import KERNEL_IMPLEMENTATIONS
+from attention_jax.variants.sparse.random_patterns import (bigbird_attention, bigbird_candidates,
+                                                           bigbird_random_blocks, pattern_key,
+                                                           random_attention, random_indices)
+from attention_jax.variants.sparse.windows import (block_local_attention, dilated_attention,
+                                                   local_attention)
 from attention_testing import assert_close, outputs_and_grads, random_qkv
 
 B, H = 2, 4
@@ -111,7 +121,7 @@ def kernel_blocks_of_4(monkeypatch):
 @pytest.mark.parity("band")
 @pytest.mark.parametrize("window,causal", [(1, True), (4, False), (19, True)])
 def test_local_matches_dense_window(causal, window):
-  _assert_parity(sparse.local_attention, _pattern_mask(T, _local(window, causal)), length=T,
+  _assert_parity(local_attention, _pattern_mask(T, _local(window, causal)), length=T,
                  is_causal=causal, window_size=window)
 
 
@@ -120,7 +130,7 @@ def test_local_matches_dense_attention_with_local_window_size():
   """The same band, as dot_product_attention's own window, with grouped K/V heads."""
   import attention_jax  # pylint: disable=import-outside-toplevel
   query, key, value = random_qkv(seed=5, batch=B, q_len=T, num_heads=H, num_kv_heads=2)
-  ours = jax.jit(functools.partial(sparse.local_attention, window_size=3))(query, key, value)
+  ours = jax.jit(functools.partial(local_attention, window_size=3))(query, key, value)
   theirs = attention_jax.dot_product_attention(query, key, value, local_window_size=(3, 3),
                                                implementation="xla")
   assert_close(ours, theirs)
@@ -130,14 +140,14 @@ def test_local_matches_dense_attention_with_local_window_size():
 @pytest.mark.parity("block_local")
 @pytest.mark.parametrize("size,causal", [(1, False), (5, True), (19, False)])
 def test_block_local_matches_dense_block_diagonal(causal, size):
-  _assert_parity(sparse.block_local_attention, _pattern_mask(T, _block(size, causal)), length=T,
+  _assert_parity(block_local_attention, _pattern_mask(T, _block(size, causal)), length=T,
                  is_causal=causal, block_size=size)
 
 
 @pytest.mark.parity("dilated")
 @pytest.mark.parametrize("window,dilation,causal", [(2, 3, False), (3, 2, True), (5, 1, True)])
 def test_dilated_matches_dense_dilated_band(causal, window, dilation):
-  _assert_parity(sparse.dilated_attention, _pattern_mask(T, _dilated(window, dilation, causal)),
+  _assert_parity(dilated_attention, _pattern_mask(T, _dilated(window, dilation, causal)),
                  length=T, is_causal=causal, window_size=window, dilation=dilation)
 
 
@@ -165,9 +175,9 @@ def _per_head(first, second):
 
 STRIDE, SUMMARY = 5, 2
 FACTORIZED = {
-    "strided": (sparse.strided_attention, dict(),
+    "strided": (strided_attention, dict(),
                 lambda c: _strided_local(STRIDE, c), lambda c: _strided_strided(STRIDE, c)),
-    "fixed": (sparse.fixed_attention, dict(num_summary=SUMMARY),
+    "fixed": (fixed_attention, dict(num_summary=SUMMARY),
               lambda c: _block(STRIDE, c), lambda c: _fixed_summary(STRIDE, SUMMARY, c)),
 }
 
@@ -214,7 +224,7 @@ def _global_window(g, w, causal, d=1):
 @pytest.mark.parity("global_tokens")
 @pytest.mark.parametrize("causal", [False, True])
 def test_global_tokens_match_dense(causal):
-  _assert_parity(sparse.global_tokens_attention, _pattern_mask(T, _global_window(3, 2, causal)),
+  _assert_parity(global_tokens_attention, _pattern_mask(T, _global_window(3, 2, causal)),
                  length=T, is_causal=causal, num_global=3, window_size=2)
 
 
@@ -224,7 +234,7 @@ def test_global_tokens_match_dense(causal):
 def test_longformer_matches_dense_with_dilated_heads(causal, implementation, kernel_blocks_of_4):
   plain = _pattern_mask(T, _global_window(2, 3, causal))
   dilated = _pattern_mask(T, _global_window(2, 3, causal, d=2))
-  _assert_parity(sparse.longformer_attention, _per_head(plain, dilated), length=T,
+  _assert_parity(longformer_attention, _per_head(plain, dilated), length=T,
                  is_causal=causal, num_global=2, window_size=3, dilation=2, dilated_heads=H // 2,
                  implementation=implementation)
 
@@ -234,7 +244,7 @@ def test_longformer_matches_dense_with_dilated_heads(causal, implementation, ker
 def test_longformer_window_longer_than_the_sequence_is_full_attention(causal):
   # The release preset's 512-key window on a sequence shorter than it.
   everything = _pattern_mask(T, lambda b, i, j: j <= i or not causal)
-  _assert_parity(sparse.longformer_attention, everything, length=T, is_causal=causal,
+  _assert_parity(longformer_attention, everything, length=T, is_causal=causal,
                  num_global=0, window_size=256, left_window_size=255, dilated_heads=0)
 
 
@@ -251,21 +261,21 @@ def _random_pattern(indices, w, causal):
 @pytest.mark.parametrize("causal,window", [(False, None), (True, 2), (False, 3)])
 def test_random_matches_dense_under_the_drawn_keys(causal, window):
   rng = jax.random.PRNGKey(4)
-  indices = sparse.random_indices(rng, H, T, 5, causal)
-  _assert_parity(sparse.random_attention,
+  indices = random_indices(rng, H, T, 5, causal)
+  _assert_parity(random_attention,
                  _per_head_mask(T, _random_pattern(indices, window, causal)),
                  length=T, is_causal=causal, rng=rng, num_random=5, window_size=window)
 
 
 def test_random_draws_are_in_range_causal_and_vary_by_head():
   for causal in (False, True):
-    indices = np.asarray(sparse.random_indices(jax.random.PRNGKey(0), 2, 64, 8, causal))
+    indices = np.asarray(random_indices(jax.random.PRNGKey(0), 2, 64, 8, causal))
     assert indices.shape == (2, 64, 8) and indices.min() >= 0 and indices.max() < 64
     if causal:
       assert np.all(indices <= np.arange(64)[:, None])
     assert len({tuple(row) for row in np.sort(indices[0], axis=1)}) > 32
     assert np.any(indices[0] != indices[1])
-  other = sparse.random_indices(jax.random.PRNGKey(1), 2, 64, 8, False)
+  other = random_indices(jax.random.PRNGKey(1), 2, 64, 8, False)
   assert np.any(np.asarray(other) != indices)
 
 
@@ -281,8 +291,8 @@ def _bigbird_pattern(block, global_blocks, blocks, causal):
 
 
 def _bigbird_drawn(rng, num_blocks, r, causal, **options):
-  candidates = sparse.bigbird_candidates(num_blocks, is_causal=causal, **options)
-  return np.asarray(sparse.bigbird_random_blocks(rng, H, candidates, r))
+  candidates = bigbird_candidates(num_blocks, is_causal=causal, **options)
+  return np.asarray(bigbird_random_blocks(rng, H, candidates, r))
 
 
 @pytest.mark.parity("bigbird")
@@ -292,7 +302,7 @@ def test_bigbird_matches_dense_block_mask(causal, last_global, implementation):
   rng, block, length = jax.random.PRNGKey(2), 3, 26  # 9 blocks, the last one partial
   drawn = _bigbird_drawn(rng, 9, 2, causal, last_block_global=last_global)
   global_blocks = (0, 8) if last_global else (0,)
-  _assert_parity(sparse.bigbird_attention,
+  _assert_parity(bigbird_attention,
                  _per_head_mask(length, _bigbird_pattern(block, global_blocks, drawn, causal)),
                  length=length, is_causal=causal, rng=rng, block_size=block,
                  num_global_blocks=1, last_block_global=last_global, num_random_blocks=2,
@@ -310,13 +320,13 @@ def test_parts_with_every_logit_far_below_zero_keep_exact_gradients(name):
   if name == "bigbird":
     rng, block, length = jax.random.PRNGKey(2), 3, 26
     drawn = _bigbird_drawn(rng, 9, 2, True, last_block_global=True)
-    _assert_parity(sparse.bigbird_attention,
+    _assert_parity(bigbird_attention,
                    _per_head_mask(length, _bigbird_pattern(block, (0, 8), drawn, True)),
                    length=length, is_causal=True, rng=rng, block_size=block,
                    num_global_blocks=1, last_block_global=True, num_random_blocks=2,
                    logits_below_zero=True)
   else:
-    _assert_parity(sparse.global_tokens_attention, _pattern_mask(T, _global_window(3, 2, True)),
+    _assert_parity(global_tokens_attention, _pattern_mask(T, _global_window(3, 2, True)),
                    length=T, is_causal=True, num_global=3, window_size=2,
                    logits_below_zero=True)
 
@@ -344,8 +354,8 @@ def test_bigbird_draws_exactly_r_distinct_blocks_outside_window_and_globals(caus
 def test_bigbird_draws_uniformly_among_the_candidates():
   # Query block 5 of 12, r = 2 among the 7 candidates (1..3, 7..10 with globals 0, 11):
   # each is drawn with probability 2/7.
-  candidates = sparse.bigbird_candidates(12)
-  draws = np.asarray(jax.vmap(lambda k: sparse.bigbird_random_blocks(k, 1, candidates, 2))(
+  candidates = bigbird_candidates(12)
+  draws = np.asarray(jax.vmap(lambda k: bigbird_random_blocks(k, 1, candidates, 2))(
       jax.random.split(jax.random.PRNGKey(3), 4000)))[:, 0, 5]
   counts = np.bincount(draws.ravel(), minlength=12) / len(draws)
   expected = np.zeros(12)
@@ -355,35 +365,35 @@ def test_bigbird_draws_uniformly_among_the_candidates():
 
 # name -> (function, options, pattern) for the padding, segments and GQA checks.
 PADDED_CASES = {
-    "local": (sparse.local_attention, dict(window_size=3), _local(3, False)),
-    "block_local": (sparse.block_local_attention, dict(block_size=4), _block(4, False)),
-    "dilated": (sparse.dilated_attention, dict(window_size=2, dilation=2),
+    "local": (local_attention, dict(window_size=3), _local(3, False)),
+    "block_local": (block_local_attention, dict(block_size=4), _block(4, False)),
+    "dilated": (dilated_attention, dict(window_size=2, dilation=2),
                 _dilated(2, 2, False)),
-    "strided": (sparse.strided_attention, dict(stride=4),
+    "strided": (strided_attention, dict(stride=4),
                 _union(_strided_local(4, False), _strided_strided(4, False))),
-    "fixed": (sparse.fixed_attention, dict(stride=4, num_summary=1),
+    "fixed": (fixed_attention, dict(stride=4, num_summary=1),
               _union(_block(4, False), _fixed_summary(4, 1, False))),
-    "global_tokens": (sparse.global_tokens_attention, dict(num_global=2, window_size=2),
+    "global_tokens": (global_tokens_attention, dict(num_global=2, window_size=2),
                       _global_window(2, 2, False)),
-    "longformer": (sparse.longformer_attention, dict(num_global=2, window_size=2,
-                                                     dilated_heads=0), _global_window(2, 2, False)),
-    "local_release_strided": (sparse.local_attention,
+    "longformer": (longformer_attention, dict(num_global=2, window_size=2,
+                                              dilated_heads=0), _global_window(2, 2, False)),
+    "local_release_strided": (local_attention,
                               dict(pattern="release_strided", block_size=4),
                               lambda b, i, j: i % 5 == j % 5),  # T' = 20, 5 groups of 4
-    "fixed_release": (sparse.fixed_attention,
+    "fixed_release": (fixed_attention,
                       dict(stride=4, num_summary=1, summary_at_block_start=True,
                            causal_pattern=True, num_global=1),
                       lambda b, i, j: i == 0 or j == 0 or (
                           j <= i and ((i - 1) // 4 == (j - 1) // 4 or (j - 1) % 4 in (0, 3)))),
-    "longformer_left": (sparse.longformer_attention,
+    "longformer_left": (longformer_attention,
                         dict(window_size=2, left_window_size=3, dilated_heads=0, num_global=0),
                         lambda b, i, j: -3 <= j - i <= 2),
     # Per head: (h, b, i, j) -> allowed.
-    "random": (sparse.random_attention, dict(rng=jax.random.PRNGKey(3), num_random=4),
-               _random_pattern(sparse.random_indices(jax.random.PRNGKey(3), H, T, 4, False),
+    "random": (random_attention, dict(rng=jax.random.PRNGKey(3), num_random=4),
+               _random_pattern(random_indices(jax.random.PRNGKey(3), H, T, 4, False),
                                None, False)),
-    "bigbird": (sparse.bigbird_attention, dict(rng=jax.random.PRNGKey(3), block_size=3,
-                                               num_random_blocks=1),  # 7 blocks, 0 and 6 global
+    "bigbird": (bigbird_attention, dict(rng=jax.random.PRNGKey(3), block_size=3,
+                                        num_random_blocks=1),  # 7 blocks, 0 and 6 global
                 _bigbird_pattern(3, (0, 6), _bigbird_drawn(jax.random.PRNGKey(3), 7, 1, False),
                                  False)),
 }
@@ -481,7 +491,7 @@ def test_block_sparse_kernel_refuses_other_implementations_and_bad_layouts():
   with pytest.raises(ValueError, match=r"implementation must be None \(the pure-JAX form\) or "
                                        r"one of \('blockwise', 'pallas_gpu', 'pallas_tpu'\), "
                                        r"got 'pallas'"):
-    sparse.local_attention(query, key, value, window_size=2, implementation="pallas")
+    local_attention(query, key, value, window_size=2, implementation="pallas")
   with pytest.raises(ValueError, match=r"extra_blocks must have shape \[H, nq, r\] = "
                                        r"\[2, 5, r\], got \[2, 4, 1\]"):
     block_sparse.block_sparse_attention(inputs, patterns.Band(1, 1),
@@ -496,7 +506,7 @@ def test_block_sparse_kernel_refuses_other_implementations_and_bad_layouts():
 
 
 def test_the_variants_know_every_block_sparse_kernel():
-  assert sparse.KERNEL_IMPLEMENTATIONS == block_sparse.IMPLEMENTATIONS
+  assert KERNEL_IMPLEMENTATIONS == block_sparse.IMPLEMENTATIONS
 
 
 def _kernel_cases(length, *, window, block, stride, summary, longformer_window,
@@ -512,24 +522,24 @@ def _kernel_cases(length, *, window, block, stride, summary, longformer_window,
                                                    drawn, causal))
 
   return {
-      "local": (sparse.local_attention, dict(window_size=window),
+      "local": (local_attention, dict(window_size=window),
                 lambda c: mask(_local(window, c))),
-      "block_local": (sparse.block_local_attention, dict(block_size=block),
+      "block_local": (block_local_attention, dict(block_size=block),
                       lambda c: mask(_block(block, c))),
-      "dilated": (sparse.dilated_attention, dict(window_size=window // 2, dilation=3),
+      "dilated": (dilated_attention, dict(window_size=window // 2, dilation=3),
                   lambda c: mask(_dilated(window // 2, 3, c))),
-      "strided_per_head": (sparse.strided_attention, dict(stride=stride, combine="per_head"),
+      "strided_per_head": (strided_attention, dict(stride=stride, combine="per_head"),
                            lambda c: _per_head(mask(_strided_local(stride, c)),
                                                mask(_strided_strided(stride, c)))),
-      "fixed": (sparse.fixed_attention, dict(stride=stride, num_summary=summary),
+      "fixed": (fixed_attention, dict(stride=stride, num_summary=summary),
                 lambda c: mask(_union(_block(stride, c), _fixed_summary(stride, summary, c)))),
-      "longformer": (sparse.longformer_attention,
+      "longformer": (longformer_attention,
                      dict(num_global=2, window_size=longformer_window, dilation=3,
                           dilated_heads=H // 2),
                      lambda c: _per_head(mask(_global_window(2, longformer_window, c)),
                                          mask(_global_window(2, longformer_window, c, d=3)))),
-      "bigbird": (sparse.bigbird_attention, dict(rng=jax.random.PRNGKey(3),
-                                                 block_size=bigbird_block, num_random_blocks=1),
+      "bigbird": (bigbird_attention, dict(rng=jax.random.PRNGKey(3),
+                                          block_size=bigbird_block, num_random_blocks=1),
                   bigbird_mask),
   }
 
@@ -613,7 +623,7 @@ BAD_SIZES = [
 def test_per_head_needs_two_heads():
   query, key, value = random_qkv(q_len=T, num_heads=1)
   with pytest.raises(ValueError, match="at least 2 heads"):
-    sparse.strided_attention(query, key, value, combine="per_head")
+    strided_attention(query, key, value, combine="per_head")
 
 
 @pytest.mark.parametrize("name,options,message", BAD_SIZES)
@@ -687,7 +697,7 @@ class TwoLayers(nn.Module):
 def _kept_keys(variables):
   """The layers' kept pattern keys, in layer order, from the "random" collection."""
   kept = variables[common.RANDOM_COLLECTION]
-  return [sparse.pattern_key(kept[f"layer_{i}"]["variant"]["pattern_key"]) for i in range(2)]
+  return [pattern_key(kept[f"layer_{i}"]["variant"]["pattern_key"]) for i in range(2)]
 
 
 @pytest.mark.parametrize("name", ["random", "bigbird"])
@@ -697,10 +707,10 @@ def test_pattern_is_kept_per_layer_and_never_redrawn(name):
   variables = jax.jit(model.init)(jax.random.PRNGKey(1), x)
   first, second = _kept_keys(variables)
   if name == "random":
-    patterns = [sparse.random_indices(k, H, 40, 4, False) for k in (first, second)]
+    patterns = [random_indices(k, H, 40, 4, False) for k in (first, second)]
   else:
-    candidates = sparse.bigbird_candidates(10)
-    patterns = [sparse.bigbird_random_blocks(k, H, candidates, 2) for k in (first, second)]
+    candidates = bigbird_candidates(10)
+    patterns = [bigbird_random_blocks(k, H, candidates, 2) for k in (first, second)]
   assert np.any(np.asarray(patterns[0]) != np.asarray(patterns[1]))  # per layer
   assert all(np.any(np.asarray(p[0]) != np.asarray(p[h])) for p in patterns
              for h in range(1, H))  # per head
@@ -726,11 +736,11 @@ def test_layer_uses_the_kept_pattern_as_dense_attention_under_its_mask(name):
   options = dict(num_random=3) if name == "random" else dict(block_size=4, num_random_blocks=1)
   layer = MultiHeadAttention(num_heads=H, attention=name, attention_options=options)
   variables = jax.jit(layer.init)(jax.random.PRNGKey(1), x)
-  rng = sparse.pattern_key(variables[common.RANDOM_COLLECTION]["variant"]["pattern_key"])
+  rng = pattern_key(variables[common.RANDOM_COLLECTION]["variant"]["pattern_key"])
   if name == "random":
-    pattern = _random_pattern(sparse.random_indices(rng, H, length, 3, False), None, False)
+    pattern = _random_pattern(random_indices(rng, H, length, 3, False), None, False)
   else:  # 6 blocks, 0 and 5 global
-    drawn = np.asarray(sparse.bigbird_random_blocks(rng, H, sparse.bigbird_candidates(6), 1))
+    drawn = np.asarray(bigbird_random_blocks(rng, H, bigbird_candidates(6), 1))
     pattern = _bigbird_pattern(4, (0, 5), drawn, False)
   mask = jnp.asarray(_per_head_mask(length, pattern))
   dense = MultiHeadAttention(num_heads=H, attention="dot_product")
@@ -769,7 +779,7 @@ def test_axial_is_row_attention_then_column_attention(causal):
                                  head_dim=8, value_dim=6)
   key, value = (jnp.repeat(x, 2, axis=2) for x in (key, value))
   ours = jax.jit(lambda q, k, v: outputs_and_grads(
-      lambda *a: sparse.axial_attention(*a, shape=(rows, cols), is_causal=causal, **call),
+      lambda *a: axial_attention(*a, shape=(rows, cols), is_causal=causal, **call),
       q, k, v))(query, key, value)
   theirs = outputs_and_grads(two_dense_passes, query, key, value)
   for name, got, want in zip(("out", "dq", "dk", "dv"), (ours[0], *ours[1]),
@@ -780,7 +790,7 @@ def test_axial_is_row_attention_then_column_attention(causal):
 @pytest.mark.property("axial")
 def test_axial_with_one_row_is_full_attention():
   query, key, value = random_qkv(seed=2, batch=B, q_len=12, num_heads=2)
-  ours = jax.jit(functools.partial(sparse.axial_attention, shape=(1, 12)))(query, key, value)
+  ours = jax.jit(functools.partial(axial_attention, shape=(1, 12)))(query, key, value)
   assert_close(ours, reference_attention(query, key, value))
 
 
@@ -790,7 +800,7 @@ def test_axial_reaches_every_position_after_both_passes(causal):
   length = 12  # default shape 3 x 4
   query, key, value = random_qkv(seed=3, batch=1, q_len=length, num_heads=1, head_dim=4)
   jacobian = jax.jit(jax.jacobian(
-      lambda v: sparse.axial_attention(query, key, v, is_causal=causal)))(value)
+      lambda v: axial_attention(query, key, v, is_causal=causal)))(value)
   # d out[i] / d value[j], summed in absolute value over the feature axes.
   reach = np.abs(np.asarray(jacobian)).reshape(length, 4, length, 4).sum(axis=(1, 3))
   if causal:
@@ -803,4 +813,4 @@ def test_axial_reaches_every_position_after_both_passes(causal):
   else:
     assert np.all(reach > 0.0)
   # Any single pass would not: the row pass alone leaves other rows out.
-  assert sparse.axial_shape(length) == (3, 4)
+  assert axial_shape(length) == (3, 4)
