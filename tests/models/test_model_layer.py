@@ -18,7 +18,7 @@ from attention_jax.models import (Block, LayerStack, ModelConfig, build_model,
                                   default_model_config)
 from attention_jax.models.config import POOLING_VARIANTS
 from attention_jax.models.stack import unstack_scanned
-from attention_jax.variants.prior import SCORES
+from attention_jax.variants.prior.carried import SCORES
 from attention_testing import small_stack_config
 
 REPO = pathlib.Path(__file__).resolve().parents[2]

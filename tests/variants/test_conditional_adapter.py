@@ -8,7 +8,8 @@ import pytest
 
 import attention_jax
 from attention_jax.layers.attention import MultiHeadAttention
-from attention_jax.variants import prior
+from attention_jax.variants.prior.biases import (conditional_adapter_attention,
+                                                 conditional_block_bias)
 from attention_testing import (B, H, VARIANT_MASK_CASES, as_float64, assert_close,
                                assert_same_outputs_and_grads, loop_mask, random_qkv)
 from test_priors import np_masked_attention
@@ -54,7 +55,7 @@ def test_conditional_adapter_with_zero_blocks_and_identity_film_is_dot_product(c
   arrays = dict(random_arrays(0, gamma_one_beta_zero=True),
                 block_logits=jnp.zeros((H, NUM_BLOCKS, BLOCK, BLOCK)))
   kwargs = MASK_CASES[case][0]
-  ours = lambda q, k, v: prior.conditional_adapter_attention(
+  ours = lambda q, k, v: conditional_adapter_attention(
       q, k, v, task_ids=jnp.array([0, 2]), **arrays, **kwargs)
   theirs = lambda q, k, v: attention_jax.dot_product_attention(q, k, v, **kwargs)
   assert_same_outputs_and_grads(ours, theirs, query, key, value)
@@ -64,10 +65,10 @@ def test_conditional_adapter_with_zero_blocks_and_identity_film_is_dot_product(c
 def test_conditional_adapter_identity_film_adds_the_blocks_unmodulated():
   query, key, value = random_qkv(seed=2, batch=B, q_len=T, num_heads=H)
   arrays = random_arrays(1, gamma_one_beta_zero=True)
-  out = prior.conditional_adapter_attention(query, key, value, task_ids=jnp.array([1, 2]),
-                                            **arrays)
-  bias = prior.conditional_block_bias(arrays["block_logits"], jnp.ones((B, BLOCK)),
-                                      jnp.zeros((B, BLOCK)), T)
+  out = conditional_adapter_attention(query, key, value, task_ids=jnp.array([1, 2]),
+                                      **arrays)
+  bias = conditional_block_bias(arrays["block_logits"], jnp.ones((B, BLOCK)),
+                                jnp.zeros((B, BLOCK)), T)
   want = attention_jax.dot_product_attention(query, key, value, bias)
   assert_close(out, want)
 
@@ -79,7 +80,7 @@ def test_conditional_adapter_against_numpy(case):
   arrays = random_arrays(2)
   task_ids = np.array([2, 0])
   kwargs, mask_args = MASK_CASES[case]
-  out = jax.jit(lambda q, k, v, ids: prior.conditional_adapter_attention(
+  out = jax.jit(lambda q, k, v, ids: conditional_adapter_attention(
       q, k, v, task_ids=ids, **arrays, **kwargs))(query, key, value, jnp.asarray(task_ids))
   scores = np.einsum("bqhd,bkhd->bhqk", as_float64(query),
                      np.repeat(as_float64(key), 2, axis=2)) / np.sqrt(query.shape[-1])
@@ -92,13 +93,13 @@ def test_conditional_adapter_against_numpy(case):
 def test_conditional_adapter_tasks_differ_and_default_to_task_zero():
   query, key, value = random_qkv(seed=4, batch=1, q_len=T, num_heads=H)
   arrays = random_arrays(3)
-  run = lambda ids: prior.conditional_adapter_attention(query, key, value, task_ids=ids,
-                                                        **arrays)
+  run = lambda ids: conditional_adapter_attention(query, key, value, task_ids=ids,
+                                                  **arrays)
   outputs = [np.asarray(run(jnp.array([task]))) for task in range(TASKS)]
   for a in range(TASKS):
     for b in range(a + 1, TASKS):
       assert np.abs(outputs[a] - outputs[b]).max() > 1e-3
-  assert_close(prior.conditional_adapter_attention(query, key, value, **arrays), outputs[0])
+  assert_close(conditional_adapter_attention(query, key, value, **arrays), outputs[0])
 
 
 @pytest.mark.property("conditional_adapter")
@@ -118,7 +119,7 @@ def test_conditional_adapter_rejects_bad_arguments(change, message):
   arrays = dict(random_arrays(4), task_ids=jnp.array([0, 1]))
   arrays.update(change)
   with pytest.raises(ValueError, match=message):
-    prior.conditional_adapter_attention(query, key, value, **arrays)
+    conditional_adapter_attention(query, key, value, **arrays)
 
 
 @pytest.mark.property("conditional_adapter")

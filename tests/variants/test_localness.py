@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from attention_jax.layers.attention import MultiHeadAttention
-from attention_jax.variants import prior
+from attention_jax.variants.prior.biases import gaussian_local_attention
 from attention_testing import (B, H, KV_LENGTHS, TK, TQ, VARIANT_MASK_CASES, as_float64,
                                assert_close, loop_mask, random_qkv)
 from test_priors import np_masked_attention
@@ -44,7 +44,7 @@ def test_gaussian_local_against_numpy(case):
                                  num_kv_heads=2, head_dim=HEAD_DIM)
   arrays = random_predictor(0)
   kwargs, mask_args = VARIANT_MASK_CASES[case]
-  out = jax.jit(lambda q, k, v: prior.gaussian_local_attention(q, k, v, **arrays, **kwargs))(
+  out = jax.jit(lambda q, k, v: gaussian_local_attention(q, k, v, **arrays, **kwargs))(
       query, key, value)
   # T is the valid key count of the row when lengths are given.
   lengths = KV_LENGTHS if "key_value_seq_lengths" in kwargs else np.full(B, TK)
@@ -62,12 +62,12 @@ def test_gaussian_local_gives_padded_keys_no_weight_and_centres_on_the_valid_len
   query, key, value = random_qkv(seed=5, batch=1, q_len=TK, num_heads=H, head_dim=HEAD_DIM)
   arrays = random_predictor(1)
   valid = 5
-  padded = prior.gaussian_local_attention(query, key, value,
-                                          key_value_seq_lengths=jnp.array([valid]), **arrays)
-  alone = prior.gaussian_local_attention(query, key[:, :valid], value[:, :valid], **arrays)
+  padded = gaussian_local_attention(query, key, value,
+                                    key_value_seq_lengths=jnp.array([valid]), **arrays)
+  alone = gaussian_local_attention(query, key[:, :valid], value[:, :valid], **arrays)
   assert_close(padded, alone, rtol=1e-5, atol=1e-6)
   noise = jax.random.normal(jax.random.PRNGKey(9), value.shape)
-  changed = prior.gaussian_local_attention(
+  changed = gaussian_local_attention(
       query, key, value.at[:, valid:].set(noise[:, valid:]),
       key_value_seq_lengths=jnp.array([valid]), **arrays)
   assert_close(changed, padded, rtol=0, atol=0)
@@ -84,7 +84,7 @@ def test_gaussian_local_bias_peaks_at_the_predicted_centre():
   centre = 3.0 / TK
   center_vector = sign * np.log(centre / (1 - centre)) / HEAD_DIM
   window_vector = sign * -4.0 / HEAD_DIM  # D_i = T sigmoid(-4): sigma below 0.1 positions
-  out = prior.gaussian_local_attention(
+  out = gaussian_local_attention(
       query[:, :1], jnp.zeros_like(key), value, position_kernel=position_kernel,
       center_vector=center_vector[None].astype(np.float32),
       window_vector=window_vector[None].astype(np.float32))
@@ -99,15 +99,15 @@ def test_gaussian_local_rejects_bad_shapes(argument, shape):
   query, key, value = random_qkv(batch=B, q_len=TQ, num_heads=H, head_dim=HEAD_DIM)
   arrays = dict(random_predictor(2), **{argument: np.zeros(shape, np.float32)})
   with pytest.raises(ValueError, match=argument):
-    prior.gaussian_local_attention(query, key, value, **arrays)
+    gaussian_local_attention(query, key, value, **arrays)
 
 
 @pytest.mark.property("gaussian_local")
 def test_gaussian_local_rejects_lengths_of_a_bad_shape():
   query, key, value = random_qkv(batch=B, q_len=TQ, num_heads=H, head_dim=HEAD_DIM)
   with pytest.raises(ValueError, match="key_value_seq_lengths"):
-    prior.gaussian_local_attention(query, key, value, key_value_seq_lengths=jnp.array([[3]]),
-                                   **random_predictor(2))
+    gaussian_local_attention(query, key, value, key_value_seq_lengths=jnp.array([[3]]),
+                             **random_predictor(2))
 
 
 @pytest.mark.property("gaussian_local")

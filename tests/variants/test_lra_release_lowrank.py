@@ -148,10 +148,10 @@ def test_synthesizer_release_logits_start_glorot_uniform():
 
 def test_synthesizer_scale_without_mixing_is_refused():
   query, key, value = random_qkv(batch=1, q_len=4, num_heads=2)
-  from attention_jax.variants import prior  # pylint: disable=g-import-not-at-top
+  from attention_jax.variants.prior import synthesizer  # pylint: disable=g-import-not-at-top
   with pytest.raises(ValueError, match="scale=0.5 with mix_dot_product=False"):
-    prior.synthesizer_attention(query, key, value, synthetic_logits=jnp.zeros((1, 2, 4, 4)),
-                                scale=0.5)
+    synthesizer.synthesizer_attention(query, key, value,
+                                      synthetic_logits=jnp.zeros((1, 2, 4, 4)), scale=0.5)
 
 
 # ---------------------------------------------------------------------------- performer

@@ -11,8 +11,7 @@ import pytest
 import attention_jax
 from attention_jax.models import Block, Encoder, LayerStack, ModelConfig, build_model
 from attention_jax.models.stack import unstack_scanned
-from attention_jax.variants import prior
-from attention_jax.variants.prior import MAPS
+from attention_jax.variants.prior.carried import MAPS, predictive_attention
 from attention_testing import (B, H, Q_LENGTHS, TK, TQ, VARIANT_MASK_CASES, as_float64,
                                assert_same_outputs_and_grads, jit_apply, jit_init, loop_mask,
                                perturbed, random_qkv)
@@ -56,7 +55,7 @@ def test_with_zero_previous_weight_it_is_dot_product_attention(case):
                                  num_kv_heads=2)
   kwargs = VARIANT_MASK_CASES[case][0]
   carry = {MAPS: _previous_map()}
-  ours = lambda q, k, v: prior.predictive_attention(
+  ours = lambda q, k, v: predictive_attention(
       q, k, v, conv_kernel=_kernel(), carry=carry, previous_weight=0.0, **kwargs)[0]
   theirs = lambda q, k, v: attention_jax.dot_product_attention(q, k, v, **kwargs)
   rows = None if "query_seq_lengths" not in kwargs else (
@@ -72,9 +71,9 @@ def test_logits_mix_the_scores_with_the_convolved_previous_map(case):
   kwargs, mask_kwargs = VARIANT_MASK_CASES[case]
   query, key, value = random_qkv(seed=2, batch=B, q_len=TQ, kv_len=TK, num_heads=H)
   previous, kernel, weight = _previous_map(), _kernel(), 0.7
-  out, carry = prior.predictive_attention(query, key, value, conv_kernel=kernel,
-                                          carry={MAPS: previous}, previous_weight=weight,
-                                          **kwargs)
+  out, carry = predictive_attention(query, key, value, conv_kernel=kernel,
+                                    carry={MAPS: previous}, previous_weight=weight,
+                                    **kwargs)
   is_causal = kwargs.get("is_causal", False)
   scores = np.einsum("bqhd,bkhd->bhqk", as_float64(query), as_float64(key)) / np.sqrt(
       query.shape[-1])
@@ -119,9 +118,9 @@ def test_padded_tokens_reach_neither_the_valid_rows_nor_the_carried_map(padding)
   second = random_qkv(seed=12, batch=B, q_len=length, num_heads=H)
 
   def two_layers(first, second):
-    _, carry = prior.predictive_attention(*first, **masks, conv_kernel=_kernel(seed=5))
-    out, last = prior.predictive_attention(*second, **masks, conv_kernel=_kernel(seed=6),
-                                           carry=carry)
+    _, carry = predictive_attention(*first, **masks, conv_kernel=_kernel(seed=5))
+    out, last = predictive_attention(*second, **masks, conv_kernel=_kernel(seed=6),
+                                     carry=carry)
     return out, carry[MAPS], last[MAPS]
 
   out, first_map, last_map = two_layers(first, second)
@@ -240,14 +239,14 @@ def test_causal_model_output_never_depends_on_a_later_token():
 def test_bad_arguments_name_themselves():
   query, key, value = random_qkv(seed=1, batch=B, q_len=TQ, kv_len=TK, num_heads=H)
   with pytest.raises(ValueError, match=r"previous_weight must be in \[0, 1\]"):
-    prior.predictive_attention(query, key, value, conv_kernel=_kernel(), previous_weight=1.5)
+    predictive_attention(query, key, value, conv_kernel=_kernel(), previous_weight=1.5)
   with pytest.raises(ValueError, match="conv_kernel must be .* k odd"):
-    prior.predictive_attention(query, key, value, conv_kernel=_kernel(size=2))
+    predictive_attention(query, key, value, conv_kernel=_kernel(size=2))
   with pytest.raises(ValueError, match="conv_kernel"):
-    prior.predictive_attention(query, key, value, conv_kernel=jnp.zeros((3, 3, H, H + 1)))
+    predictive_attention(query, key, value, conv_kernel=jnp.zeros((3, 3, H, H + 1)))
   with pytest.raises(ValueError, match=r"carry\['attention_maps'\] must be"):
-    prior.predictive_attention(query, key, value, conv_kernel=_kernel(),
-                               carry={MAPS: jnp.zeros((B, H, TQ, TQ))})
+    predictive_attention(query, key, value, conv_kernel=_kernel(),
+                         carry={MAPS: jnp.zeros((B, H, TQ, TQ))})
   tokens = _tokens()
   with pytest.raises(ValueError, match="kernel_size must be an odd positive int"):
     build_model(_config(attention_options={"kernel_size": 4})).init(jax.random.PRNGKey(0),

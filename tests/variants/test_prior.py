@@ -7,7 +7,10 @@ import pytest
 
 import attention_jax
 from attention_jax.core import reference_attention
-from attention_jax.variants import common, prior
+from attention_jax.variants import common
+from attention_jax.variants.prior.synthesizer import (DenseSyntheticLogits,
+                                                      FactorizedSyntheticLogits,
+                                                      RandomSyntheticLogits, synthesizer_attention)
 from attention_testing import (B, H, TK, TQ, VARIANT_MASK_CASES, assert_close, bias_and_mask,
                                loop_mask, random_qkv)
 
@@ -43,8 +46,8 @@ def test_dot_product_logits_give_dot_product_attention(case, with_bias_and_mask)
   cotangent = jax.random.normal(jax.random.PRNGKey(42), (B, TQ, H, 5))
 
   def ours(v, l):
-    out = prior.synthesizer_attention(query, key, v, bias, extra_mask, synthetic_logits=l,
-                                      **kwargs)
+    out = synthesizer_attention(query, key, v, bias, extra_mask, synthetic_logits=l,
+                                **kwargs)
     return jnp.sum(out * cotangent), out
 
   def oracle(v, l):
@@ -72,13 +75,13 @@ def test_mixed_dot_product_logits_are_added_before_one_softmax(case):
   synthetic = jax.random.normal(jax.random.PRNGKey(4), (1, H, TQ, TK))
   bias, _ = bias_and_mask(seed=2)
   allowed = jnp.array(loop_mask(B, TQ, TK, **mask_args))
-  out = prior.synthesizer_attention(query, key, value, bias, synthetic_logits=synthetic,
-                                    mix_dot_product=True, scale=0.4, **kwargs)
+  out = synthesizer_attention(query, key, value, bias, synthetic_logits=synthetic,
+                              mix_dot_product=True, scale=0.4, **kwargs)
   expected = reference_attention(query, key, value, synthetic + bias, allowed, scale=0.4)
   assert_close(out, expected)
   # The default scale is 1/sqrt(D).
-  default = prior.synthesizer_attention(query, key, value, synthetic_logits=synthetic,
-                                        mix_dot_product=True)
+  default = synthesizer_attention(query, key, value, synthetic_logits=synthetic,
+                                  mix_dot_product=True)
   assert_close(default, reference_attention(query, key, value, synthetic, scale=8 ** -0.5))
 
 
@@ -87,7 +90,7 @@ def test_masked_keys_get_zero_weight_and_padded_queries_output_zeros():
   query, key, value = random_qkv(batch=2, q_len=6, num_heads=2, head_dim=4)
   logits = jax.random.normal(jax.random.PRNGKey(1), (1, 2, 6, 6)) * 3.0
   lengths = jnp.array([6, 4])
-  attend = lambda v: prior.synthesizer_attention(
+  attend = lambda v: synthesizer_attention(
       query, key, v, is_causal=True, query_seq_lengths=lengths, key_value_seq_lengths=lengths,
       synthetic_logits=logits)
   # d out[b, i, h, 0] / d value[b, j, h, 0] is head h's weight of key j for query i.
@@ -105,7 +108,7 @@ def test_masked_keys_get_zero_weight_and_padded_queries_output_zeros():
 @pytest.mark.property("synthesizer_dense")
 def test_dense_logits_are_an_mlp_of_each_token_alone():
   query, key, value = random_qkv(batch=2, q_len=5, kv_len=6, num_heads=2, head_dim=4)
-  module = prior.DenseSyntheticLogits(max_length=8, hidden_dim=3)
+  module = DenseSyntheticLogits(max_length=8, hidden_dim=3)
   variables = module.init(jax.random.PRNGKey(0), query, key, value)
   p = {k: np.asarray(v) for k, v in variables["params"].items()}
   logits = module.apply(variables, query, key, value)["synthetic_logits"]
@@ -119,8 +122,8 @@ def test_dense_logits_are_an_mlp_of_each_token_alone():
 
 @pytest.mark.property("synthesizer_random")
 @pytest.mark.property("synthesizer_factorized")
-@pytest.mark.parametrize("module_class", [prior.RandomSyntheticLogits,
-                                          prior.FactorizedSyntheticLogits])
+@pytest.mark.parametrize("module_class", [RandomSyntheticLogits,
+                                          FactorizedSyntheticLogits])
 def test_fixed_random_logits_are_kept_per_layer_and_position_indexed(module_class):
   short = random_qkv(batch=1, q_len=4, kv_len=3, num_heads=2)
   long = random_qkv(batch=1, q_len=6, kv_len=7, num_heads=2)
@@ -144,7 +147,7 @@ def test_fixed_random_logits_are_kept_per_layer_and_position_indexed(module_clas
 @pytest.mark.property("synthesizer_factorized")
 def test_factorized_logits_have_rank_k():
   query, key, value = random_qkv(batch=1, q_len=12, num_heads=2)
-  module = prior.FactorizedSyntheticLogits(max_length=16, rank=3)
+  module = FactorizedSyntheticLogits(max_length=16, rank=3)
   logits, _ = module.init_with_output(jax.random.PRNGKey(0), query, key, value)
   for h in range(2):
     assert np.linalg.matrix_rank(np.asarray(logits["synthetic_logits"][0, h]), tol=1e-4) == 3
@@ -181,9 +184,9 @@ def test_lengths_past_max_length_are_refused():
       module.init(jax.random.PRNGKey(0), x)
   query, key, value = random_qkv(batch=1, q_len=4, kv_len=10, num_heads=2)
   with pytest.raises(ValueError, match="got key length Tk=10"):
-    prior.RandomSyntheticLogits(max_length=8).init(jax.random.PRNGKey(0), query, key, value)
+    RandomSyntheticLogits(max_length=8).init(jax.random.PRNGKey(0), query, key, value)
   with pytest.raises(ValueError, match="rank must be an int >= 1, got 0"):
-    prior.FactorizedSyntheticLogits(max_length=16, rank=0).init(jax.random.PRNGKey(0), query,
+    FactorizedSyntheticLogits(max_length=16, rank=0).init(jax.random.PRNGKey(0), query,
                                                                  key, value)
   with pytest.raises(ValueError, match=r"synthetic_logits must be \[B\|1, H, Tq, Tk\]"):
-    prior.synthesizer_attention(query, key, value, synthetic_logits=jnp.ones((1, 2, 4, 9)))
+    synthesizer_attention(query, key, value, synthetic_logits=jnp.ones((1, 2, 4, 9)))

@@ -8,7 +8,10 @@ import pytest
 
 import attention_jax
 from attention_jax.layers.attention import MultiHeadAttention, attention_weights
-from attention_jax.variants import prior
+from attention_jax.variants.prior.average import (AverageAttention, average_attention,
+                                                  average_attention_step, initial_average_state)
+from attention_jax.variants.prior.biases import gaussian_transformer_attention
+from attention_jax.variants.prior.hard_coded import hard_coded_gaussian_attention
 from attention_testing import (B, H, Q_LENGTHS, Q_SEGMENTS, TK, TQ, VARIANT_MASK_CASES,
                                as_float64, assert_close, assert_same_outputs_and_grads,
                                largest_intermediate, loop_mask, perturbed, random_qkv)
@@ -39,7 +42,7 @@ def test_gaussian_transformer_with_zero_prior_is_dot_product_attention(case):
                                  num_kv_heads=2)
   kwargs = MASK_CASES[case][0]
   zeros = jnp.zeros((H,))
-  ours = lambda q, k, v: prior.gaussian_transformer_attention(
+  ours = lambda q, k, v: gaussian_transformer_attention(
       q, k, v, distance_weight=zeros, distance_bias=zeros, **kwargs)
   theirs = lambda q, k, v: attention_jax.dot_product_attention(q, k, v, **kwargs)
   rows = None if "query_seq_lengths" not in kwargs else (
@@ -56,8 +59,8 @@ def test_gaussian_transformer_against_numpy(case):
   weight = rng.normal(size=H).astype(np.float32)
   offset = rng.normal(size=H).astype(np.float32) * 3
   kwargs, mask_args = MASK_CASES[case]
-  out = prior.gaussian_transformer_attention(query, key, value, distance_weight=weight,
-                                             distance_bias=offset, **kwargs)
+  out = gaussian_transformer_attention(query, key, value, distance_weight=weight,
+                                       distance_bias=offset, **kwargs)
   scores = np.einsum("bqhd,bkhd->bhqk", as_float64(query),
                      np.repeat(as_float64(key), 2, axis=2)) / np.sqrt(query.shape[-1])
   distance = np.arange(TQ)[:, None] - np.arange(TK)[None, :]
@@ -73,11 +76,11 @@ def test_gaussian_transformer_prior_follows_query_positions():
   the full sequence's row."""
   query, key, value = random_qkv(seed=3, batch=1, q_len=TK, num_heads=H)
   weight, offset = jnp.full((H,), 0.3), jnp.full((H,), -1.0)
-  full = prior.gaussian_transformer_attention(query, key, value, distance_weight=weight,
-                                              distance_bias=offset)
-  last = prior.gaussian_transformer_attention(query[:, -1:], key, value, distance_weight=weight,
-                                              distance_bias=offset,
-                                              query_positions=jnp.array([TK - 1]))
+  full = gaussian_transformer_attention(query, key, value, distance_weight=weight,
+                                        distance_bias=offset)
+  last = gaussian_transformer_attention(query[:, -1:], key, value, distance_weight=weight,
+                                        distance_bias=offset,
+                                        query_positions=jnp.array([TK - 1]))
   assert_close(last, full[:, -1:])
 
 
@@ -89,11 +92,11 @@ def test_gaussian_transformer_rejects_bad_shapes(name, shape):
   arrays = dict(distance_weight=jnp.zeros((H,)), distance_bias=jnp.zeros((H,)))
   arrays[name] = jnp.zeros(shape)
   with pytest.raises(ValueError, match=name):
-    prior.gaussian_transformer_attention(query, key, value, **arrays)
+    gaussian_transformer_attention(query, key, value, **arrays)
   with pytest.raises(ValueError, match="query_positions"):
-    prior.gaussian_transformer_attention(query, key, value, distance_weight=jnp.zeros((H,)),
-                                         distance_bias=jnp.zeros((H,)),
-                                         query_positions=jnp.arange(3))
+    gaussian_transformer_attention(query, key, value, distance_weight=jnp.zeros((H,)),
+                                   distance_bias=jnp.zeros((H,)),
+                                   query_positions=jnp.arange(3))
 
 
 # ----------------------------------------------------------------------------------
@@ -135,7 +138,7 @@ def test_hard_coded_gaussian_against_numpy(case, offset, sigma, window):
   if "segment_ids" in kwargs:
     kwargs["segment_ids"] = jnp.array(Q_SEGMENTS)
     mask_args["kv_segments"] = Q_SEGMENTS
-  attend = lambda v: prior.hard_coded_gaussian_attention(
+  attend = lambda v: hard_coded_gaussian_attention(
       shape_only, shape_only, v, offset=offset, sigma=sigma, window=window, **kwargs)
   out = attend(value)
   allowed = loop_mask(B, length, length, **mask_args)
@@ -155,8 +158,8 @@ def test_hard_coded_gaussian_against_numpy(case, offset, sigma, window):
 def test_hard_coded_gaussian_window_covering_the_support_equals_the_untruncated():
   _, _, value = random_qkv(seed=5, batch=1, q_len=40, num_heads=2)
   shape_only = jax.ShapeDtypeStruct((1, 40, 2, 8), jnp.float32)
-  full = prior.hard_coded_gaussian_attention(shape_only, shape_only, value, window=None)
-  banded = prior.hard_coded_gaussian_attention(shape_only, shape_only, value, window=8)
+  full = hard_coded_gaussian_attention(shape_only, shape_only, value, window=None)
+  banded = hard_coded_gaussian_attention(shape_only, shape_only, value, window=8)
   assert_close(banded, full, atol=1e-6)
 
 
@@ -176,10 +179,10 @@ def test_hard_coded_gaussian_rejects_bad_options(options, match):
   _, _, value = random_qkv(batch=1, num_heads=2)
   shape_only = jax.ShapeDtypeStruct((1, value.shape[1], 2, 8), jnp.float32)
   with pytest.raises(ValueError, match=match):
-    prior.hard_coded_gaussian_attention(shape_only, shape_only, value, **options)
+    hard_coded_gaussian_attention(shape_only, shape_only, value, **options)
   with pytest.raises(ValueError, match="bias"):
-    prior.hard_coded_gaussian_attention(shape_only, shape_only, value,
-                                        bias=jnp.zeros((1, 1, value.shape[1], value.shape[1])))
+    hard_coded_gaussian_attention(shape_only, shape_only, value,
+                                  bias=jnp.zeros((1, 1, value.shape[1], value.shape[1])))
 
 
 # ----------------------------------------------------------------------------------
@@ -188,7 +191,7 @@ def test_hard_coded_gaussian_rejects_bad_options(options, match):
 
 def _average_layer(features=8, mlp_dim=16, seed=0):
   """An AverageAttention layer and random (not default-initialised) parameters."""
-  layer = prior.AverageAttention(mlp_dim=mlp_dim)
+  layer = AverageAttention(mlp_dim=mlp_dim)
   x = jnp.zeros((1, 3, features))
   params = perturbed(layer.init(jax.random.PRNGKey(seed), x)["params"])
   return layer, params
@@ -242,12 +245,12 @@ def test_average_cumulative_average_and_gates_by_formula():
                 gate_kernel=jnp.zeros((2 * features, 2 * features)),
                 gate_bias=jnp.concatenate([jnp.full((features,), -50.0),
                                            jnp.full((features,), 50.0)]))
-  out = prior.average_attention(x, **arrays)
+  out = average_attention(x, **arrays)
   cumulative = np.cumsum(np.asarray(x), axis=1) / np.arange(1, 7)[None, :, None]
   assert_close(out, cumulative, atol=1e-4)
   # The gates alone: sigmoid(b_g) halves (b_g = 0) mix x and g equally.
   arrays["gate_bias"] = jnp.zeros((2 * features,))
-  out = prior.average_attention(x, **arrays)
+  out = average_attention(x, **arrays)
   assert_close(out, 0.5 * np.asarray(x) + 0.5 * cumulative, atol=1e-4)
 
 
@@ -256,17 +259,17 @@ def test_average_incremental_decoding_equals_the_full_pass():
   layer, params = _average_layer(seed=3)
   x = jax.random.normal(jax.random.PRNGKey(4), (2, 9, 8))
   full = layer.apply({"params": params}, x, is_causal=True)
-  state = prior.initial_average_state(2, 8)
+  state = initial_average_state(2, 8)
   outs = []
   for t in range(x.shape[1]):
-    state, out_t = prior.average_attention_step(state, x[:, t], **params)
+    state, out_t = average_attention_step(state, x[:, t], **params)
     outs.append(out_t)
   assert_close(jnp.stack(outs, axis=1), full, rtol=1e-5, atol=1e-5)
   assert [a.shape for a in state] == [(2, 8), (2,)]  # O(1) in T
   # A prompt in one call, then one token at a time, continues the same state.
-  state, prompt_out = prior.average_attention_step(prior.initial_average_state(2, 8), x[:, :4],
-                                                   **params)
-  state, out_t = prior.average_attention_step(state, x[:, 4], **params)
+  state, prompt_out = average_attention_step(initial_average_state(2, 8), x[:, :4],
+                                             **params)
+  state, out_t = average_attention_step(state, x[:, 4], **params)
   assert_close(jnp.concatenate([prompt_out, out_t[:, None]], axis=1), full[:, :5], rtol=1e-5,
                atol=1e-5)
 
@@ -288,10 +291,10 @@ def test_average_rejects_bad_arguments():
   x = jnp.zeros((1, 5, 8))
   bad = dict(params, gate_kernel=jnp.zeros((8, 16)))
   with pytest.raises(ValueError, match="gate_kernel"):
-    prior.average_attention(x, **bad)
+    average_attention(x, **bad)
   with pytest.raises(ValueError, match="valid"):
-    prior.average_attention(x, valid=jnp.ones((1, 4), bool), **params)
+    average_attention(x, valid=jnp.ones((1, 4), bool), **params)
   with pytest.raises(ValueError, match="segment_ids"):
     layer.apply({"params": params}, x, segment_ids=jnp.zeros((1, 5), jnp.int32))
   with pytest.raises(ValueError, match="x_t"):
-    prior.average_attention_step(prior.initial_average_state(1, 8), jnp.zeros((1, 4)), **params)
+    average_attention_step(initial_average_state(1, 8), jnp.zeros((1, 4)), **params)
