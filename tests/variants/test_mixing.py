@@ -10,7 +10,10 @@ import numpy as np
 import pytest
 
 from attention_jax import registry
-from attention_jax.variants import mixing
+from attention_jax.variants.mixing.cross_covariance import cross_covariance_attention
+from attention_jax.variants.mixing.fourier import FourierMixing, fourier_mixing
+from attention_jax.variants.mixing.long_short import LongShortRangeAttention
+from attention_jax.variants.mixing.mlp import GatedMLP, TokenMixingMLP
 from attention_testing import as_float64, assert_close, np_softmax, perturbed
 
 B, T, E = 2, 6, 8
@@ -90,7 +93,7 @@ def assert_no_output_reads_a_later_token(apply, x):
 def test_fnet_is_the_real_part_of_numpys_2d_fft_over_tokens_and_channels():
   x = random_tokens()
   want = np.fft.fft2(as_float64(x), axes=(1, 2)).real
-  assert_close(jax.jit(mixing.fourier_mixing)(x), want, rtol=1e-5, atol=1e-4)
+  assert_close(jax.jit(fourier_mixing)(x), want, rtol=1e-5, atol=1e-4)
   # The same as the DFT written as a sum of cosines: sum_{s,c} x[s,c] cos(2 pi (ts/T + ec/E)).
   t, e = np.arange(T), np.arange(E)
   angles = 2 * np.pi * (np.outer(t, t)[:, None, :, None] / T + np.outer(e, e)[None, :, None] / E)
@@ -118,7 +121,7 @@ def test_fnet_module_zeroes_padding_before_the_transform():
     (dict(mask=jnp.ones((B, 1, T, T), bool)), "takes only a key-padding mask"),
 ])
 def test_fnet_refuses_what_it_cannot_do(arguments, message):
-  module = mixing.FourierMixing()
+  module = FourierMixing()
   with pytest.raises(ValueError, match=message):
     module.apply({}, random_tokens(), **arguments)
 
@@ -126,7 +129,7 @@ def test_fnet_refuses_what_it_cannot_do(arguments, message):
 @pytest.mark.property("fnet")
 def test_fnet_has_no_weights_to_drop():
   with pytest.raises(ValueError, match=r"fnet has no mixing weights to drop; got dropout_rate=0.1"):
-    mixing.FourierMixing(dropout_rate=0.1).apply({}, random_tokens(), deterministic=False)
+    FourierMixing(dropout_rate=0.1).apply({}, random_tokens(), deterministic=False)
 
 
 # --------------------------------------------------------------------------------------
@@ -160,13 +163,13 @@ def test_mlp_mixer_is_an_mlp_across_the_tokens_of_every_channel():
 
 @pytest.mark.property("mlp_mixer")
 def test_mlp_mixer_runs_at_its_length_only():
-  module = mixing.TokenMixingMLP(max_length=T + 1)
+  module = TokenMixingMLP(max_length=T + 1)
   with pytest.raises(ValueError, match=r"mlp_mixer mixes exactly max_length=7 tokens .* got a "
                                        r"sequence of T=6; set the option max_length"):
     module.init(jax.random.PRNGKey(0), random_tokens())
   with pytest.raises(ValueError, match="'mlp_mixer' does not support is_causal"):
-    mixing.TokenMixingMLP(max_length=T).init(jax.random.PRNGKey(0), random_tokens(),
-                                             is_causal=True)
+    TokenMixingMLP(max_length=T).init(jax.random.PRNGKey(0), random_tokens(),
+                                      is_causal=True)
 
 
 # --------------------------------------------------------------------------------------
@@ -210,7 +213,7 @@ def test_causal_gmlp_reads_no_later_token():
 def test_gmlp_starts_as_an_ungated_mlp():
   """W near zero and b = 1 (the paper's initialisation): s(z) ~ u at the start."""
   x = random_tokens(5)
-  module = mixing.GatedMLP(max_length=T)
+  module = GatedMLP(max_length=T)
   params = module.init(jax.random.PRNGKey(0), x)["params"]
   assert np.abs(np.asarray(params["spatial_kernel"])).max() <= 1e-3 / T
   np.testing.assert_array_equal(params["spatial_bias"], 1.0)
@@ -227,7 +230,7 @@ def test_gmlp_starts_as_an_ungated_mlp():
 ])
 def test_gmlp_refuses_bad_sizes(fields, message):
   with pytest.raises(ValueError, match=message):
-    mixing.GatedMLP(**fields).init(jax.random.PRNGKey(0), random_tokens())
+    GatedMLP(**fields).init(jax.random.PRNGKey(0), random_tokens())
 
 
 # --------------------------------------------------------------------------------------
@@ -260,7 +263,7 @@ def test_xca_is_attention_over_channels_with_unit_token_columns(num_kv_heads):
   key, value = (jnp.asarray(rng.normal(size=(B, T, num_kv_heads, 4)), jnp.float32)
                 for _ in range(2))
   temperature = jnp.asarray([0.5, 1.0, 3.0])
-  xca = jax.jit(mixing.cross_covariance_attention)
+  xca = jax.jit(cross_covariance_attention)
   assert_close(xca(query, key, value, temperature=temperature),
                np_xca(query, key, value, temperature), rtol=1e-5, atol=1e-5)
   padded = xca(query, key, value, temperature=temperature,
@@ -293,7 +296,7 @@ def test_xca_refuses_what_it_cannot_do(arguments, message):
   given = dict(query=jnp.zeros((B, T, 2, 4)), key=jnp.zeros((B, T, 2, 4)),
                value=jnp.zeros((B, T, 2, 4)), temperature=jnp.ones((2,)))
   with pytest.raises(ValueError, match=message):
-    mixing.cross_covariance_attention(**{**given, **arguments})
+    cross_covariance_attention(**{**given, **arguments})
 
 
 # --------------------------------------------------------------------------------------
@@ -359,12 +362,12 @@ def test_causal_lite_reads_no_later_token():
 ])
 def test_lite_refuses_bad_sizes(shape, fields, message):
   with pytest.raises(ValueError, match=message):
-    mixing.LongShortRangeAttention(**fields).init(jax.random.PRNGKey(0), random_tokens(0, shape))
+    LongShortRangeAttention(**fields).init(jax.random.PRNGKey(0), random_tokens(0, shape))
 
 
 @pytest.mark.property("lite")
 def test_lite_refuses_segments_its_convolution_would_cross():
   with pytest.raises(ValueError, match="'lite' does not support segment_ids"):
-    mixing.LongShortRangeAttention(num_heads=2).init(
+    LongShortRangeAttention(num_heads=2).init(
         jax.random.PRNGKey(0), random_tokens(), segment_ids=jnp.zeros((B, T), jnp.int32))
 
