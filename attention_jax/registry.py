@@ -44,7 +44,7 @@ class VariantSpec:
     fn: the pure function. For Q/K/V attention it takes `(query [B, Tq, H, D],
       key [B, Tk, Hkv, D], value [B, Tk, Hkv, Dv], bias=None, mask=None, **options)`
       and returns `[B, Tq, H, Dv]`.
-    family: the VARIANTS.md family, which is also the file in `variants/`.
+    family: the VARIANTS.md family, which is also the file (or package) in `variants/`.
     complexity: time complexity in the sequence length, e.g. "O(T^2)".
     subquadratic: True when the variant never builds a T x T array.
     exact: True when it equals softmax attention (under its mask) exactly.

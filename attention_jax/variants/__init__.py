@@ -1,4 +1,5 @@
-"""Attention variants: one module per family, pure function and Flax module side by side.
+"""Attention variants: one module per family, pure function and Flax module side by side;
+the larger families (sparse, prior, mixing) are packages of one module per mechanism.
 
 Importing this package registers every variant in `attention_jax.registry`.
 """
