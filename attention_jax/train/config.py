@@ -222,14 +222,26 @@ def load_config_module(path: str | pathlib.Path) -> ModuleType:
   Raises:
     ValueError: when `path` is not a file or has no `get_config`.
   """
+  module = load_config_helpers(path)
+  if not hasattr(module, "get_config"):
+    raise ValueError(f"config file {str(path)!r} has no get_config().")
+  return module
+
+
+def load_config_helpers(path: str | pathlib.Path) -> ModuleType:
+  """The Python file at `path` under configs/ as a module, with or without a
+  `get_config`: how a config file reads the code it shares with others
+  (configs/lra/_shared.py), since configs are files, not a package.
+
+  Raises:
+    ValueError: when `path` is not a file.
+  """
   path = pathlib.Path(path)
   if not path.is_file():
     raise ValueError(f"config file {str(path)!r} does not exist.")
   spec = importlib.util.spec_from_file_location(f"_config_{path.stem}", path)
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
-  if not hasattr(module, "get_config"):
-    raise ValueError(f"config file {str(path)!r} has no get_config().")
   return module
 
 

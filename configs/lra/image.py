@@ -18,9 +18,7 @@ base_cifar10_config.py) as lra_benchmarks/image/train.py turns it into a model
 - Evaluation: the validation split every epoch (eval_frequency = 175 steps;
   its 39 batches of 256 cover all 5,000 validation images).
 
-Attention dropout is 0, not the release's 0.2: most of our variants have no
-attention weights to drop and refuse a rate above 0 in training, and a
-comparison should not favour those that do (docs/ARCHITECTURE.md).
+Attention dropout is 0, not the release's 0.2 (configs/lra/_shared.py says why).
 
 What no config key expresses, on every task (docs/lra_release.md): our
 weight decay skips biases and norm scales (flax's Adam decays every
@@ -47,9 +45,13 @@ last step (less than 1% of the peak apart at any step). Presets:
   table's ViT row trains on: `:dot_product,vit,smoke,shapes`.
 """
 
+import pathlib
+
 import ml_collections
 
-from attention_jax.train.config import attention_preset_of, default_config, parse_config_arg
+from attention_jax.train.config import load_config_helpers
+
+shared = load_config_helpers(pathlib.Path(__file__).with_name("_shared.py"))
 
 PRESETS = ("smoke", "vit", "shapes")
 # base_cifar10_config.py: TRAIN_EXAMPLES, NUM_EPOCHS (train[:90%] of CIFAR-10's 50,000).
@@ -72,26 +74,14 @@ RELEASE_MODELS = {
 RELEASE_OPTIMIZERS = {"sinkhorn": dict(weight_decay=0.7)}
 
 def get_config(arg: str = "dot_product"):
-  variant, presets = parse_config_arg(arg, PRESETS)
-  config = default_config(variant, attention_preset_of(presets))
-  config.task = "image"
+  config, variant, presets = shared.task_config(arg, PRESETS, "image")
   config.task_options = ml_collections.ConfigDict(
       dict(data_dir_tfds=ml_collections.config_dict.placeholder(str)))
-  # The classifier head's hidden layer is mlp_dim wide (classifier_head(..., mlp_dim)).
-  config.model.update(num_layers=1, embed_dim=32, num_heads=1, mlp_dim=64, head_mlp_dim=64,
-                      pooling="cls", position="learned", dropout_rate=0.3,
-                      attention_dropout_rate=0.0)  # release: 0.2, see above
-  config.batch_size = 256
-  steps_per_epoch = TRAIN_EXAMPLES // config.batch_size
-  config.num_train_steps = NUM_EPOCHS * steps_per_epoch
-  config.optimizer.update(learning_rate=5e-4, warmup_steps=steps_per_epoch, schedule="cosine",
-                          weight_decay=0.0, grad_clip_norm=0.0)
-  # Every evaluation is checkpointed too (the trainer keeps the best one).
-  config.eval_every = config.checkpoint_every = steps_per_epoch
-  if config.attention_preset == "lra_release" and "smoke" not in presets:
-    release = RELEASE_MODELS.get(variant, {})
-    config.model.update(release, head_mlp_dim=release.get("mlp_dim", config.model.mlp_dim))
-    config.optimizer.update(RELEASE_OPTIMIZERS.get(variant, {}))
+  shared.release_model(config, num_layers=1, embed_dim=32, num_heads=1, mlp_dim=64,
+                       pooling="cls", position="learned", dropout_rate=0.3)
+  shared.epoch_run(config, batch_size=256, train_examples=TRAIN_EXAMPLES, num_epochs=NUM_EPOCHS,
+                   learning_rate=5e-4)
+  shared.release_variant_run(config, variant, presets, RELEASE_MODELS, RELEASE_OPTIMIZERS)
 
   if "shapes" in presets:
     config.task = "shapes"
@@ -100,11 +90,8 @@ def get_config(arg: str = "dot_product"):
   if "smoke" in presets:
     config.task_options.update(dict(train_size=2000, validation_size=256, test_size=256))
     config.batch_size = 32
-    config.num_train_steps = 300
-    config.optimizer.update(learning_rate=2e-3, warmup_steps=30)
-    config.eval_every = config.checkpoint_every = 100
-    config.log_every = 25
+    shared.smoke_run(config, num_train_steps=300, learning_rate=2e-3, warmup_steps=30,
+                     eval_every=100)
   if "vit" in presets:
-    config.model.update(kind="vit", patch_size=4, pooling="cls", position="learned",
-                        residual="pre_norm", activation="gelu")
+    config.model.update(shared.VIT_MODEL)
   return config

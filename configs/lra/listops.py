@@ -21,9 +21,7 @@ listops/train.py turns it into a model and a training run.
   sqrt(max(s, 1000)), a peak of 0.05 / sqrt(1000) at step 1,000.
 - Evaluation: the whole validation split every 50 steps (eval_frequency).
 
-Attention dropout is 0, not the release's 0.1: most of our variants have no
-attention weights to drop and refuse a rate above 0 in training, and a
-comparison should not favour those that do (docs/ARCHITECTURE.md).
+Attention dropout is 0, not the release's 0.1 (configs/lra/_shared.py says why).
 
 What no config key expresses, on every task (docs/lra_release.md): our
 weight decay skips biases and norm scales (flax's Adam decays every
@@ -49,40 +47,25 @@ default, since listops/train.py passes no pooling). Presets:
   smoke run.
 """
 
-from attention_jax.train.config import attention_preset_of, default_config, parse_config_arg
+import pathlib
+
+from attention_jax.train.config import load_config_helpers
+
+shared = load_config_helpers(pathlib.Path(__file__).with_name("_shared.py"))
 
 PRESETS = ("smoke", "funnel", "hierarchical")
 
 def get_config(arg: str = "dot_product"):
-  variant, presets = parse_config_arg(arg, PRESETS)
-  config = default_config(variant, attention_preset_of(presets))
-  config.task = "listops"
-  # The classifier head's hidden layer is mlp_dim wide (classifier_head(..., mlp_dim)).
-  config.model.update(num_layers=4, embed_dim=512, num_heads=8, mlp_dim=1024,
-                      head_mlp_dim=1024, pooling="cls", position="sinusoidal",
-                      dropout_rate=0.1, attention_dropout_rate=0.0)  # release: 0.1, see above
-  config.num_train_steps = 5000
-  config.batch_size = 32
-  # rsqrt: the peak is the release's constant over sqrt(warmup).
-  config.optimizer.update(learning_rate=0.05 / 1000 ** 0.5, warmup_steps=1000,
-                          schedule="rsqrt", weight_decay=0.1, grad_clip_norm=0.0)
-  # Every evaluation is checkpointed too (the trainer keeps the best one).
-  config.eval_every = config.checkpoint_every = 50
+  config, _, presets = shared.task_config(arg, PRESETS, "listops")
+  shared.release_model(config, num_layers=4, embed_dim=512, num_heads=8, mlp_dim=1024,
+                       pooling="cls", position="sinusoidal", dropout_rate=0.1)
+  shared.rsqrt_run(config, num_train_steps=5000, warmup_steps=1000, eval_every=50)
 
   if "smoke" in presets:
     config.task_options = dict(train_size=5000, validation_size=500, test_size=500,
                                max_depth=4, max_args=5, min_length=20, max_length=100)
-    config.model.update(num_layers=2, embed_dim=64, num_heads=4, mlp_dim=128, head_mlp_dim=128,
-                        dropout_rate=0.0)
-    config.num_train_steps = 600
-    config.optimizer.update(learning_rate=2e-3, warmup_steps=60, schedule="cosine",
-                            weight_decay=0.01, grad_clip_norm=1.0)
-    config.eval_every = 200
-    config.checkpoint_every = 200
-    config.log_every = 25
-  if "funnel" in presets:
-    config.model.update(kind="funnel", funnel_blocks=(2, 2, 2))
-  if "hierarchical" in presets:
-    config.model.update(kind="hierarchical", chunk_length=20 if "smoke" in presets else 100,
-                        sentence_layers=2)
+    config.model.update(shared.SMOKE_MODEL, dropout_rate=0.0)
+    shared.smoke_run(config, num_train_steps=600, learning_rate=2e-3, warmup_steps=60,
+                     eval_every=200, **shared.SMOKE_OPTIMIZER)
+  shared.funnel_and_hierarchical(config, presets, chunk_length=20 if "smoke" in presets else 100)
   return config

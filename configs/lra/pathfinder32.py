@@ -21,9 +21,7 @@ training run.
   one epoch of warm-up.
 - Evaluation: the validation split every epoch (eval_frequency = 312 steps).
 
-Attention dropout is 0, not the release's 0.1: most of our variants have no
-attention weights to drop and refuse a rate above 0 in training, and a
-comparison should not favour those that do (docs/ARCHITECTURE.md).
+Attention dropout is 0, not the release's 0.1 (configs/lra/_shared.py says why).
 
 The release projects queries, keys and values to qkv_dim = emb_dim // 2 = 16
 (8 per head): `model.qkv_dim=16` here. What no config key expresses
@@ -53,7 +51,11 @@ release scores its last state). Presets:
   failure. LRA's Transformers trained on 160,000 images for 200 epochs.
 """
 
-from attention_jax.train.config import attention_preset_of, default_config, parse_config_arg
+import pathlib
+
+from attention_jax.train.config import load_config_helpers
+
+shared = load_config_helpers(pathlib.Path(__file__).with_name("_shared.py"))
 
 PRESETS = ("smoke", "vit")
 TASK = "pathfinder32"
@@ -89,24 +91,13 @@ RELEASE_MODELS = {
 }
 
 def get_config(arg: str = "dot_product"):
-  variant, presets = parse_config_arg(arg, PRESETS)
-  config = default_config(variant, attention_preset_of(presets))
-  config.task = TASK
-  # The release's mlp_dim = qkv_dim * 2 = 32; the classifier head's hidden layer is
-  # mlp_dim wide (classifier_head(..., mlp_dim)).
-  config.model.update(num_layers=1, embed_dim=32, qkv_dim=16, num_heads=2, mlp_dim=32,
-                      head_mlp_dim=32, pooling="mean", position="sinusoidal", dropout_rate=0.1,
-                      attention_dropout_rate=0.0)  # release: 0.1, see above
-  config.batch_size = 512
-  steps_per_epoch = TRAIN_EXAMPLES // config.batch_size
-  config.num_train_steps = NUM_EPOCHS * steps_per_epoch
-  config.optimizer.update(learning_rate=1e-3, warmup_steps=steps_per_epoch, schedule="cosine",
-                          weight_decay=0.0, grad_clip_norm=0.0)
-  # Every evaluation is checkpointed too (the trainer keeps the best one).
-  config.eval_every = config.checkpoint_every = steps_per_epoch
-  if config.attention_preset == "lra_release" and "smoke" not in presets:
-    release = RELEASE_MODELS.get(variant, {})
-    config.model.update(release, head_mlp_dim=release.get("mlp_dim", config.model.mlp_dim))
+  config, variant, presets = shared.task_config(arg, PRESETS, TASK)
+  # The release's mlp_dim = qkv_dim * 2 = 32.
+  shared.release_model(config, num_layers=1, embed_dim=32, qkv_dim=16, num_heads=2, mlp_dim=32,
+                       pooling="mean", position="sinusoidal", dropout_rate=0.1)
+  shared.epoch_run(config, batch_size=512, train_examples=TRAIN_EXAMPLES, num_epochs=NUM_EPOCHS,
+                   learning_rate=1e-3)
+  shared.release_variant_run(config, variant, presets, RELEASE_MODELS)
 
   if "smoke" in presets:
     config.task_options = dict(train_size=4000, validation_size=512, test_size=512,
@@ -114,11 +105,8 @@ def get_config(arg: str = "dot_product"):
     config.model.update(embed_dim=64, qkv_dim=None, num_heads=4, mlp_dim=128,
                         head_mlp_dim=128, dropout_rate=0.0)
     config.batch_size = 32
-    config.num_train_steps = 400
-    config.optimizer.update(learning_rate=2e-3, warmup_steps=40)
-    config.eval_every = config.checkpoint_every = 200
-    config.log_every = 25
+    shared.smoke_run(config, num_train_steps=400, learning_rate=2e-3, warmup_steps=40,
+                     eval_every=200)
   if "vit" in presets:
-    config.model.update(kind="vit", patch_size=4, pooling="cls", position="learned",
-                        residual="pre_norm", activation="gelu")
+    config.model.update(shared.VIT_MODEL)
   return config

@@ -20,9 +20,7 @@ paper stays at chance (50%) on Path-X.
   one epoch of warm-up.
 - Evaluation: the validation split every epoch (eval_frequency = 2,500 steps).
 
-Attention dropout is 0, not the release's 0.1: most of our variants have no
-attention weights to drop and refuse a rate above 0 in training, and a
-comparison should not favour those that do (docs/ARCHITECTURE.md).
+Attention dropout is 0, not the release's 0.1 (configs/lra/_shared.py says why).
 
 The release projects queries, keys and values to qkv_dim = emb_dim // 2 = 16
 (8 per head): `model.qkv_dim=16` here. What no config key expresses
@@ -39,7 +37,11 @@ release scores its last state). Presets:
   variant runs at this length, it does not learn in that time.
 """
 
-from attention_jax.train.config import attention_preset_of, default_config, parse_config_arg
+import pathlib
+
+from attention_jax.train.config import load_config_helpers
+
+shared = load_config_helpers(pathlib.Path(__file__).with_name("_shared.py"))
 
 PRESETS = ("smoke",)
 # base_pathfinder128_config.py: TRAIN_EXAMPLES, NUM_EPOCHS.
@@ -47,21 +49,12 @@ TRAIN_EXAMPLES = 160_000
 NUM_EPOCHS = 200
 
 def get_config(arg: str = "dot_product"):
-  variant, presets = parse_config_arg(arg, PRESETS)
-  config = default_config(variant, attention_preset_of(presets))
-  config.task = "pathfinder128"
-  # The release's mlp_dim = qkv_dim * 2 = 32; the classifier head's hidden layer is
-  # mlp_dim wide (classifier_head(..., mlp_dim)).
-  config.model.update(num_layers=1, embed_dim=32, qkv_dim=16, num_heads=2, mlp_dim=32,
-                      head_mlp_dim=32, pooling="mean", position="learned", dropout_rate=0.1,
-                      attention_dropout_rate=0.0)  # release: 0.1, see above
-  config.batch_size = 64
-  steps_per_epoch = TRAIN_EXAMPLES // config.batch_size
-  config.num_train_steps = NUM_EPOCHS * steps_per_epoch
-  config.optimizer.update(learning_rate=1e-3, warmup_steps=steps_per_epoch, schedule="cosine",
-                          weight_decay=0.0, grad_clip_norm=1.0)
-  # Every evaluation is checkpointed too (the trainer keeps the best one).
-  config.eval_every = config.checkpoint_every = steps_per_epoch
+  config, _, presets = shared.task_config(arg, PRESETS, "pathfinder128")
+  # The release's mlp_dim = qkv_dim * 2 = 32.
+  shared.release_model(config, num_layers=1, embed_dim=32, qkv_dim=16, num_heads=2, mlp_dim=32,
+                       pooling="mean", position="learned", dropout_rate=0.1)
+  shared.epoch_run(config, batch_size=64, train_examples=TRAIN_EXAMPLES, num_epochs=NUM_EPOCHS,
+                   learning_rate=1e-3, grad_clip_norm=1.0)
 
   if "smoke" in presets:
     # Every setting is spelled out: this preset predates the release's Path-X default
@@ -74,9 +67,7 @@ def get_config(arg: str = "dot_product"):
                         attention_dropout_rate=0.0)
     config.batch_size = 8
     config.eval_batch_size = 32
-    config.num_train_steps = 50
-    config.optimizer.update(learning_rate=1e-3, warmup_steps=5, schedule="cosine",
-                            weight_decay=0.0, grad_clip_norm=0.0)
-    config.eval_every = config.checkpoint_every = 50
-    config.log_every = 10
+    shared.smoke_run(config, num_train_steps=50, learning_rate=1e-3, warmup_steps=5,
+                     eval_every=50, log_every=10, schedule="cosine", weight_decay=0.0,
+                     grad_clip_norm=0.0)
   return config

@@ -23,9 +23,7 @@ lra_benchmarks/matching/train.py turns it into a model and a training run.
   decays.
 - Evaluation: the whole validation split every 100 steps.
 
-Attention dropout is 0, not the release's 0.1: most of our variants have no
-attention weights to drop and refuse a rate above 0 in training, and a
-comparison should not favour those that do (docs/ARCHITECTURE.md).
+Attention dropout is 0, not the release's 0.1 (configs/lra/_shared.py says why).
 
 What no config key expresses, on every task (docs/lra_release.md): our
 weight decay skips biases and norm scales (flax's Adam decays every
@@ -44,38 +42,27 @@ Dense(head_mlp_dim=512) -> ReLU -> Dense on [u, v, u*v, u-v]. Presets:
   model and 300 steps.
 """
 
+import pathlib
+
 import ml_collections
 
-from attention_jax.train.config import attention_preset_of, default_config, parse_config_arg
+from attention_jax.train.config import load_config_helpers
+
+shared = load_config_helpers(pathlib.Path(__file__).with_name("_shared.py"))
 
 PRESETS = ("smoke",)
 
 def get_config(arg: str = "dot_product"):
-  variant, presets = parse_config_arg(arg, PRESETS)
-  config = default_config(variant, attention_preset_of(presets))
-  config.task = "retrieval"
+  config, _, presets = shared.task_config(arg, PRESETS, "retrieval")
   # seq_len is left at the data's default, the release's 4000 (setting it would
   # file the prepared data under another folder, see trainer.task_data_dir).
   config.task_options = ml_collections.ConfigDict(
       dict(release_dir=ml_collections.config_dict.placeholder(str)))
-  config.model.update(kind="dual_classifier", num_layers=4, embed_dim=128, num_heads=4,
-                      mlp_dim=512, head_mlp_dim=512, pooling="cls", position="sinusoidal",
-                      dropout_rate=0.1, attention_dropout_rate=0.0)  # release: 0.1, see above
-  config.num_train_steps = 5000
-  config.batch_size = 32
-  # rsqrt: the peak is the release's constant over sqrt(warmup).
-  config.optimizer.update(learning_rate=0.05 / 8000 ** 0.5, warmup_steps=8000,
-                          schedule="rsqrt", weight_decay=0.1, grad_clip_norm=0.0)
-  # Every evaluation is checkpointed too (the trainer keeps the best one).
-  config.eval_every = config.checkpoint_every = 100
+  shared.release_model(config, kind="dual_classifier", num_layers=4, embed_dim=128,
+                       num_heads=4, mlp_dim=512, pooling="cls", position="sinusoidal",
+                       dropout_rate=0.1)
+  shared.rsqrt_run(config, num_train_steps=5000, warmup_steps=8000, eval_every=100)
 
   if "smoke" in presets:
-    config.task_options.update(dict(seq_len=256, train_size=2000, validation_size=256,
-                                    test_size=256))
-    config.model.update(num_layers=2, embed_dim=64, num_heads=4, mlp_dim=128, head_mlp_dim=128)
-    config.num_train_steps = 300
-    config.optimizer.update(learning_rate=1e-3, warmup_steps=30, schedule="cosine",
-                            weight_decay=0.01, grad_clip_norm=1.0)
-    config.eval_every = config.checkpoint_every = 100
-    config.log_every = 25
+    shared.text_smoke(config)
   return config

@@ -26,9 +26,7 @@ turns it into a model and a training run.
   0.05 / sqrt(8000) at step 8,000).
 - Evaluation: the whole validation split (IMDB's test split) every 100 steps.
 
-Attention dropout is 0, not the release's 0.1: most of our variants have no
-attention weights to drop and refuse a rate above 0 in training, and a
-comparison should not favour those that do (docs/ARCHITECTURE.md).
+Attention dropout is 0, not the release's 0.1 (configs/lra/_shared.py says why).
 
 What no config key expresses, on every task (docs/lra_release.md): our
 weight decay skips biases and norm scales (flax's Adam decays every
@@ -50,43 +48,26 @@ Per-variant settings belong to the variants' `lra_release` presets. Presets:
   generated data.)
 """
 
+import pathlib
+
 import ml_collections
 
-from attention_jax.train.config import attention_preset_of, default_config, parse_config_arg
+from attention_jax.train.config import load_config_helpers
+
+shared = load_config_helpers(pathlib.Path(__file__).with_name("_shared.py"))
 
 PRESETS = ("smoke", "funnel", "hierarchical")
 PAPER_LENGTH = 4000  # the LRA paper's; base_tc_config.py's max_length is 1000, see above
 
 def get_config(arg: str = "dot_product"):
-  variant, presets = parse_config_arg(arg, PRESETS)
-  config = default_config(variant, attention_preset_of(presets))
-  config.task = "text"
+  config, _, presets = shared.task_config(arg, PRESETS, "text")
   config.task_options = ml_collections.ConfigDict(
       dict(data_dir_tfds=ml_collections.config_dict.placeholder(str), seq_len=PAPER_LENGTH))
-  # The classifier head's hidden layer is mlp_dim wide (classifier_head(..., mlp_dim)).
-  config.model.update(num_layers=4, embed_dim=256, num_heads=4, mlp_dim=1024,
-                      head_mlp_dim=1024, pooling="cls", position="sinusoidal",
-                      dropout_rate=0.1, attention_dropout_rate=0.0)  # release: 0.1, see above
-  config.num_train_steps = 20_000
-  config.batch_size = 32
-  # rsqrt: the peak is the release's constant over sqrt(warmup).
-  config.optimizer.update(learning_rate=0.05 / 8000 ** 0.5, warmup_steps=8000,
-                          schedule="rsqrt", weight_decay=0.1, grad_clip_norm=0.0)
-  # Every evaluation is checkpointed too (the trainer keeps the best one).
-  config.eval_every = config.checkpoint_every = 100
+  shared.release_model(config, num_layers=4, embed_dim=256, num_heads=4, mlp_dim=1024,
+                       pooling="cls", position="sinusoidal", dropout_rate=0.1)
+  shared.rsqrt_run(config, num_train_steps=20_000, warmup_steps=8000, eval_every=100)
 
   if "smoke" in presets:
-    config.task_options.update(dict(seq_len=256, train_size=2000, validation_size=256,
-                                    test_size=256))
-    config.model.update(num_layers=2, embed_dim=64, num_heads=4, mlp_dim=128, head_mlp_dim=128)
-    config.num_train_steps = 300
-    config.optimizer.update(learning_rate=1e-3, warmup_steps=30, schedule="cosine",
-                            weight_decay=0.01, grad_clip_norm=1.0)
-    config.eval_every = config.checkpoint_every = 100
-    config.log_every = 25
-  if "funnel" in presets:
-    config.model.update(kind="funnel", funnel_blocks=(2, 2, 2))
-  if "hierarchical" in presets:
-    config.model.update(kind="hierarchical", chunk_length=64 if "smoke" in presets else 250,
-                        sentence_layers=2)
+    shared.text_smoke(config)
+  shared.funnel_and_hierarchical(config, presets, chunk_length=64 if "smoke" in presets else 250)
   return config
