@@ -34,6 +34,21 @@ ROLES = {
                  "(m_a [B, Ta, F], m_b [B, Tb, F]); call it on two encoded sequences",
 }
 
+# What a Q/K/V variant's function takes from MultiHeadAttention besides the
+# masks, declared at registration (`VariantSpec.takes`): capability -> the
+# keyword arguments the layer then passes. The layer reads the declaration; it
+# never inspects the function.
+CAPABILITIES = {
+    "dropout": ("dropout_rate", "dropout_rng"),  # it has attention weights to drop
+    "query_positions": ("query_positions",),  # it places each query (Luong's local-m)
+    "aux_losses": ("sow_loss",),  # it adds auxiliary losses (the "losses" collection)
+    "recurrent_state": ("recurrent_state",),  # it decodes from a state, not a KV cache
+}
+# What MultiHeadAttention passes to every Q/K/V variant's function itself.
+LAYER_ARGUMENTS = frozenset({"query", "key", "value", "bias", "mask", "is_causal",
+                             "query_seq_lengths", "key_value_seq_lengths", "segment_ids",
+                             "carry", *(name for names in CAPABILITIES.values() for name in names)})
+
 
 @dataclasses.dataclass(frozen=True)
 class VariantSpec:
@@ -77,6 +92,11 @@ class VariantSpec:
     not_decodable: why the variant cannot decode one token at a time in a
       language model (`ModelConfig.decode`, `generation.generate`), where
       `decoding_refusal` cannot tell from the other fields; None otherwise.
+    takes: the `CAPABILITIES` of a Q/K/V variant's function, e.g.
+      ("dropout",): what `MultiHeadAttention` passes it besides the masks.
+      Checked against the function when registered: a function that names
+      one of their arguments must declare it, and one that declares it must
+      take it (by name or through **kwargs it passes on).
     role: what the module is, one of `ROLES`: "mixer" (every variant a
       block can run), or "pooling" / "alignment" for mechanisms that are
       not token mixers (attention pooling, ESIM's cross alignment). Those
@@ -105,6 +125,52 @@ class VariantSpec:
   presets: Mapping[str, "Preset"] = dataclasses.field(default_factory=dict)
   role: str = "mixer"
   not_decodable: Optional[str] = None
+  takes: Tuple[str, ...] = ()
+
+  @property
+  def in_attention_layer(self) -> bool:
+    """Whether `MultiHeadAttention` runs it (Q/K/V variants, and the head
+    layouts registered with it as their mixer), so that it takes
+    `attention_options`."""
+    return self.qkv or self.mixer == ATTENTION_MIXER
+
+  def can(self, capability: str) -> bool:
+    """Whether the function takes `capability`'s arguments (`CAPABILITIES`)."""
+    if capability not in CAPABILITIES:
+      raise unknown_name_error("capability", capability, CAPABILITIES)
+    return capability in self.takes
+
+  @functools.cached_property
+  def option_routes(self) -> Mapping[str, Tuple[str, ...]]:
+    """Where each declared option goes: `{option: places}`, the places among
+    "layer" (a field of `MultiHeadAttention`, `module_options`), "extras" (a
+    field of the variant's `extras` module) and "fn" (the attention function
+    the layer runs). An extras field goes to the function too when the
+    function names it (Performer's `kernel`). A mixer of its own (not run by
+    `MultiHeadAttention`) takes every option as a field: "layer"."""
+    if not self.in_attention_layer:
+      return {name: ("layer",) for name in self.options}
+    extras = set() if self.extras is None else {f.name for f in dataclasses.fields(self.extras)}
+    fn_names = set(inspect.signature(self.fn).parameters)
+    routes = {}
+    for name in self.options:
+      if name in self.module_options:
+        routes[name] = ("layer",)
+      elif name in extras:
+        routes[name] = ("extras", "fn") if name in fn_names else ("extras",)
+      else:
+        routes[name] = ("fn",)
+    return routes
+
+  @functools.cached_property
+  def call_arguments(self) -> Tuple[str, ...]:
+    """The keywords of the function that the layer does not pass itself
+    (`LAYER_ARGUMENTS`): what a caller may pass per call
+    (`MultiHeadAttention(attention_arguments=...)`, e.g. a routing's rng),
+    unless an option already sets it."""
+    return tuple(name for name, p in inspect.signature(self.fn).parameters.items()
+                 if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)
+                 and name not in LAYER_ARGUMENTS)
 
   @property
   def mixer_class(self) -> Callable[..., Any]:
@@ -222,8 +288,32 @@ def register(spec: VariantSpec) -> VariantSpec:
   for preset in spec.presets:
     if preset not in PRESETS:
       raise unknown_name_error(f"preset of variant {spec.name!r}:", preset, PRESETS)
+  _check_capabilities(spec)
   _REGISTRY[spec.name] = spec
   return spec
+
+
+def _check_capabilities(spec: VariantSpec) -> None:
+  """`spec.takes` names known capabilities and agrees with its function."""
+  for capability in spec.takes:
+    if capability not in CAPABILITIES:
+      raise unknown_name_error(f"capability of variant {spec.name!r}:", capability, CAPABILITIES)
+  if not spec.qkv:
+    if spec.takes:
+      raise ValueError(f"variant {spec.name!r} is a mixer module, not a Q/K/V function the "
+                       f"layer calls: its module's fields say what it takes, got "
+                       f"takes={spec.takes}.")
+    return
+  parameters = inspect.signature(spec.fn).parameters
+  passes_on = any(p.kind == p.VAR_KEYWORD for p in parameters.values())
+  for capability, arguments in CAPABILITIES.items():
+    named = [a for a in arguments if a in parameters]
+    if named and capability not in spec.takes:
+      raise ValueError(f"variant {spec.name!r}: its function takes {', '.join(named)}, so "
+                       f"register it with {capability!r} in takes (got takes={spec.takes}).")
+    if capability in spec.takes and not passes_on and len(named) < len(arguments):
+      raise ValueError(f"variant {spec.name!r} declares {capability!r} in takes, but its "
+                       f"function takes neither {', '.join(arguments)} by name nor **kwargs.")
 
 
 def _load_variants() -> None:

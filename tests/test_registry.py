@@ -1,6 +1,7 @@
 """The registry: lookups, errors, README table, and test coverage of every variant."""
 
 import ast
+import dataclasses
 import pathlib
 
 import pytest
@@ -69,7 +70,7 @@ def test_duplicate_registration_is_refused():
 
 def test_bad_family_is_refused():
   spec = registry.get_variant("dot_product")
-  bad = registry.VariantSpec(**{**spec.__dict__, "name": "x_bad_family", "family": "misc"})
+  bad = dataclasses.replace(spec, name="x_bad_family", family="misc")
   with pytest.raises(ValueError, match="family must be one of"):
     registry.register(bad)
 
@@ -79,10 +80,10 @@ def test_roles_are_checked_listed_and_shown_in_the_table():
   with pytest.raises(ValueError, match=r"unknown role of variant 'x_role': 'pool'\. Did you "
                                        r"mean 'pooling'\? Valid names are: mixer, pooling, "
                                        r"alignment\."):
-    registry.register(registry.VariantSpec(**{**spec.__dict__, "name": "x_role", "role": "pool"}))
+    registry.register(dataclasses.replace(spec, name="x_role", role="pool"))
   with pytest.raises(ValueError, match=r"'x_role' has role 'pooling', so it is not Q/K/V "
                                        r"attention.*qkv=False"):
-    registry.register(registry.VariantSpec(**{**spec.__dict__, "name": "x_role", "qkv": True}))
+    registry.register(dataclasses.replace(spec, name="x_role", qkv=True))
   assert "x_role" not in registry.list_variants()
   mixers, names = registry.list_variants("mixer"), registry.list_variants()
   assert "dot_product" in mixers and "attention_pooling" not in mixers
@@ -142,3 +143,54 @@ def test_presets_name_their_tasks_as_the_data_tasks_do():
     for preset in registry.get_variant(name).presets.values():
       unknown = set(preset.tasks) - set(data.list_tasks())
       assert not unknown, (name, unknown, "Path-X is the task 'pathfinder128'")
+
+
+def _attend(query, key, value, bias=None, mask=None, *, dropout_rate=0.0, dropout_rng=None,
+            **kwargs):
+  del bias, mask, dropout_rate, dropout_rng, kwargs
+  return query
+
+
+def test_capabilities_are_declared_and_checked_against_the_function():
+  spec = dataclasses.replace(registry.get_variant("dot_product"), name="x_caps", fn=_attend,
+                             options={}, presets={}, takes=())
+  # The function names dropout's arguments: the registration must say so.
+  with pytest.raises(ValueError, match=r"'x_caps': its function takes dropout_rate, dropout_rng, "
+                                       r"so register it with 'dropout' in takes"):
+    registry.register(spec)
+  # A capability the function cannot take (no argument by name, no **kwargs).
+  no_kwargs = lambda query, key, value, bias=None, mask=None: query
+  with pytest.raises(ValueError, match=r"declares 'query_positions' in takes, but its function "
+                                       r"takes neither query_positions by name nor \*\*kwargs"):
+    registry.register(dataclasses.replace(spec, fn=no_kwargs, takes=("query_positions",)))
+  with pytest.raises(ValueError, match=r"unknown capability of variant 'x_caps': 'dropuot'\. "
+                                       r"Did you mean 'dropout'\?"):
+    registry.register(dataclasses.replace(spec, takes=("dropout", "dropuot")))
+  assert "x_caps" not in registry.list_variants()
+
+
+def test_what_the_layer_passes_is_read_from_the_declarations():
+  # Each capability names what MultiHeadAttention then passes (tests/layers check the
+  # passing itself); the registered variants declare what their functions take.
+  assert registry.get_variant("dot_product").can("dropout")
+  assert not registry.get_variant("linformer").can("dropout")
+  assert registry.get_variant("luong_local").can("query_positions")
+  assert registry.get_variant("disagreement").can("aux_losses")
+  assert registry.get_variant("performer").can("recurrent_state")
+  with pytest.raises(ValueError, match="unknown capability 'carry'"):
+    registry.get_variant("dot_product").can("carry")
+  for name in registry.list_variants():
+    spec = registry.get_variant(name)
+    assert set(spec.takes) <= set(registry.CAPABILITIES), name
+    assert set(spec.option_routes) == set(spec.options), name
+
+
+def test_options_are_routed_once_at_registration():
+  performer = registry.get_variant("performer").option_routes
+  assert performer["num_features"] == ("extras",)  # a field of its feature module
+  assert performer["kernel"] == ("extras", "fn")  # the module's field and the function's
+  assert performer["chunk_size"] == ("fn",)
+  fixed = registry.get_variant("fixed_head_size").option_routes
+  assert fixed["head_dim"] == ("layer",) and fixed["scale"] == ("fn",)
+  # A mixer of its own takes every option as a field of its module.
+  assert set(registry.get_variant("perceiver").option_routes.values()) == {("layer",)}

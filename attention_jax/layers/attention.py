@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import inspect
 import math
 from typing import Any, Callable, Mapping, Optional, Tuple
 
@@ -198,7 +196,7 @@ class MultiHeadAttention(nn.Module):
     q_offset = 0
     # A variant with a recurrent state (linear attention) decodes from it: the
     # cache holds the state and a position counter, not the keys and values.
-    recurrent = self.decode and "recurrent_state" in inspect.signature(spec.fn).parameters
+    recurrent = self.decode and spec.can("recurrent_state")
     if recurrent:
       q_offset = self._count_decoded(q_len)
       q_positions = q_positions + q_offset
@@ -240,17 +238,17 @@ class MultiHeadAttention(nn.Module):
     if spec.extras is not None:
       options.update(self._variant_arrays(spec, options, query, key, value, deterministic))
     if self.dropout_rate > 0.0 and not deterministic:
-      if "dropout_rate" not in inspect.signature(spec.fn).parameters:
+      if not spec.can("dropout"):
         raise ValueError(f"attention variant {self.attention!r} has no attention weights to drop; "
                          f"got dropout_rate={self.dropout_rate}: set it to 0 for this variant.")
       options.update(dropout_rate=self.dropout_rate, dropout_rng=self.make_rng("dropout"))
     if spec.carries:
       options["carry"] = {k: carry[k] for k in spec.carries if carry and k in carry}
-    if "query_positions" in inspect.signature(spec.fn).parameters:
+    if spec.can("query_positions"):
       # Variants that place each query (Luong's local-m) see its position,
       # offset while decoding.
       options["query_positions"] = q_positions
-    if "sow_loss" in inspect.signature(spec.fn).parameters:
+    if spec.can("aux_losses"):
       # Variants with auxiliary losses (disagreement regularisers) hand them
       # back through this callback; the trainer adds the "losses" collection
       # to the loss (`train.steps.sown_losses`).
@@ -291,13 +289,12 @@ class MultiHeadAttention(nn.Module):
 
   def _variant_arrays(self, spec: registry.VariantSpec, options: dict, query: Array, key: Array,
                       value: Array, deterministic: bool) -> dict:
-    """Builds the variant's `extras` module from the options naming its fields
-    and returns the arrays it makes for `spec.fn`. An option goes to the module
-    only, unless `spec.fn` takes it too (Performer's `kernel`): then to both."""
-    fields = {f.name for f in dataclasses.fields(spec.extras)} - {"parent", "name"}
-    fn_parameters = inspect.signature(spec.fn).parameters
-    module_options = {name: options[name] if name in fn_parameters else options.pop(name)
-                      for name in list(options) if name in fields}
+    """Builds the variant's `extras` module from the options routed to it
+    (`spec.option_routes`) and returns the arrays it makes for `spec.fn`. An
+    option routed to both (Performer's `kernel`) stays in `options` too."""
+    routes = spec.option_routes
+    module_options = {name: options[name] if "fn" in routes[name] else options.pop(name)
+                      for name in list(options) if "extras" in routes.get(name, ())}
     return spec.extras(**module_options, name="variant")(query, key, value,
                                                          deterministic=deterministic)
 
@@ -457,26 +454,18 @@ class HeadProjection(nn.Module):
     return y if bias is None else y + bias
 
 
-# What MultiHeadAttention passes to every variant's function itself.
-_LAYER_ARGUMENTS = frozenset({"query", "key", "value", "bias", "mask", "is_causal",
-                              "query_seq_lengths", "key_value_seq_lengths", "segment_ids",
-                              "dropout_rate", "dropout_rng", "carry", "query_positions"})
-
-
 def _call_arguments(spec: "registry.VariantSpec", arguments: Mapping[str, Any],
                     options: Mapping[str, Any]) -> dict:
   """`attention_arguments`, checked: each a keyword of `spec.fn` that neither
   the layer nor the options (or the variant's extras) already give."""
-  takes = [name for name, p in inspect.signature(spec.fn).parameters.items()
-           if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD) and name not in _LAYER_ARGUMENTS]
   for name in arguments:
     if name in options:
       raise ValueError(f"attention_arguments sets {name!r}, which attention_options or the "
                        f"variant's own arrays already set for {spec.name!r}.")
-    if name not in takes:
+    if name not in spec.call_arguments:
       raise ValueError(f"attention variant {spec.name!r} takes no attention argument {name!r}; "
-                       f"its function takes: {', '.join(takes) or 'none'} (masks, dropout "
-                       f"and the carry are the layer's own arguments).")
+                       f"its function takes: {', '.join(spec.call_arguments) or 'none'} (masks, "
+                       f"dropout and the carry are the layer's own arguments).")
   return dict(arguments)
 
 

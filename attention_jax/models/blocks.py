@@ -64,10 +64,12 @@ def make_mixer(config: ModelConfig, variant: str, **module_kwargs) -> nn.Module:
                        f"{spec.decoding_refusal}.")
     kwargs["decode"] = True
   options = dict(config.options_for(variant))
-  if spec.qkv or spec.mixer == registry.ATTENTION_MIXER:
-    # An option that sets a layer field (fixed_head_size's head_dim) goes to
-    # the layer; the others are the attention function's.
-    kwargs.update({name: options.pop(name) for name in spec.module_options if name in options})
+  # Each option where its registration routes it: a layer field (fixed_head_size's
+  # head_dim, or every option of a mixer of its own), else the attention
+  # function's options (the layer hands its extras module theirs).
+  kwargs.update({name: options.pop(name) for name in list(options)
+                 if spec.option_routes.get(name) == ("layer",)})
+  if spec.in_attention_layer:
     kwargs["attention_options"] = FrozenDict(options)
   else:
     kwargs.update(options)

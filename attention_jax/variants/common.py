@@ -16,7 +16,6 @@ keys (`[B|1, 1, 1, Tk]`, what `Encoder` passes for padding anywhere).
 
 from __future__ import annotations
 
-import inspect
 import zlib
 from typing import Callable, Optional
 
@@ -193,27 +192,6 @@ def check_query_key_sizes(variant: str, query: Array, key: Array) -> None:
   if query.shape[-1] != key.shape[-1]:
     raise ValueError(f"{variant} needs queries and keys of one size, got query dim "
                      f"{query.shape[-1]} and key dim {key.shape[-1]}.")
-
-
-# The keyword arguments a variant built on `scoring.scored_attention` passes on
-# to it (the masks of `dot_product_attention` and dropout); `passes_on_masks`
-# writes them into the variant's signature, which MultiHeadAttention and the
-# registry read (e.g. whether a variant takes attention dropout).
-PASSED_ON = tuple(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default)
-                  for name, default in (("is_causal", False), ("query_seq_lengths", None),
-                                        ("key_value_seq_lengths", None), ("segment_ids", None),
-                                        ("dropout_rate", 0.0), ("dropout_rng", None)))
-
-
-def passes_on_masks(fn):
-  """Replaces `fn`'s `**kwargs` in its signature by the arguments it passes on
-  (those it does not take by name itself, e.g. lengths it reads too)."""
-  signature = inspect.signature(fn)
-  own = [p for p in signature.parameters.values() if p.kind != inspect.Parameter.VAR_KEYWORD]
-  names = {p.name for p in own}
-  fn.__signature__ = signature.replace(
-      parameters=own + [p for p in PASSED_ON if p.name not in names])
-  return fn
 
 
 def repeat_kv_heads(key: Array, num_heads: int) -> Array:

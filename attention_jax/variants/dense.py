@@ -529,6 +529,7 @@ register_implementation("cudnn", _cudnn_attention, priority=-1, rejects=_cudnn_r
 
 registry.register(registry.VariantSpec(
     name="dot_product", fn=dot_product_attention, family="dense", complexity="O(T^2)",
+    takes=("dropout",),
     subquadratic=False, exact=True, causal=True, cross=True, paper="Vaswani et al. 2017",
     options=dict(
         implementation="'xla', 'blockwise', 'pallas', 'cudnn', ...; None picks the best here",

@@ -367,7 +367,6 @@ def check_regularizers(regularizers: Tuple[str, ...]) -> Tuple[str, ...]:
   return tuple(regularizers)
 
 
-@common.passes_on_masks
 def disagreement_attention(query: Array, key: Array, value: Array, bias: Optional[Array] = None,
                            mask: Optional[Array] = None, *,
                            regularizers: Tuple[str, ...] = DISAGREEMENT_REGULARIZERS,
@@ -663,6 +662,7 @@ registry.register(registry.VariantSpec(name="grouped_query", paper="Ainslie et a
                                        **_HEADS))
 registry.register(registry.VariantSpec(
     name="talking_heads", fn=talking_heads_attention, paper="Shazeer et al. 2020",
+    takes=("dropout",),
     family="heads", complexity="O(T^2)", subquadratic=False, exact=False, causal=True,
     cross=True, extras=TalkingHeadsMixing,
     options=dict(scale="multiplies the logits q . k; 1/sqrt(D) when None",
@@ -679,6 +679,7 @@ registry.register(registry.VariantSpec(
                  scale="multiplies the logits; 1/sqrt(D) when None")))
 registry.register(registry.VariantSpec(
     name="disagreement", fn=disagreement_attention, paper="Li et al. 2018", family="heads",
+    takes=("dropout", "aux_losses"),
     complexity="O(T^2)", subquadratic=False, exact=True, causal=True, cross=True,
     options=dict(regularizers="which disagreements to maximise: 'subspace', 'position', "
                               "'output'",

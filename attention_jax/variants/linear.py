@@ -705,7 +705,7 @@ _FEATURES = dict(num_features="random features m",
                               "(1: every step; 0: never); evaluation keeps the last draw",
                  scale="multiplies q and k's product; 1/sqrt(D) when None")
 registry.register(registry.VariantSpec(
-    name="linear", fn=linear_attention, complexity="O(T D Dv)",
+    name="linear", takes=("recurrent_state",), fn=linear_attention, complexity="O(T D Dv)",
     paper="Katharopoulos et al. 2020",
     options=dict(_CHUNK, epsilon="added to the normaliser (the LRA release: 1e-6)",
                  **_MASK_PADDING),
@@ -716,7 +716,7 @@ registry.register(registry.VariantSpec(
             "padding mask (padded tokens are attended).")},
     **_LINEAR))
 registry.register(registry.VariantSpec(
-    name="performer", fn=performer_attention, complexity="O(T m D)",
+    name="performer", takes=("recurrent_state",), fn=performer_attention, complexity="O(T m D)",
     paper="Choromanski et al. 2021", extras=PerformerFeatures,
     options=dict(
         _FEATURES,
@@ -739,6 +739,7 @@ registry.register(registry.VariantSpec(
     **_LINEAR))
 registry.register(registry.VariantSpec(
     name="rfa", fn=rfa_attention, complexity="O(T m D)", paper="Peng et al. 2021",
+    takes=("recurrent_state",),
     extras=RfaFeatures,
     options=dict(_FEATURES, gated="learned forget gates (causal RFA-Gate)",
                  normalize="unit-norm queries and keys before the features", **_CHUNK),

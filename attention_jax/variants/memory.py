@@ -156,7 +156,7 @@ class PersistentMemory(nn.Module):
 
 
 registry.register(registry.VariantSpec(
-    name="persistent_memory", fn=persistent_memory_attention, family="memory",
+    name="persistent_memory", takes=("dropout",), fn=persistent_memory_attention, family="memory",
     complexity="O(T^2 + T N)", subquadratic=False, exact=True, causal=True, cross=True,
     paper="Sukhbaatar et al. 2019", extras=PersistentMemory,
     options=dict(num_memory_slots="N learned key/value vectors per K/V head",

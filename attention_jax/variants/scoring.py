@@ -85,7 +85,6 @@ def scored_attention(query: Array, key: Array, value: Array, score: ScoreFn,
   return common.weighted_values(weights, inputs.value).astype(query.dtype)
 
 
-@common.passes_on_masks
 def additive_attention(query: Array, key: Array, value: Array, bias: Optional[Array] = None,
                        mask: Optional[Array] = None, *, query_kernel: Array, key_kernel: Array,
                        score_vector: Array, **kwargs) -> Array:
@@ -113,7 +112,6 @@ def additive_attention(query: Array, key: Array, value: Array, bias: Optional[Ar
   return scored_attention(query, key, value, score, bias, mask, **kwargs)
 
 
-@common.passes_on_masks
 def luong_dot_attention(query: Array, key: Array, value: Array, bias: Optional[Array] = None,
                         mask: Optional[Array] = None, **kwargs) -> Array:
   """Luong's dot score: score(q, k) = q . k (no 1/sqrt(D) scale)."""
@@ -121,7 +119,6 @@ def luong_dot_attention(query: Array, key: Array, value: Array, bias: Optional[A
   return scored_attention(query, key, value, dot_score, bias, mask, **kwargs)
 
 
-@common.passes_on_masks
 def luong_general_attention(query: Array, key: Array, value: Array,
                             bias: Optional[Array] = None, mask: Optional[Array] = None, *,
                             score_kernel: Array, **kwargs) -> Array:
@@ -130,7 +127,6 @@ def luong_general_attention(query: Array, key: Array, value: Array,
   return scored_attention(query, key, value, score, bias, mask, **kwargs)
 
 
-@common.passes_on_masks
 def luong_concat_attention(query: Array, key: Array, value: Array,
                            bias: Optional[Array] = None, mask: Optional[Array] = None, *,
                            concat_kernel: Array, score_vector: Array, **kwargs) -> Array:
@@ -152,7 +148,6 @@ LUONG_LOCAL_MODES = ("predictive", "monotonic")
 LUONG_LOCAL_SCORES = ("general", "dot")
 
 
-@common.passes_on_masks
 def luong_local_attention(query: Array, key: Array, value: Array, bias: Optional[Array] = None,
                           mask: Optional[Array] = None, *, mode: str = "predictive",
                           window: int = 10, sigma: Optional[float] = None,
@@ -241,7 +236,6 @@ _VECTOR_INIT = nn.initializers.lecun_normal(in_axis=-1, out_axis=-1, batch_axis=
 NADARAYA_WATSON_KERNELS = ("gaussian", "average")
 
 
-@common.passes_on_masks
 def nadaraya_watson_attention(query: Array, key: Array, value: Array,
                               bias: Optional[Array] = None, mask: Optional[Array] = None, *,
                               kernel: str = "gaussian", width: float = 1.0,
@@ -360,19 +354,21 @@ _SCORING = dict(family="scoring", complexity="O(T^2)", subquadratic=False, exact
                 causal=True, cross=True)
 _WIDTH = dict(attention_dim="A, the width of the tanh layer; the head dim when None")
 registry.register(registry.VariantSpec(
-    name="additive", fn=additive_attention, paper="Bahdanau et al. 2015",
+    name="additive", takes=("dropout",), fn=additive_attention, paper="Bahdanau et al. 2015",
     extras=AdditiveScore, options=_WIDTH, **_SCORING))
 registry.register(registry.VariantSpec(
     name="luong_dot", fn=luong_dot_attention, paper="Luong et al. 2015", options={},
+    takes=("dropout",),
     **_SCORING))
 registry.register(registry.VariantSpec(
-    name="luong_general", fn=luong_general_attention, paper="Luong et al. 2015",
+    name="luong_general", takes=("dropout",), fn=luong_general_attention, paper="Luong et al. 2015",
     extras=GeneralScore, options={}, **_SCORING))
 registry.register(registry.VariantSpec(
-    name="luong_concat", fn=luong_concat_attention, paper="Luong et al. 2015",
+    name="luong_concat", takes=("dropout",), fn=luong_concat_attention, paper="Luong et al. 2015",
     extras=ConcatScore, options=_WIDTH, **_SCORING))
 registry.register(registry.VariantSpec(
     name="luong_local", fn=luong_local_attention, paper="Luong et al. 2015", extras=LocalScore,
+    takes=("dropout", "query_positions"),
     options=dict(mode="'predictive' (local-p: p_t = S sigmoid(v^T tanh(W_p h_t)), the window's "
                       "softmax times a Gaussian at p_t) or 'monotonic' (local-m: p_t = t, the "
                       "window's softmax alone)",
@@ -385,6 +381,7 @@ registry.register(registry.VariantSpec(
     **_SCORING))
 registry.register(registry.VariantSpec(
     name="nadaraya_watson", fn=nadaraya_watson_attention, paper="Nadaraya 1964; Watson 1964",
+    takes=("dropout",),
     extras=NadarayaWatsonWidth,
     options=dict(kernel="'gaussian' (exp(-|q - k|^2 / 2 w^2)) or 'average' (mean pooling)",
                  width="w, the Gaussian kernel's width",

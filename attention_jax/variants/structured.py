@@ -116,7 +116,6 @@ def linear_chain_marginals(unary: Array, transition: Array,
   return jnp.where(allowed, jax.nn.sigmoid(log_odds), 0.0)
 
 
-@common.passes_on_masks
 def structured_crf_attention(query: Array, key: Array, value: Array,
                              bias: Optional[Array] = None, mask: Optional[Array] = None, *,
                              transition: Optional[Array] = None, normalize: bool = False,
@@ -364,7 +363,7 @@ def graph_attention(query: Array, key: Array, value: Array, bias: Optional[Array
 
 _STRUCTURED = dict(family="scoring", causal=True, cross=True)
 registry.register(registry.VariantSpec(
-    name="structured_crf", fn=structured_crf_attention, paper="Kim et al. 2017",
+    name="structured_crf", takes=("dropout",), fn=structured_crf_attention, paper="Kim et al. 2017",
     complexity="O(T^2)", subquadratic=False, exact=False, extras=CRFTransition,
     options=dict(normalize="divide the CRF marginals by their sum (False: the paper's "
                            "weights, which need not sum to 1)"),
@@ -372,6 +371,6 @@ registry.register(registry.VariantSpec(
 # Exact: softmax attention under the graph's mask. Quadratic as a layer (with
 # no graph or a dense adjacency); edge lists cost O(E).
 registry.register(registry.VariantSpec(
-    name="graph", fn=graph_attention, paper="Velickovic et al. 2018",
+    name="graph", takes=("dropout",), fn=graph_attention, paper="Velickovic et al. 2018",
     complexity="O(T^2); O(E) with edge lists", subquadratic=False, exact=True,
     options=dict(scale="logit scale; 1/sqrt(D) when None"), **_STRUCTURED))

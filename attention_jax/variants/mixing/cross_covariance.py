@@ -110,5 +110,6 @@ class CrossCovarianceTemperature(nn.Module):
 
 registry.register(registry.VariantSpec(
     name="xca", fn=cross_covariance_attention, family="mixing", complexity="O(T D^2)",
+    takes=("dropout",),
     subquadratic=True, exact=False, causal=False, cross=False, paper="El-Nouby et al. 2021",
     extras=CrossCovarianceTemperature))

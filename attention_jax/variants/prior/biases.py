@@ -50,7 +50,6 @@ def _prior_attention(query: Array, key: Array, value: Array, prior: Array,
 # Gaussian Transformer: a learned prior on the distance i - j.
 
 
-@common.passes_on_masks
 def gaussian_transformer_attention(query: Array, key: Array, value: Array,
                                    bias: Optional[Array] = None, mask: Optional[Array] = None, *,
                                    distance_weight: Array, distance_bias: Array,
@@ -119,6 +118,7 @@ class GaussianDistancePrior(nn.Module):
 
 registry.register(registry.VariantSpec(
     name="gaussian_transformer", fn=gaussian_transformer_attention, family="prior",
+    takes=("dropout", "query_positions"),
     complexity="O(T^2)", subquadratic=False, exact=False, causal=True, cross=True,
     paper="Guo et al. 2019", extras=GaussianDistancePrior,
     options=dict(initial_weight="w at initialisation, per head (the prior -|w (i-j)^2 + b|)",
@@ -130,7 +130,6 @@ registry.register(registry.VariantSpec(
 # Localness modelling: a Gaussian bias with a predicted centre and window.
 
 
-@common.passes_on_masks
 def gaussian_local_attention(query: Array, key: Array, value: Array,
                              bias: Optional[Array] = None, mask: Optional[Array] = None, *,
                              position_kernel: Array, center_vector: Array, window_vector: Array,
@@ -214,6 +213,7 @@ class LocalnessPredictor(nn.Module):
 
 registry.register(registry.VariantSpec(
     name="gaussian_local", fn=gaussian_local_attention, family="prior", complexity="O(T^2)",
+    takes=("dropout",),
     subquadratic=False, exact=False, causal=True, cross=True, paper="Yang et al. 2018",
     extras=LocalnessPredictor,
     options=dict(scale="multiplies the q . k logits; 1/sqrt(D) when None")))
@@ -292,7 +292,6 @@ def conditional_block_bias(block_logits: Array, gamma: Array, beta: Array,
   return jnp.where(same_block, logits[None] * gamma_columns + beta_columns, 0.0)
 
 
-@common.passes_on_masks
 def conditional_adapter_attention(query: Array, key: Array, value: Array,
                                   bias: Optional[Array] = None, mask: Optional[Array] = None, *,
                                   block_logits: Array, task_embeddings: Array, film_kernel: Array,
@@ -387,6 +386,7 @@ class TaskConditioning(nn.Module):
 
 registry.register(registry.VariantSpec(
     name="conditional_adapter", fn=conditional_adapter_attention, family="prior",
+    takes=("dropout",),
     complexity="O(T^2)", subquadratic=False, exact=False, causal=True, cross=False,
     paper="Pilault et al. 2021", extras=TaskConditioning,
     options=dict(num_tasks="K, the number of tasks (task_ids in [0, K))",

@@ -110,6 +110,7 @@ def _realformer_initial_carry(batch: int, length: int, num_heads: int) -> Dict[s
 
 registry.register(registry.VariantSpec(
     name="realformer", fn=realformer_attention, family="prior", complexity="O(T^2)",
+    takes=("dropout",),
     subquadratic=False, exact=False, causal=True, cross=True, paper="He et al. 2020",
     options=dict(residual_weight="w: weight of the previous layer's scores (0: vanilla)",
                  scale="multiplies the logits; 1/sqrt(D) when None"),
@@ -264,6 +265,7 @@ def _predictive_initial_carry(batch: int, length: int, num_heads: int) -> Dict[s
 
 registry.register(registry.VariantSpec(
     name="predictive", fn=predictive_attention, family="prior", complexity="O(T^2)",
+    takes=("dropout",),
     subquadratic=False, exact=False, causal=True, cross=True, paper="Wang et al. 2021",
     extras=PredictiveConvolution,
     options=dict(previous_weight="a: S = (1 - a) q . k + a conv(previous map); 0 is vanilla",

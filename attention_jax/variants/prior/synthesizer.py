@@ -287,7 +287,7 @@ _COMMON = dict(max_length="longest key sequence the synthetic logits cover",
 _RANDOM = dict(_COMMON, trainable="learn the random logits (else fixed per layer)",
                logits_init="'normal' or 'xavier_uniform' (the LRA release) initial logits")
 registry.register(registry.VariantSpec(
-    name="synthesizer_dense", extras=DenseSyntheticLogits,
+    name="synthesizer_dense", takes=("dropout",), extras=DenseSyntheticLogits,
     options=dict(_COMMON, hidden_dim="width of the logit MLP; the head dim when None"),
     presets={"lra_release": registry.Preset(
         options=dict(mix_dot_product=True, logits_init="xavier_uniform"),
@@ -303,9 +303,10 @@ registry.register(registry.VariantSpec(
 _TABLE_NOT_DECODABLE = ("its learned [T, T] logits are indexed by each query's row in the call, "
                         "not by its position in the sequence")
 registry.register(registry.VariantSpec(name="synthesizer_random", extras=RandomSyntheticLogits,
+                                       takes=("dropout",),
                                        options=_RANDOM, not_decodable=_TABLE_NOT_DECODABLE,
                                        **_SYNTHESIZER))
 registry.register(registry.VariantSpec(
-    name="synthesizer_factorized", extras=FactorizedSyntheticLogits,
+    name="synthesizer_factorized", takes=("dropout",), extras=FactorizedSyntheticLogits,
     not_decodable=_TABLE_NOT_DECODABLE,
     options=dict(_RANDOM, rank="rank of the factorised logits"), **_SYNTHESIZER))
