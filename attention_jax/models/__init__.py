@@ -1,5 +1,7 @@
 """Models built from one `ModelConfig`: the encoder and its layer stack, the
-classifiers (one sequence or a pair), the causal language model, and `build_model`."""
+classifiers (one sequence or a pair), the causal language model, the
+encoder-decoders, section H's architectures, and `build_model`, which builds
+the kind a config names from the table of kinds (`models/kinds.py`)."""
 
 from __future__ import annotations
 
@@ -7,29 +9,21 @@ from typing import Any, Mapping, Union
 
 from attention_jax.models.blocks import Block, make_mixer
 from attention_jax.models.classifier import DualEncoderClassifier, SequenceClassifier
-from attention_jax.models.config import (MODEL_KINDS, POOLINGS, REMAT_POLICIES, RESIDUALS,
-                                         ModelConfig, attention_options_config,
-                                         default_model_config)
+from attention_jax.models.config import (POOLINGS, REMAT_POLICIES, RESIDUALS, ModelConfig,
+                                         attention_options_config, default_model_config)
 from attention_jax.models.encoder import Encoder, VectorEncoder
 from attention_jax.models.encoder_decoder import TransformerEncoderDecoder
 from attention_jax.models.funnel import FunnelTransformer
 from attention_jax.models.hierarchical import HierarchicalTransformer
+from attention_jax.models.kinds import KINDS, MODEL_KINDS, ModelKind, get_kind
 from attention_jax.models.language_model import LanguageModel
 from attention_jax.models.seq2seq import RNNEncoderDecoder
 from attention_jax.models.stack import LayerStack, initial_carry, run_layers
 from attention_jax.models.vit import VisionTransformer
 
 Model = Union[SequenceClassifier, DualEncoderClassifier, LanguageModel, RNNEncoderDecoder,
-              TransformerEncoderDecoder]
-# Section H's architectures, each a classifier of one sequence.
-ARCHITECTURES = {"vit": VisionTransformer, "funnel": FunnelTransformer,
-                 "hierarchical": HierarchicalTransformer}
-Model = Union[Model, VisionTransformer, FunnelTransformer, HierarchicalTransformer]
-
-_MODELS = {"classifier": SequenceClassifier, "dual_classifier": DualEncoderClassifier,
-           "language_model": LanguageModel, "rnn_seq2seq": RNNEncoderDecoder,
-           "transformer_seq2seq": TransformerEncoderDecoder}
-_MODELS.update(ARCHITECTURES)
+              TransformerEncoderDecoder, VisionTransformer, FunnelTransformer,
+              HierarchicalTransformer]
 
 
 def build_model(config: Union[Mapping[str, Any], ModelConfig]) -> Model:
@@ -43,7 +37,8 @@ def build_model(config: Union[Mapping[str, Any], ModelConfig]) -> Model:
   "rnn_seq2seq" an `RNNEncoderDecoder` (which reads only the keys its
   docstring lists), "transformer_seq2seq" a `TransformerEncoderDecoder`;
   "vit" a `VisionTransformer`, "funnel" a `FunnelTransformer`,
-  "hierarchical" a `HierarchicalTransformer`.
+  "hierarchical" a `HierarchicalTransformer` (the `builder` of each in
+  `KINDS`).
 
   Raises:
     ValueError: on an unknown key, name or option (with the closest valid
@@ -51,12 +46,12 @@ def build_model(config: Union[Mapping[str, Any], ModelConfig]) -> Model:
       trace.
   """
   model_config = config if isinstance(config, ModelConfig) else ModelConfig.from_config(config)
-  return _MODELS[model_config.kind](model_config)
+  return get_kind(model_config.kind).builder(model_config)
 
 
-__all__ = ["ARCHITECTURES", "Block", "DualEncoderClassifier", "Encoder", "FunnelTransformer",
-           "HierarchicalTransformer", "LanguageModel", "LayerStack", "MODEL_KINDS", "ModelConfig",
-           "POOLINGS", "REMAT_POLICIES", "RESIDUALS", "RNNEncoderDecoder", "SequenceClassifier",
-           "TransformerEncoderDecoder", "VectorEncoder", "VisionTransformer",
-           "attention_options_config", "build_model", "default_model_config", "initial_carry",
-           "make_mixer", "run_layers"]
+__all__ = ["Block", "DualEncoderClassifier", "Encoder", "FunnelTransformer",
+           "HierarchicalTransformer", "KINDS", "LanguageModel", "LayerStack", "MODEL_KINDS",
+           "ModelConfig", "ModelKind", "POOLINGS", "REMAT_POLICIES", "RESIDUALS",
+           "RNNEncoderDecoder", "SequenceClassifier", "TransformerEncoderDecoder",
+           "VectorEncoder", "VisionTransformer", "attention_options_config", "build_model",
+           "default_model_config", "get_kind", "initial_carry", "make_mixer", "run_layers"]

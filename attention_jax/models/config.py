@@ -26,17 +26,10 @@ from flax.core import FrozenDict
 from attention_jax import positional, registry
 from attention_jax.layers import ACTIVATIONS, FEED_FORWARD_LAYERS, NORMS, feed_forward_options
 
-# What `build_model` makes: a classifier of one sequence, of a pair of sequences
-# (retrieval), a causal language model, an RNN encoder-decoder with attention,
-# or a Transformer encoder-decoder.
-MODEL_KINDS = ("classifier", "dual_classifier", "language_model", "rnn_seq2seq",
-               "transformer_seq2seq")
-SEQ2SEQ_KINDS = ("rnn_seq2seq", "transformer_seq2seq")
+if typing.TYPE_CHECKING:
+  from attention_jax.models.kinds import ModelKind
+
 RNN_CELLS = ("gru", "lstm")
-# Section H's architectures, each a classifier of one sequence: a Vision
-# Transformer over image patches, a Funnel Transformer (the sequence pooled
-# between stages), a hierarchical Transformer (chunks, then the chunk vectors).
-MODEL_KINDS += ("vit", "funnel", "hierarchical")
 POOLINGS = ("cls", "mean", "max", "attention")
 # What a dual classifier's head sees of the pooled pair u, v: the LRA matching
 # model's [u, v, u * v, u - v], or Sentence-BERT's [u, v, |u - v|] (Reimers &
@@ -56,8 +49,6 @@ FEED_FORWARDS = tuple(FEED_FORWARD_LAYERS)
 # "universal", one block applied `num_layers` times with ACT halting
 # (Dehghani et al. 2019).
 STACKS = ("standard", "reversible", "universal")
-# The model kinds built on `stack.run_layers` (the RNN encoder-decoder is not).
-STACKED_KINDS = ("classifier", "dual_classifier", "language_model")
 REMAT_POLICIES = {
     "none": None,  # no remat: every activation is kept
     "full": jax.checkpoint_policies.nothing_saveable,  # only the blocks' inputs
@@ -71,7 +62,8 @@ class ModelConfig:
   """What a model is built from; every field is checked when it is made.
 
   Attributes:
-    kind: one of `MODEL_KINDS`.
+    kind: a model kind of `kinds.KINDS` (what is built, and which of the
+      fields below it reads).
     vocab_size: number of token ids.
     num_classes: labels of a classifier.
     num_layers: blocks in the stack.
@@ -291,17 +283,17 @@ class ModelConfig:
 
   def check(self) -> None:
     """Raises ValueError naming the first field that is out of range."""
-    _one_of("model kind", self.kind, MODEL_KINDS)
+    # Imported here: the table of kinds holds the model classes, which import this module.
+    from attention_jax.models import kinds  # pylint: disable=g-import-not-at-top
+    kind = kinds.get_kind(self.kind)
     for name in set(self.schedule_period) | {self.attention}:
       registry.get_mixer(name)
     _check_options(self.attention_options, self.attention_variants)
-    if self.kind in ("language_model", "transformer_seq2seq"):
+    if kind.causal:
       for name in self.schedule_period:
         if not registry.get_variant(name).causal:
           causal = [n for n in registry.list_variants("mixer") if registry.get_variant(n).causal]
-          what = "a language model" if self.kind == "language_model" else (
-              "the Transformer decoder's self-attention")
-          raise ValueError(f"{what} needs causal attention; attention {name!r} has "
+          raise ValueError(f"{kind.causal} needs causal attention; attention {name!r} has "
                            f"no causal form. Causal variants: {', '.join(causal)}.")
     positional.check_position_encoding(self.position)
     _one_of("residual", self.residual, RESIDUALS)
@@ -324,19 +316,20 @@ class ModelConfig:
                        f"pooling does.")
     _one_of("remat_policy", self.remat_policy, tuple(REMAT_POLICIES))
     _one_of("rnn_cell", self.rnn_cell, RNN_CELLS)
-    if self.kind == "transformer_seq2seq" and not registry.get_variant(self.cross_variant).cross:
+    if "cross_attention" in kind.fields and not registry.get_variant(self.cross_variant).cross:
       crossing = [n for n in registry.list_variants("mixer") if registry.get_variant(n).cross]
       raise ValueError(f"model.cross_attention {self.cross_variant!r} has no cross-attention "
                        f"form; variants with one: {', '.join(crossing)}.")
-    if self.cross_attention is not None and self.kind != "transformer_seq2seq":
+    if self.cross_attention is not None and "cross_attention" not in kind.fields:
       raise ValueError(f"model.cross_attention={self.cross_attention!r} is set, but only "
-                       f"kind 'transformer_seq2seq' has cross-attention; got kind {self.kind!r}.")
-    if self.transparent_attention and self.kind != "transformer_seq2seq":
+                       f"kind {_either(kinds.kinds_reading('cross_attention'))} has "
+                       f"cross-attention; got kind {self.kind!r}.")
+    if self.transparent_attention and "transparent_attention" not in kind.fields:
       raise ValueError(f"model.transparent_attention is set, but only kind "
-                       f"'transformer_seq2seq' has a decoder to attend to every encoder layer; "
-                       f"got kind {self.kind!r}.")
-    self._check_stack()
-    if self.kind == "rnn_seq2seq" and self.decoder_attention and not registry.get_variant(
+                       f"{_either(kinds.kinds_reading('transparent_attention'))} has a decoder to "
+                       f"attend to every encoder layer; got kind {self.kind!r}.")
+    self._check_stack(kind, stacked_kinds=kinds.stacked_kinds())
+    if "decoder_attention" in kind.fields and self.decoder_attention and not registry.get_variant(
         self.attention).cross:
       raise ValueError(f"the RNN decoder attends to the encoder (cross-attention); attention "
                        f"{self.attention!r} has no cross-attention form.")
@@ -365,10 +358,11 @@ class ModelConfig:
     except TypeError as e:
       raise ValueError(f"model.dtype must name a JAX dtype such as 'float32' or 'bfloat16', "
                        f"got {self.dtype!r}.") from e
-    self._check_architectures()
+    self._check_architectures(kind)
 
-  def _check_architectures(self) -> None:
-    """The fields of the "vit", "funnel" and "hierarchical" kinds."""
+  def _check_architectures(self, kind: "ModelKind") -> None:
+    """The fields of section H's architectures, each checked for the kinds
+    that read it (`kind`: this config's kind)."""
     for name in ("patch_size", "chunk_length", "sentence_layers", "funnel_decoder_blocks"):
       value, low = getattr(self, name), 0 if name == "funnel_decoder_blocks" else 1
       if not isinstance(value, int) or isinstance(value, bool) or value < low:
@@ -378,12 +372,12 @@ class ModelConfig:
         or any(not isinstance(n, int) or isinstance(n, bool) or n < 1 for n in blocks)):
       raise ValueError(f"model.funnel_blocks must be a non-empty tuple of positive block counts, "
                        f"one per stage (e.g. (2, 2, 2)), got {blocks!r}.")
-    if self.kind in ("vit", "hierarchical") and self.position == "complex":
+    if kind.encodes_vectors and self.position == "complex":
       raise ValueError(f"model.position 'complex' is a word embedding; kind {self.kind!r} "
                        f"encodes vectors (patches, chunks) with it. Use 'learned' or "
                        f"'sinusoidal'.")
     period = len(self.schedule_period)
-    if self.kind == "vit":
+    if "patch_size" in kind.fields:
       side = math.isqrt(self.max_length)
       if side * side != self.max_length:
         raise ValueError(f"a ViT reads a square image of max_length = side^2 pixels; "
@@ -391,7 +385,7 @@ class ModelConfig:
       if side % self.patch_size:
         raise ValueError(f"model.patch_size={self.patch_size} must divide the image side "
                          f"{side} (max_length={self.max_length} pixels).")
-    if self.kind == "funnel":
+    if "funnel_blocks" in kind.fields:
       pooled_queries = self.funnel_pool_queries_only and len(blocks) > 1
       for name in self.schedule_period if pooled_queries else ():
         if not registry.get_variant(name).cross:
@@ -408,7 +402,7 @@ class ModelConfig:
                          f"funnel_blocks={blocks} and funnel_decoder_blocks="
                          f"{self.funnel_decoder_blocks} have {tuple(stacks)} blocks (a pooling "
                          f"block not counted), not multiples of {period}.")
-    if self.kind == "hierarchical":
+    if "chunk_length" in kind.fields:
       if self.pooling not in ("cls", "mean", "max"):
         raise ValueError(f"model.pooling of a hierarchical Transformer must be 'cls', 'mean' or "
                          f"'max' (a chunk's vector is the sentence encoder's E-wide input), got "
@@ -421,9 +415,10 @@ class ModelConfig:
                          f"{self.schedule_period}; model.sentence_layers="
                          f"{self.sentence_layers} is not a multiple of {period}.")
 
-  def _check_stack(self) -> None:
+  def _check_stack(self, kind: "ModelKind", stacked_kinds: Tuple[str, ...]) -> None:
     """The stack and its fields; each error names the field, the value and what
-    would be accepted."""
+    would be accepted (`kind`: this config's kind;
+    `stacked_kinds`: the kinds whose stack may be chosen)."""
     _one_of("stack", self.stack, STACKS)
     if not 0.0 <= self.layer_drop_rate <= 1.0:
       raise ValueError(f"model.layer_drop_rate must be in [0, 1], got {self.layer_drop_rate!r}.")
@@ -435,9 +430,9 @@ class ModelConfig:
                        f"{self.ponder_cost_weight!r}.")
     if self.stack == "standard":
       return
-    if self.kind not in STACKED_KINDS:
+    if not kind.stacked:
       raise ValueError(f"model.stack={self.stack!r} stacks the layers of the models built on the "
-                       f"layer stack ({', '.join(STACKED_KINDS)}); model.kind={self.kind!r} has "
+                       f"layer stack ({', '.join(stacked_kinds)}); model.kind={self.kind!r} has "
                        f"none: use stack='standard'.")
     if self.layer_drop_rate > 0.0:
       raise ValueError(f"model.layer_drop_rate={self.layer_drop_rate} skips blocks of the "
@@ -562,6 +557,11 @@ def _check_options(options: Mapping[str, Any], variants: Tuple[str, ...]) -> Non
       raise ValueError(f"no variant of layer_attention {variants} has option {key!r}."
                        f"{registry.did_you_mean(key, declared)} Their options are: "
                        f"{', '.join(sorted(declared))}.")
+
+
+def _either(names: Tuple[str, ...]) -> str:
+  """`'a'`, or `'a' or 'b'`, for an error message."""
+  return " or ".join(map(repr, names))
 
 
 def _one_of(what: str, value: Any, valid: Tuple[str, ...]) -> None:

@@ -1,5 +1,7 @@
 """What a model is trained to do: how it is called on a batch and what its
-logits are scored against. One objective per model kind of `build_model`.
+logits are scored against. Each model kind names its objective in the table
+of kinds (`attention_jax.models.kinds`); kinds that share one (the
+classifiers of one sequence, the two encoder-decoders) share it here too.
 
 An objective's `model_call(module, batch, deterministic) -> logits` is passed to
 flax as `method=`, so the same function initialises the model
@@ -18,6 +20,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from attention_jax.models.kinds import get_kind
+
 # Token id 0 is padding in every task (see attention_jax.data).
 PAD_ID = 0
 
@@ -33,7 +37,7 @@ class Objective:
   """How a model kind is called and scored.
 
   Attributes:
-    name: the model kind (`config.model.kind`).
+    name: its name, the `objective` of the model kinds it trains.
     model_call: `(module, batch, deterministic) -> logits [B, ..., C]`.
     targets: `batch -> (labels [B, ...] int, weights [B, ...] float)`.
     sequence_keys: the batch arrays that are token sequences (the model reads
@@ -116,26 +120,17 @@ def _decoded(model: nn.Module, variables: Any, batch: Batch) -> Dict[str, jax.Ar
               decoded_token_count=jnp.sum(scored * weight[:, None]))
 
 
-OBJECTIVES: Dict[str, Objective] = {
-    "classifier": Objective("classifier", _classify, _example_labels),
-    "dual_classifier": Objective("dual_classifier", _classify_pair, _example_labels,
-                                 sequence_keys=("inputs", "inputs2")),
-    "language_model": Objective("language_model", _next_token_logits, _next_tokens),
-    "rnn_seq2seq": Objective("rnn_seq2seq", _teacher_forced, _target_tokens,
-                             sequence_keys=("inputs", "targets"), eval_sums=_decoded),
-    "transformer_seq2seq": Objective("transformer_seq2seq", _teacher_forced, _target_tokens,
-                                     sequence_keys=("inputs", "targets"), eval_sums=_decoded),
-}
-# The architectures of section H classify one sequence as the classifier does.
-CLASSIFIER_KINDS = ("classifier", "vit", "funnel", "hierarchical")
-OBJECTIVES.update({kind: Objective(kind, _classify, _example_labels)
-                   for kind in CLASSIFIER_KINDS[1:]})
-CLASSIFY = OBJECTIVES["classifier"]
+OBJECTIVES: Dict[str, Objective] = {objective.name: objective for objective in (
+    Objective("classify", _classify, _example_labels),
+    Objective("classify_pair", _classify_pair, _example_labels,
+              sequence_keys=("inputs", "inputs2")),
+    Objective("next_token", _next_token_logits, _next_tokens),
+    Objective("teacher_forced", _teacher_forced, _target_tokens,
+              sequence_keys=("inputs", "targets"), eval_sums=_decoded),
+)}
+CLASSIFY = OBJECTIVES["classify"]
 
 
 def get_objective(kind: str) -> Objective:
   """The objective of model kind `kind`; an unknown kind raises ValueError."""
-  if kind not in OBJECTIVES:
-    raise ValueError(f"no objective for model kind {kind!r}; valid kinds are: "
-                     f"{', '.join(OBJECTIVES)}.")
-  return OBJECTIVES[kind]
+  return OBJECTIVES[get_kind(kind).objective]

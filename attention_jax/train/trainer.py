@@ -43,14 +43,13 @@ import numpy as np
 
 from attention_jax import data as lra_data
 from attention_jax import registry
-from attention_jax.models import build_model
-from attention_jax.models.config import SEQ2SEQ_KINDS
+from attention_jax.models import build_model, kinds
 from attention_jax.train import partitioning
 from attention_jax.train.checkpoints import Checkpointer
 from attention_jax.train.config import (apply_attention_preset, check_config,
                                          config_differences)
 from attention_jax.train.metrics import MetricsLogger, peak_memory
-from attention_jax.train.objectives import CLASSIFIER_KINDS, get_objective
+from attention_jax.train.objectives import get_objective
 from attention_jax.train.optim import make_optimizer
 from attention_jax.train.provenance import device_summary, git_revision
 from attention_jax.train.state import (MEMORY_COLLECTION, abstract_state_and_shardings,
@@ -216,7 +215,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
         state = state.replace(collections={**state.collections, MEMORY_COLLECTION: memory})
       sums = out if sums is None else jax.tree.map(lambda a, b: a + b, sums, out)
     summary = summarize_eval(sums)
-    if objective.name == "language_model":
+    if objective.name == "next_token":
       summary["bits_per_token"] = summary["loss"] / math.log(2)
     return summary
 
@@ -439,10 +438,9 @@ def _completed(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   if config.sequence_shards > 1:
     _attend_over_the_ring(config)
   info = lra_data.get_task(config.task, **task_options(config)).info
-  kinds = (("dual_classifier",) if info.dual else SEQ2SEQ_KINDS if info.target_len
-           else ("language_model",) if info.stream else CLASSIFIER_KINDS + ("language_model",))
-  if config.model.kind not in kinds:
-    raise ValueError(f"task {config.task!r} needs model.kind {' or '.join(map(repr, kinds))}, "
+  fitting = kinds.kinds_for_task(info)
+  if config.model.kind not in fitting:
+    raise ValueError(f"task {config.task!r} needs model.kind {' or '.join(map(repr, fitting))}, "
                      f"got {config.model.kind!r}.")
   filled = dict(vocab_size=info.vocab_size, num_classes=info.num_classes,
                 max_length=info.seq_len)
@@ -452,7 +450,10 @@ def _completed(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   if config.model.vocab_size < info.vocab_size:
     raise ValueError(f"model.vocab_size={config.model.vocab_size} is smaller than task "
                      f"{config.task!r}'s vocabulary of {info.vocab_size} tokens.")
-  if config.model.kind != "language_model" and config.model.num_classes != info.num_classes:
+  # A model predicting the next token of its input has the vocabulary for
+  # classes, whatever labels the task has.
+  if (kinds.get_kind(config.model.kind).objective != "next_token"
+      and config.model.num_classes != info.num_classes):
     raise ValueError(f"model.num_classes={config.model.num_classes} but task {config.task!r} "
                      f"has {info.num_classes} classes.")
   if config.model.max_length < info.seq_len:
