@@ -43,11 +43,7 @@ def compile_step(variant: str, length: int, num_layers: int, mode: str, *, batch
   """Compiles the text model's train step once; its compile time and memory."""
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  from attention_jax.models import build_model  # pylint: disable=g-import-not-at-top
-  from attention_jax.train import partitioning  # pylint: disable=g-import-not-at-top
-  from attention_jax.train.optim import make_optimizer  # pylint: disable=g-import-not-at-top
-  from attention_jax.train.state import abstract_state_and_shardings  # pylint: disable=g-import-not-at-top
-  from attention_jax.train.steps import make_train_step  # pylint: disable=g-import-not-at-top
+  from attention_jax.train.run import build_run  # pylint: disable=g-import-not-at-top
   from experiments.benchmark_attention import compiled_memory  # pylint: disable=g-import-not-at-top
   from experiments.benchmark_lra_speed import text_model_config  # pylint: disable=g-import-not-at-top
 
@@ -55,21 +51,15 @@ def compile_step(variant: str, length: int, num_layers: int, mode: str, *, batch
   config = text_model_config(variant, length)
   config.model.update(num_layers=num_layers, scan_layers=settings["scan_layers"],
                       remat_policy=remat_policy if settings["remat"] else "none")
-  model = build_model(config.model)
-  optimizer = make_optimizer(config.optimizer)
-  mesh = partitioning.make_mesh((1, 1, 1), devices=jax.devices()[:1])
+  run = build_run(config, devices=jax.devices()[:1])
   batch = dict(inputs=jax.ShapeDtypeStruct((batch_size, length), jnp.int32),
                label=jax.ShapeDtypeStruct((batch_size,), jnp.int32),
                weight=jax.ShapeDtypeStruct((batch_size,), jnp.float32))
-  state, shardings = abstract_state_and_shardings(model, optimizer, batch, mesh)
-  train_step = make_train_step(model, optimizer, mesh, shardings,
-                               rng_streams=tuple(config.rng_streams))
+  state, shardings = run.abstract_state(batch)
+  train_step = run.train_step(shardings)
   jax.clear_caches()
   started = time.perf_counter()
-  # make_train_step wraps the jitted step in the mesh context (functools.wraps
-  # keeps it as __wrapped__): lower it there.
-  compiled = partitioning.under_mesh(lambda s, b: train_step.__wrapped__.lower(s, b).compile(),
-                                     mesh)(state, batch)
+  compiled = run.compile(train_step, state, batch)
   compile_s = time.perf_counter() - started
   memory = compiled_memory(compiled) or {}
   return dict(variant=variant, length=length, num_layers=num_layers, mode=mode,

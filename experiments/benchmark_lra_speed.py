@@ -6,10 +6,10 @@ r"""The LRA paper's efficiency benchmark (Tay et al. 2020, Table 2) for one cell
 Times train steps of the byte-level text classifier (the model settings of
 `configs/lra/text.py`: 4 layers of width 256, 4 heads, MLP 1024) at one
 sequence length on random byte tokens, so no dataset is needed. The step is the
-trainer's own (`attention_jax.train.create_sharded_state` and
-`make_train_step`): AdamW, gradient and all. One variant and length per process,
-so that the peak memory is that cell's alone; `experiments.reproduce` runs the
-grid of `configs/tables/lra_speed.py` cell by cell.
+trainer's own (`attention_jax.train.run.build_run`): AdamW, gradient and all.
+One variant and length per process, so that the peak memory is that cell's
+alone; `experiments.reproduce` runs the grid of `configs/tables/lra_speed.py`
+cell by cell.
 
 What is recorded in the results file (JSON):
 
@@ -89,11 +89,8 @@ def measure(variant: str, length: int, batch_size: int, steps: int = 10, warmup:
   """
   import jax  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
-  from attention_jax.models import build_model  # pylint: disable=g-import-not-at-top
   from attention_jax.train import partitioning  # pylint: disable=g-import-not-at-top
-  from attention_jax.train.optim import make_optimizer  # pylint: disable=g-import-not-at-top
-  from attention_jax.train.state import create_sharded_state  # pylint: disable=g-import-not-at-top
-  from attention_jax.train.steps import make_train_step  # pylint: disable=g-import-not-at-top
+  from attention_jax.train.run import build_run  # pylint: disable=g-import-not-at-top
   # pylint: disable-next=g-import-not-at-top
   from attention_jax.train.provenance import device_summary, git_revision
   from experiments import benchmark_attention as bench  # pylint: disable=g-import-not-at-top
@@ -103,6 +100,7 @@ def measure(variant: str, length: int, batch_size: int, steps: int = 10, warmup:
     if not isinstance(value, int) or value < minimum:
       raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}.")
   config = text_model_config(variant, length, overrides)
+  config.seed = seed  # of the parameters and the train step's dropout
   record: Dict[str, Any] = dict(
       variant=variant, length=length, batch_size=batch_size, steps=steps, warmup=warmup,
       overrides=overrides or {},
@@ -111,24 +109,17 @@ def measure(variant: str, length: int, batch_size: int, steps: int = 10, warmup:
       devices=device_summary(), git_revision=git_revision(), status="ok", error=None)
   on_cpu = jax.default_backend() == "cpu"
   try:
-    model = build_model(config.model)
-    optimizer = make_optimizer(config.optimizer)
-    mesh = partitioning.make_mesh((1, 1, 1), devices=jax.devices()[:1])
+    run = build_run(config, devices=jax.devices()[:1])
     rng = np.random.default_rng(seed)
     host_batch = dict(
         inputs=rng.integers(1, config.model.vocab_size, (batch_size, length), dtype=np.int32),
         label=rng.integers(0, config.model.num_classes, (batch_size,), dtype=np.int32),
         weight=np.ones((batch_size,), np.float32))
-    batch = partitioning.shard_batch(host_batch, partitioning.batch_sharding(mesh))
-    state, shardings = create_sharded_state(model, optimizer, host_batch, mesh,
-                                            rng=jax.random.key(seed))
-    train_step = make_train_step(model, optimizer, mesh, shardings, seed=seed,
-                                 rng_streams=tuple(config.rng_streams))
+    batch = partitioning.shard_batch(host_batch, partitioning.batch_sharding(run.mesh))
+    state, shardings = run.init_state(host_batch)
+    train_step = run.train_step(shardings)
     started = time.perf_counter()
-    # make_train_step wraps the jitted step in the mesh context (functools.wraps
-    # keeps it as __wrapped__): lower it there for XLA's memory analysis.
-    compiled = partitioning.under_mesh(lambda s, b: train_step.__wrapped__.lower(s, b).compile(),
-                                       mesh)(state, batch)
+    compiled = run.compile(train_step, state, batch)  # for XLA's memory analysis
     record["compile_s"] = time.perf_counter() - started
     analysed = bench.compiled_memory(compiled)
     record["compiled_memory"] = analysed

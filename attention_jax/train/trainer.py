@@ -43,18 +43,16 @@ import numpy as np
 
 from attention_jax import data as lra_data
 from attention_jax import registry
-from attention_jax.models import build_model, kinds
+from attention_jax.models import kinds
 from attention_jax.train import partitioning
 from attention_jax.train.checkpoints import Checkpointer
 from attention_jax.train.config import (apply_attention_preset, check_config,
                                          config_differences)
 from attention_jax.train.metrics import MetricsLogger, peak_memory
-from attention_jax.train.objectives import get_objective
-from attention_jax.train.optim import make_optimizer
 from attention_jax.train.provenance import device_summary, git_revision
-from attention_jax.train.state import (MEMORY_COLLECTION, abstract_state_and_shardings,
-                                       create_sharded_state)
-from attention_jax.train.steps import make_eval_step, make_train_step, summarize_eval
+from attention_jax.train.run import build_run
+from attention_jax.train.state import MEMORY_COLLECTION
+from attention_jax.train.steps import summarize_eval
 
 CONFIG_FILE = "config.json"
 RESULTS_FILE = "results.json"
@@ -139,14 +137,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
   workdir = pathlib.Path(workdir).absolute()
   check_workdir_path(workdir)
   config = _completed(config)
-  mesh = partitioning.make_mesh(config.mesh_shape, sequence_shards=config.sequence_shards)
-  rules = partitioning.axis_rules(partitioning.sequence_parallel_rules(
-      config.logical_axis_rules, config.sequence_shards))
-  partitioning.check_batch_size(config.batch_size, mesh)
-  partitioning.check_batch_size(config.eval_batch_size, mesh)
-  model = build_model(config.model)
-  objective = get_objective(config.model.kind)
-  optimizer = make_optimizer(config.optimizer)
+  run = build_run(config)
   _claim_workdir(workdir, config, overwrite)
   if (workdir / RESULTS_FILE).is_file():  # This run finished before.
     return json.loads((workdir / RESULTS_FILE).read_text())
@@ -165,7 +156,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
         task.prepare(data_dir, progress=False)
   splits = task.splits(data_dir)
   host = dict(process_index=jax.process_index(), process_count=jax.process_count())
-  batch_sharding = partitioning.batch_sharding(mesh)
+  batch_sharding = partitioning.batch_sharding(run.mesh)
   # A stream task's rows continue from step to step, and a model's memory with them.
   stream = task.info.stream
   memory_rows = config.batch_size if stream else None
@@ -174,24 +165,18 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
                        lra_data.batches(splits["train"], batch_size=config.batch_size,
                                         seed=config.seed, **host))
 
-  abstract_state, shardings = abstract_state_and_shardings(model, optimizer, example_batch, mesh,
-                                                           rules, objective=objective,
-                                                           memory_rows=memory_rows)
+  abstract_state, shardings = run.abstract_state(example_batch, memory_rows=memory_rows)
   checkpointer = Checkpointer(workdir / "checkpoints", keep=config.keep_checkpoints,
                               best_metric="accuracy", best_mode="max",
                               async_save=config.async_checkpoints)
   restored = checkpointer.restore(abstract_state, shardings)
   if restored is None:
-    state, _ = create_sharded_state(model, optimizer, example_batch, mesh, rules,
-                                    rng=jax.random.key(config.seed), objective=objective,
-                                    memory_rows=memory_rows)
+    state, _ = run.init_state(example_batch, memory_rows=memory_rows)
     start_step = 0
   else:
     state, start_step = restored
-  train_step = make_train_step(model, optimizer, mesh, shardings, seed=config.seed, rules=rules,
-                               rng_streams=tuple(config.rng_streams), objective=objective)
-  eval_step = make_eval_step(model, mesh, shardings, rules=rules, objective=objective,
-                             eval_groups=task.info.eval_groups)
+  train_step = run.train_step(shardings)
+  eval_step = run.eval_step(shardings, eval_groups=task.info.eval_groups)
 
   def evaluate(state, split: str) -> Dict[str, float]:
     source = splits[split]
@@ -215,12 +200,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
         state = state.replace(collections={**state.collections, MEMORY_COLLECTION: memory})
       sums = out if sums is None else jax.tree.map(lambda a, b: a + b, sums, out)
     summary = summarize_eval(sums)
-    if objective.name == "next_token":
+    if run.objective.name == "next_token":
       summary["bits_per_token"] = summary["loss"] / math.log(2)
     return summary
 
   total = config.num_train_steps
-  tokens_per_example = sum(example_batch[key].shape[1] for key in objective.sequence_keys)
+  tokens_per_example = sum(example_batch[key].shape[1] for key in run.objective.sequence_keys)
   logger = MetricsLogger(workdir, total_steps=total, start_step=start_step,
                          progress=config.progress,
                          description=f"{config.task}/{config.model.attention}")
@@ -369,7 +354,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
   logger.close()
 
   results = dict(config=config.to_dict(), git_revision=git_revision(),
-                 devices=device_summary(), mesh=dict(mesh.shape), num_train_steps=total,
+                 devices=device_summary(), mesh=dict(run.mesh.shape), num_train_steps=total,
                  resumed_from=start_step or None,
                  finished=datetime.datetime.now(datetime.timezone.utc).isoformat(),
                  metrics=results_metrics)

@@ -19,7 +19,8 @@ jax.config.update("jax_num_cpu_devices", 8)
 import numpy as np
 
 from attention_jax import train
-from attention_jax.models import build_model
+from attention_jax.train.config import default_config
+from attention_jax.train.run import build_run
 
 MODEL = dict(vocab_size=32, num_classes=4, num_layers=1, embed_dim=16, num_heads=2, mlp_dim=32,
              max_length=16, dropout_rate=0.1)
@@ -52,18 +53,26 @@ def error_of(fn):
   return None
 
 
-def train_on_mesh(model, optimizer, batches, shape, devices=None):
-  """The train state created on a mesh of `shape` (over `devices`, all by
-  default) and stepped once per batch: `(mesh, shardings, state, losses)`."""
-  mesh = train.make_mesh(shape, devices=devices)
-  state, shardings = train.create_sharded_state(model, optimizer, batches[0], mesh,
-                                                rng=jax.random.key(1))
-  step = train.make_train_step(model, optimizer, mesh, shardings, seed=3)
+def run_config(shape):
+  """The trainer's config of `MODEL` and `OPTIMIZER` on a mesh of `shape`."""
+  config = default_config()
+  config.model.update(MODEL)
+  config.optimizer.update(OPTIMIZER)
+  config.update(mesh_shape=shape, batch_size=BATCH, seed=3)
+  return config
+
+
+def train_on_mesh(batches, shape, devices=None):
+  """The run of `run_config(shape)` (over `devices`, all by default), its state
+  initialised and stepped once per batch: `(run, shardings, state, losses)`."""
+  run = build_run(run_config(shape), devices=devices)
+  state, shardings = run.init_state(batches[0], rng=jax.random.key(1))
+  step = run.train_step(shardings)
   losses = []
   for batch in batches:
-    state, metrics = step(state, train.shard_batch(batch, train.batch_sharding(mesh)))
+    state, metrics = step(state, train.shard_batch(batch, train.batch_sharding(run.mesh)))
     losses.append(float(metrics["loss"]))
-  return mesh, shardings, state, losses
+  return run, shardings, state, losses
 
 
 def main():
@@ -73,15 +82,12 @@ def main():
   out["mesh_errors"] = {str(shape): error_of(lambda shape=shape: train.make_mesh(shape))
                         for shape in [(3, -1, 1), (2, 2, 1), (-1, -1, 1), (2, 2), (0, 8, 1)]}
 
-  model = build_model(MODEL)
-  optimizer = train.make_optimizer(OPTIMIZER)
   batches = random_batches()
   runs = [("8,1,1", (8, 1, 1), None), ("2,4,1", (2, 4, 1), None), ("2,2,2", (2, 2, 2), None),
           ("one device", (1, 1, 1), jax.devices()[:1])]
   out["losses"] = {}
   for name, shape, devices in runs:
-    mesh, shardings, state, out["losses"][name] = train_on_mesh(model, optimizer, batches, shape,
-                                                                devices)
+    run, shardings, state, out["losses"][name] = train_on_mesh(batches, shape, devices)
     if shape == (2, 2, 2):
       params = state.params
       block = params["encoder"]["block_0"]
@@ -96,10 +102,10 @@ def main():
           "head_kernel": spec_of(params["head"]["kernel"]),
           "query_kernel_adam_mu": spec_of(mu["encoder"]["block_0"]["attention"]["query"]["kernel"]),
           "batch_inputs": spec_of(
-              train.shard_batch(batches[0], train.batch_sharding(mesh))["inputs"]),
+              train.shard_batch(batches[0], train.batch_sharding(run.mesh))["inputs"]),
       }
-      out["eval"] = train.summarize_eval(train.make_eval_step(model, mesh, shardings)(
-          state, train.shard_batch(batches[0], train.batch_sharding(mesh))))
+      out["eval"] = train.summarize_eval(run.eval_step(shardings)(
+          state, train.shard_batch(batches[0], train.batch_sharding(run.mesh))))
       uneven = {name: array[:12] for name, array in batches[0].items()}
       out["batch_error"] = error_of(
           lambda: train.shard_batch(uneven, train.batch_sharding(train.make_mesh((8, 1, 1)))))
