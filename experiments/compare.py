@@ -26,7 +26,7 @@ from absl import flags
 from ml_collections import config_flags
 
 from attention_jax.train.provenance import describe_devices
-from attention_jax.train.trainer import RESULTS_FILE
+from attention_jax.train.workdir import RESULTS_FILE
 from experiments import cli
 from experiments.tables.accuracy import training_command
 from experiments.tables.cells import run_cell

@@ -75,7 +75,7 @@ TASK_CONFIGS = [f"lra/{name}" for name in LRA_CONFIGS] + ["matching/dual_encoder
 def test_task_config_validates_and_builds_a_model_for_its_task(path, arg):
   from attention_jax import data  # pylint: disable=g-import-not-at-top
   from attention_jax.train.config import check_config  # pylint: disable=g-import-not-at-top
-  from attention_jax.train.trainer import task_options  # pylint: disable=g-import-not-at-top
+  from attention_jax.train.task_data import task_options  # pylint: disable=g-import-not-at-top
   config = _load(path).get_config(arg)
   check_config(config)
   assert config.model.attention == arg.split(",")[0]
@@ -179,7 +179,7 @@ PAPER_TEXT_LENGTH = 4000  # Tay et al. 2020: byte-level text classification at 4
 @pytest.mark.parametrize("task", sorted(RELEASE))
 def test_lra_default_is_the_lra_release_setting(task):
   from attention_jax import data  # pylint: disable=g-import-not-at-top
-  from attention_jax.train.trainer import task_options  # pylint: disable=g-import-not-at-top
+  from attention_jax.train.task_data import task_options  # pylint: disable=g-import-not-at-top
   release = RELEASE[task]
   config = _load(f"lra/{task}.py").get_config("dot_product")
   model = config.model

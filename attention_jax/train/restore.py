@@ -27,7 +27,8 @@ from attention_jax.train.checkpoints import Checkpointer
 from attention_jax.train.objectives import get_objective
 from attention_jax.train.optim import make_optimizer
 from attention_jax.train.state import abstract_state_and_shardings
-from attention_jax.train.trainer import CONFIG_FILE, task_data_dir, task_options
+from attention_jax.train.task_data import task_data_dir, task_options
+from attention_jax.train.workdir import CONFIG_FILE
 
 
 @dataclasses.dataclass(frozen=True)

@@ -25,41 +25,30 @@ Two ways a run stops early on purpose, both leaving it ready to resume:
 from __future__ import annotations
 
 import datetime
-import hashlib
 import json
 import math
-import os
 import pathlib
-import signal
-import threading
 import time
 from typing import Any, Dict, Iterator, Optional
 
 import jax
-from jax.experimental import multihost_utils
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
 from attention_jax import data as lra_data
-from attention_jax import registry
-from attention_jax.models import kinds
 from attention_jax.train import partitioning
 from attention_jax.train.checkpoints import Checkpointer
-from attention_jax.train.config import (apply_attention_preset, check_config,
-                                         config_differences)
+from attention_jax.train.completion import complete_config
 from attention_jax.train.metrics import MetricsLogger, peak_memory
 from attention_jax.train.provenance import device_summary, git_revision
 from attention_jax.train.run import build_run
+from attention_jax.train.signals import StopRequests, TrainingInterrupted
 from attention_jax.train.state import MEMORY_COLLECTION
 from attention_jax.train.steps import summarize_eval
-
-CONFIG_FILE = "config.json"
-RESULTS_FILE = "results.json"
-
-
-class WorkdirConflictError(ValueError):
-  """The workdir holds a run of a different config."""
+from attention_jax.train.task_data import prepare_splits
+from attention_jax.train.workdir import (RESULTS_FILE, check_workdir_path, claim_workdir,
+                                         write_json)
 
 
 class TrainingDivergedError(RuntimeError):
@@ -84,25 +73,6 @@ class TrainingDivergedError(RuntimeError):
         f"training diverged: the loss was {loss} (gradient norm {grad_norm}) at step {step}; "
         f"{last_good}. The same config resumed from it repeats the same steps: change it "
         f"(e.g. a lower optimizer.learning_rate) in a new workdir.")
-
-
-class TrainingInterrupted(KeyboardInterrupt):
-  """SIGINT or SIGTERM stopped training after a checkpoint of the current step.
-
-  A KeyboardInterrupt, so that `except Exception` does not swallow it.
-
-  Attributes:
-    signal_number: the signal this process received (`signal.SIGINT` or
-      `signal.SIGTERM`), or on a process of a multi-process run that stopped
-      because another process received one, that process's signal.
-    step: the step training stopped after, which is checkpointed.
-    checkpoint_path: that checkpoint's directory.
-  """
-
-  def __init__(self, *, signal_number: int, step: int, checkpoint_path: str):
-    self.signal_number, self.step, self.checkpoint_path = signal_number, step, checkpoint_path
-    super().__init__(f"interrupted by {signal.Signals(signal_number).name} after step {step}; "
-                     f"saved its checkpoint {checkpoint_path}.")
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib.Path, *,
@@ -133,28 +103,18 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
     TrainingDivergedError: a train loss or gradient norm was NaN or infinite.
     TrainingInterrupted: SIGINT or SIGTERM (with `handle_signals`).
   """
+  # -- The run: every check before anything is compiled or written. --
   # orbax needs absolute checkpoint paths.
   workdir = pathlib.Path(workdir).absolute()
   check_workdir_path(workdir)
-  config = _completed(config)
+  config = complete_config(config)
   run = build_run(config)
-  _claim_workdir(workdir, config, overwrite)
+  claim_workdir(workdir, config, overwrite)
   if (workdir / RESULTS_FILE).is_file():  # This run finished before.
     return json.loads((workdir / RESULTS_FILE).read_text())
 
-  task = lra_data.get_task(config.task, **task_options(config))
-  data_dir = task_data_dir(config)
-  if config.prepare_data:
-    # The first process prepares alone: processes sharing a filesystem would
-    # otherwise write the same files at once. The others then find the data
-    # there, or prepare their own copy on a filesystem of their own.
-    if jax.process_index() == 0:
-      task.prepare(data_dir, progress=config.progress)
-    if jax.process_count() > 1:
-      multihost_utils.sync_global_devices("attention_jax_prepare_data")
-      if jax.process_index() > 0:
-        task.prepare(data_dir, progress=False)
-  splits = task.splits(data_dir)
+  # -- Data and state: restored from the latest checkpoint, or initialised. --
+  task, splits = prepare_splits(config)
   host = dict(process_index=jax.process_index(), process_count=jax.process_count())
   batch_sharding = partitioning.batch_sharding(run.mesh)
   # A stream task's rows continue from step to step, and a model's memory with them.
@@ -178,6 +138,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
   train_step = run.train_step(shardings)
   eval_step = run.eval_step(shardings, eval_groups=task.info.eval_groups)
 
+  # -- Evaluation: a split's batches through the eval step, summed on the device. --
   def evaluate(state, split: str) -> Dict[str, float]:
     source = splits[split]
     if stream:
@@ -204,6 +165,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
       summary["bits_per_token"] = summary["loss"] / math.log(2)
     return summary
 
+  # -- Logging, and the train batches from the step after the restored one. --
   total = config.num_train_steps
   tokens_per_example = sum(example_batch[key].shape[1] for key in run.objective.sequence_keys)
   logger = MetricsLogger(workdir, total_steps=total, start_step=start_step,
@@ -263,7 +225,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
         grad_norm=float(host_sums["bad_grad_norm"]), checkpoint_step=good_step,
         checkpoint_path=None if good_path is None else str(good_path))
 
-  stop_requests = _StopRequests(enabled=handle_signals)
+  # -- The loop: step, record, evaluate, checkpoint; stop on a signal or divergence. --
+  stop_requests = StopRequests(enabled=handle_signals)
   try:
     with stop_requests:
       for step in range(start_step + 1, total + 1):
@@ -332,6 +295,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
     logger.close()
     raise
 
+  # -- Results: the best checkpoint on validation (and test), then results.json. --
   if not validation:  # Restarted after the final step: nothing left to train.
     validation = evaluate(state, "validation")
   steps_per_s = timer.rate()
@@ -359,141 +323,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
                  finished=datetime.datetime.now(datetime.timezone.utc).isoformat(),
                  metrics=results_metrics)
   if jax.process_index() == 0:
-    _write_json(workdir / RESULTS_FILE, results)
+    write_json(workdir / RESULTS_FILE, results)
   return results
-
-
-def check_workdir_path(workdir: pathlib.Path) -> None:
-  """Raises ValueError when `workdir`, or a folder above it, is an existing file."""
-  for path in (workdir, *workdir.parents):
-    if path.exists():
-      if not path.is_dir():
-        where = "is" if path == workdir else f"is inside {path}, which is"
-        raise ValueError(f"workdir {workdir} {where} an existing file, expected a directory (a "
-                         f"new path, or the workdir of a run to resume).")
-      return
-
-
-def task_options(config: ml_collections.ConfigDict) -> Dict[str, Any]:
-  """The task's make_task options: those the config sets (not None)."""
-  return {key: value for key, value in dict(config.task_options).items() if value is not None}
-
-
-def task_data_dir(config: ml_collections.ConfigDict) -> pathlib.Path:
-  """Where the config's task data lives: `data_dir` itself for the task's
-  default options (what `experiments.make_data --task <name>` writes), else a
-  subfolder named by a hash of the options, so that a smoke-sized set and the
-  full set never overwrite or stand in for each other."""
-  # Where the data is read from, and how fast, do not change what it is.
-  options = {key: value for key, value in task_options(config).items()
-             if key not in ("release_dir", "data_dir_tfds", "download", "workers")}
-  if not options:
-    return pathlib.Path(config.data_dir)
-  digest = hashlib.sha256(json.dumps(options, sort_keys=True, default=str).encode()).hexdigest()
-  folder = pathlib.Path(config.data_dir) / f"{config.task}-{digest[:10]}"
-  if jax.process_index() == 0:
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "task_options.json").write_text(json.dumps(options, indent=1, sort_keys=True,
-                                                         default=str) + "\n")
-  return folder
-
-
-def _attend_over_the_ring(config: ml_collections.ConfigDict) -> None:
-  """Sets the attention of a sequence-split run to ring attention."""
-  options = config.model.attention_options
-  # The sparse variants' `implementation` picks the kernel of their pattern, not a ring.
-  if "implementation" not in options or registry.get_variant(config.model.attention).family \
-      == "sparse":
-    raise ValueError(
-        f"sequence_shards={config.sequence_shards} splits the sequence over devices, which "
-        f"only exact attention with an `implementation` option (ring attention) takes here; "
-        f"model.attention={config.model.attention!r} has none (e.g. dot_product has).")
-  if options.implementation not in (None, "ring"):
-    raise ValueError(
-        f"sequence_shards={config.sequence_shards} runs the attention as implementation='ring', "
-        f"but model.attention_options.implementation={options.implementation!r}.")
-  options.implementation = "ring"
-
-
-def _completed(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
-  """A checked copy of `config` with the task's sizes filled into the model."""
-  check_config(config)
-  config = ml_collections.ConfigDict(config.to_dict())  # unlocked copy, references resolved
-  apply_attention_preset(config)
-  if config.sequence_shards > 1:
-    _attend_over_the_ring(config)
-  info = lra_data.get_task(config.task, **task_options(config)).info
-  fitting = kinds.kinds_for_task(info)
-  if config.model.kind not in fitting:
-    raise ValueError(f"task {config.task!r} needs model.kind {' or '.join(map(repr, fitting))}, "
-                     f"got {config.model.kind!r}.")
-  filled = dict(vocab_size=info.vocab_size, num_classes=info.num_classes,
-                max_length=info.seq_len)
-  for key, value in filled.items():
-    if config.model[key] is None:
-      config.model[key] = value
-  if config.model.vocab_size < info.vocab_size:
-    raise ValueError(f"model.vocab_size={config.model.vocab_size} is smaller than task "
-                     f"{config.task!r}'s vocabulary of {info.vocab_size} tokens.")
-  # A model predicting the next token of its input has the vocabulary for
-  # classes, whatever labels the task has.
-  if (kinds.get_kind(config.model.kind).objective != "next_token"
-      and config.model.num_classes != info.num_classes):
-    raise ValueError(f"model.num_classes={config.model.num_classes} but task {config.task!r} "
-                     f"has {info.num_classes} classes.")
-  if config.model.max_length < info.seq_len:
-    raise ValueError(f"model.max_length={config.model.max_length} is shorter than task "
-                     f"{config.task!r}'s sequences of {info.seq_len} tokens.")
-  if config.eval_batch_size is None:
-    config.eval_batch_size = config.batch_size
-  if info.stream and config.eval_batch_size != config.batch_size:
-    raise ValueError(f"task {config.task!r} is a stream of consecutive segments, evaluated in "
-                     f"the training batch's {config.batch_size} streams (a model's memory has "
-                     f"a row per stream); eval_batch_size must be {config.batch_size} or None, "
-                     f"got {config.eval_batch_size}.")
-  # num_train_steps counts batches; the optimiser's schedule counts updates,
-  # one per `grad_accum_steps` batches.
-  accum = int(config.optimizer.grad_accum_steps)
-  if config.num_train_steps % accum:
-    raise ValueError(f"num_train_steps={config.num_train_steps} must be a multiple of "
-                     f"optimizer.grad_accum_steps={accum}.")
-  config.optimizer.num_train_steps = config.num_train_steps // accum
-  return config
-
-
-def _claim_workdir(workdir: pathlib.Path, config: ml_collections.ConfigDict,
-                   overwrite: bool) -> None:
-  """Writes the config into the workdir, or checks it against the run there."""
-  saved_path = workdir / CONFIG_FILE
-  current = json.loads(config.to_json())
-  if saved_path.is_file():
-    saved = json.loads(saved_path.read_text())
-    differences = config_differences(saved, current)
-    # A run that stopped before writing any metrics or checkpoint (e.g. a config
-    # its variant refused at the first trace) leaves nothing to protect.
-    holds_a_run = (workdir / "metrics.jsonl").exists() or any(
-        path.name.isdigit() for path in (workdir / "checkpoints").glob("*"))
-    if differences and not holds_a_run:
-      differences = []
-    if differences and not overwrite:
-      listed = "; ".join(f"{key}: {old!r} there, {new!r} now" for key, old, new in
-                         differences[:8])
-      raise WorkdirConflictError(
-          f"workdir {workdir} holds a run of a different config ({listed}"
-          f"{'; ...' if len(differences) > 8 else ''}). Use another workdir, or overwrite=True "
-          f"(--overwrite) to move that run aside to {workdir}.replaced-<time> and start afresh.")
-    if differences and jax.process_index() == 0:
-      stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-      workdir.rename(workdir.with_name(f"{workdir.name}.replaced-{stamp}"))
-  if jax.process_index() == 0:
-    workdir.mkdir(parents=True, exist_ok=True)
-    _write_json(saved_path, current)
-
-
-def _write_json(path: pathlib.Path, value: Any) -> None:
-  partial = path.with_name(path.name + ".partial")
-  partial.write_text(json.dumps(value, indent=2, sort_keys=True, default=str) + "\n")
-  partial.replace(path)
 
 
 def _learning_rate(config: ml_collections.ConfigDict, step: int) -> float:
@@ -530,74 +361,6 @@ def _accumulate(sums: Optional[Dict[str, jax.Array]], metrics: Dict[str, jax.Arr
               bad_step=jnp.where(first_bad, step.astype(jnp.int32), sums["bad_step"]),
               bad_loss=jnp.where(first_bad, metrics["loss"], sums["bad_loss"]),
               bad_grad_norm=jnp.where(first_bad, metrics["grad_norm"], sums["bad_grad_norm"]))
-
-
-class _StopRequests:
-  """SIGINT and SIGTERM as requests to stop after a train step.
-
-  A context manager: entering installs the handlers, leaving restores the
-  previous ones. `requested(synced)`, called after every train step,
-  says whether to checkpoint that step and stop. The first signal only sets a
-  flag; a second one is handled as it would have been without this
-  (KeyboardInterrupt, or termination), for a step that never finishes.
-
-  Decision: with several processes, all must stop after the same step, since
-  saving is collective, so they agree at steps where the loop already waits
-  for the device on every process (`synced`: a train record, an evaluation or
-  a checkpoint): an all-gather of the signals received. That costs nothing on
-  the other steps, and a stop waits for the next such step (at most
-  `log_every` steps). jax's preemption service (`reached_preemption_sync_point`)
-  would agree sooner, but it takes the last step any thread reported, and
-  orbax reports older, finished saves from its background thread: a process
-  could then be past the agreed step and never stop while the others save.
-  Its SIGTERM handler is replaced here; so is Python's for SIGINT.
-  """
-
-  def __init__(self, enabled: bool = True):
-    self.enabled = enabled
-    self.signal_number: Optional[int] = None
-    self._previous: Dict[int, Any] = {}
-
-  def __enter__(self) -> "_StopRequests":
-    if self.enabled and threading.current_thread() is threading.main_thread():
-      for number in (signal.SIGINT, signal.SIGTERM):
-        self._previous[number] = signal.signal(number, self._handle)
-    return self
-
-  def __exit__(self, *exc_info) -> None:
-    for number, handler in self._previous.items():
-      signal.signal(number, handler)
-    self._previous = {}
-
-  def _handle(self, number: int, frame) -> None:
-    if self.signal_number is None:
-      self.signal_number = number
-      return
-    # A second signal: as if this handler had never been installed.
-    previous = self._previous.get(number, signal.SIG_DFL)
-    signal.signal(number, previous)
-    if callable(previous):
-      previous(number, frame)
-    elif previous == signal.SIG_DFL:
-      os.kill(os.getpid(), number)
-
-  def requested(self, synced: bool) -> bool:
-    """Whether to checkpoint the step just dispatched and stop.
-
-    Args:
-      synced: whether every process waits for the device at this step (the
-        same on all processes); other processes' signals are heard only then.
-    """
-    if jax.process_count() == 1:
-      return self.signal_number is not None
-    if not synced:
-      return False
-    received = multihost_utils.process_allgather(np.int32(self.signal_number or 0))
-    if not np.any(received):
-      return False
-    if self.signal_number is None:  # Stopped for another process's signal.
-      self.signal_number = int(received[np.flatnonzero(received)[0]])
-    return True
 
 
 class _StepTimer:

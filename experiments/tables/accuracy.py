@@ -211,7 +211,7 @@ def majority_class(config_file: str, presets: Sequence[str], data_dir: str,
   try:
     from attention_jax import data as lra_data  # pylint: disable=g-import-not-at-top
     # pylint: disable-next=g-import-not-at-top
-    from attention_jax.train.trainer import task_data_dir, task_options
+    from attention_jax.train.task_data import task_data_dir, task_options
     config = load_config_module(config_file).get_config(",".join(["dot_product", *presets]))
     config.data_dir = data_dir
     folder = task_data_dir(config)

@@ -18,7 +18,7 @@ import subprocess
 import sys
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
-RESULTS_FILE = "results.json"  # the same name the trainer writes (trainer.RESULTS_FILE)
+RESULTS_FILE = "results.json"  # the same name the trainer writes (train.workdir.RESULTS_FILE)
 
 
 @dataclasses.dataclass(frozen=True)

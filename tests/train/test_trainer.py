@@ -18,7 +18,8 @@ import pytest
 from attention_jax.train import checkpoints, metrics
 from attention_jax.train import trainer as train_trainer
 from attention_jax.train.config import config_differences, default_config
-from attention_jax.train.trainer import WorkdirConflictError, train_and_evaluate
+from attention_jax.train.trainer import train_and_evaluate
+from attention_jax.train.workdir import WorkdirConflictError
 
 ROOT = pathlib.Path(__file__).parents[2]
 TINY = ROOT / "tests" / "train" / "tiny_config.py"
