@@ -28,9 +28,9 @@ more than one process is asked for:
         python -m experiments.train ...      # on host1
 
   (jax reads JAX_COORDINATOR_ADDRESS itself; JAX_NUM_PROCESSES and
-  JAX_PROCESS_ID are read here. A flag wins over its variable.) On CPU the
-  processes exchange data with gloo, jax's default CPU collectives
-  (`JAX_CPU_COLLECTIVES_IMPLEMENTATION`);
+  JAX_PROCESS_ID are read by `experiments.cli`. A flag wins over its
+  variable.) On CPU the processes exchange data with gloo, jax's default CPU
+  collectives (`JAX_CPU_COLLECTIVES_IMPLEMENTATION`);
 - under SLURM (several tasks), Open MPI (mpirun) or on a TPU pod nothing is
   needed: jax reads the job's coordinates from the launcher's environment; any
   of the three settings above overrides what it would detect.
@@ -51,7 +51,7 @@ import re
 import shlex
 import signal
 import sys
-from typing import Any, Dict, List, Mapping, NoReturn, Optional, Sequence
+from typing import List, NoReturn, Optional, Sequence
 
 from absl import app, flags, logging
 import ml_collections
@@ -65,22 +65,8 @@ _CONFIG = config_flags.DEFINE_config_file("config", None, "the experiment config
 _WORKDIR = flags.DEFINE_string("workdir", None, "where checkpoints, metrics and results go")
 _OVERWRITE = flags.DEFINE_bool("overwrite", False,
                                "move aside a run of a different config in --workdir")
-_COORDINATOR_ADDRESS = flags.DEFINE_string(
-    "coordinator_address", None,
-    "multi-process runs without a cluster manager: host:port of process 0, the same on every "
-    "process (default: $JAX_COORDINATOR_ADDRESS)")
-_NUM_PROCESSES = flags.DEFINE_integer(
-    "num_processes", None, "multi-process runs: how many processes (default: $JAX_NUM_PROCESSES)")
-_PROCESS_ID = flags.DEFINE_integer(
-    "process_id", None,
-    "multi-process runs: this process's index, 0 to num_processes - 1 (default: $JAX_PROCESS_ID)")
+cli.define_distributed_flags(flags.FLAGS)
 flags.mark_flags_as_required(["config", "workdir"])
-
-# The variables behind --coordinator_address, --num_processes and --process_id.
-# jax 0.10 reads only the first itself (and auto-detects the rest only under a
-# cluster manager); the other two are this script's.
-_DISTRIBUTED_ENV = dict(coordinator_address="JAX_COORDINATOR_ADDRESS",
-                        num_processes="JAX_NUM_PROCESSES", process_id="JAX_PROCESS_ID")
 
 EXIT_DIVERGED = 1
 EXIT_USAGE = 2
@@ -90,98 +76,6 @@ def _fail(message: str, status: int = EXIT_USAGE) -> NoReturn:
   """Prints `message` as one line on stderr and exits with `status`."""
   print(f"error: {message}", file=sys.stderr, flush=True)
   sys.exit(status)
-
-
-def distributed_requested(environ: Mapping[str, str] = os.environ) -> bool:
-  """True when a launcher's environment asks for more than one process."""
-  if environ.get("JAX_COORDINATOR_ADDRESS"):
-    return True
-  for name in ("SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE"):
-    if environ.get(name, "1").isdigit() and int(environ.get(name, "1")) > 1:
-      return True
-  return "," in environ.get("TPU_WORKER_HOSTNAMES", "")
-
-
-def _cluster_manager(environ: Mapping[str, str]) -> Optional[str]:
-  """The cluster manager whose environment describes this job, if any (one jax
-  can read the process count and index from)."""
-  for name in ("SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE"):
-    if environ.get(name, "1").isdigit() and int(environ.get(name, "1")) > 1:
-      return "SLURM" if name.startswith("SLURM") else "Open MPI"
-  if "," in environ.get("TPU_WORKER_HOSTNAMES", ""):
-    return "a TPU pod"
-  return None
-
-
-def distributed_arguments(coordinator_address: Optional[str] = None,
-                          num_processes: Optional[int] = None,
-                          process_id: Optional[int] = None,
-                          environ: Mapping[str, str] = os.environ) -> Optional[Dict[str, Any]]:
-  """The keyword arguments of `jax.distributed.initialize` for this process, or
-  None for a single-process run.
-
-  Each argument falls back on its environment variable (`_DISTRIBUTED_ENV`);
-  what is still unset is left to jax's cluster detection when a cluster
-  manager describes the job, and is an error otherwise.
-
-  Args:
-    coordinator_address, num_processes, process_id: the flags' values (None
-      when not given).
-    environ: the environment.
-
-  Returns:
-    {} to let jax detect everything, the settings given otherwise; None when
-    no setting and no launcher asks for several processes.
-
-  Raises:
-    ValueError: naming the flag and its variable, on a value that is not
-      valid, or on a multi-process run that a cluster manager does not describe
-      and that lacks one of the three settings.
-  """
-  given: Dict[str, Any] = {}
-  for name, value in (("coordinator_address", coordinator_address),
-                      ("num_processes", num_processes), ("process_id", process_id)):
-    variable = _DISTRIBUTED_ENV[name]
-    source = f"--{name}"
-    if value is None and environ.get(variable, "").strip():
-      value, source = environ[variable].strip(), f"${variable}"
-    if value is None:
-      continue
-    if name == "coordinator_address":
-      host, _, port = str(value).rpartition(":")
-      if not host or not port.isdigit():
-        raise ValueError(f"{source}={value!r} must be host:port (the address process 0 listens "
-                         f"on, the same for every process), e.g. 10.0.0.1:8476.")
-    else:
-      try:
-        value = int(value)
-      except ValueError:
-        raise ValueError(f"{source}={value!r} must be an integer.") from None
-      if value < (1 if name == "num_processes" else 0):
-        expected = "at least 1" if name == "num_processes" else "at least 0"
-        raise ValueError(f"{source}={value} must be {expected}.")
-    given[name] = (value, source)
-
-  if "num_processes" in given and "process_id" in given:
-    (count, count_source), (index, index_source) = given["num_processes"], given["process_id"]
-    if index >= count:
-      raise ValueError(f"{index_source}={index} must be below {count_source}={count} "
-                       f"(processes are numbered 0 to {count - 1}).")
-  if not given:
-    return {} if distributed_requested(environ) else None
-  if _cluster_manager(environ) is None:
-    missing = [name for name in _DISTRIBUTED_ENV if name not in given]
-    if missing:
-      if set(missing) == {"coordinator_address", "process_id"} and given[
-          "num_processes"][0] == 1:
-        return None  # One process asked for explicitly.
-      listed = ", ".join(f"--{name} (or ${_DISTRIBUTED_ENV[name]})" for name in missing)
-      have = ", ".join(f"{source}={value}" for value, source in given.values())
-      raise ValueError(f"{have} asks for a multi-process run, which without a cluster manager "
-                       f"(SLURM, Open MPI, a TPU pod) also needs {listed}: give every process "
-                       f"the same --coordinator_address and --num_processes and its own "
-                       f"--process_id.")
-  return {name: value for name, (value, _) in given.items()}
 
 
 # -- flag parsing with one-line errors -----------------------------------------
@@ -290,8 +184,7 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)
   _check_workdir_flag(_WORKDIR.value)
   try:
-    distributed = distributed_arguments(_COORDINATOR_ADDRESS.value, _NUM_PROCESSES.value,
-                                        _PROCESS_ID.value)
+    distributed = cli.distributed_arguments_of(flags.FLAGS)
   except ValueError as e:
     _fail(str(e))
   import jax  # pylint: disable=g-import-not-at-top

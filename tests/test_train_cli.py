@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from attention_jax.train import metrics
-from experiments.train import distributed_arguments, distributed_requested
+from experiments.cli import distributed_arguments, distributed_requested
 
 ROOT = pathlib.Path(__file__).parents[1]
 TINY = ROOT / "tests" / "train" / "tiny_config.py"
