@@ -55,7 +55,7 @@ PRESETS = ("smoke",)
 def get_config(arg: str = "dot_product"):
   config, _, presets = shared.task_config(arg, PRESETS, "retrieval")
   # seq_len is left at the data's default, the release's 4000 (setting it would
-  # file the prepared data under another folder, see trainer.task_data_dir).
+  # file the prepared data under another folder, see train.task_data.task_data_dir).
   config.task_options = ml_collections.ConfigDict(
       dict(release_dir=ml_collections.config_dict.placeholder(str)))
   shared.release_model(config, kind="dual_classifier", num_layers=4, embed_dim=128,
