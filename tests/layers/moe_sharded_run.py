@@ -6,8 +6,6 @@ count must be set before jax initialises.
 """
 
 import json
-import pathlib
-import sys
 
 import jax
 
@@ -21,9 +19,6 @@ import numpy as np
 from attention_jax import train
 from attention_jax.models import build_model
 
-# The training loop over meshes is tests/train/sharded_run.py's.
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "train"))
-import sharded_run  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 MODEL = dict(vocab_size=32, num_classes=4, num_layers=1, embed_dim=16, num_heads=2, mlp_dim=32,
              max_length=16, dropout_rate=0.0, feed_forward="moe",
@@ -49,6 +44,21 @@ def random_batches():
   return batches
 
 
+def train_on_mesh(model, optimizer, batches, shape, devices=None):
+  """The train state of `model` created on a mesh of `shape` (over `devices`,
+  all by default) and stepped once per batch: `(state, losses)`. (The MoE
+  model is built here, not from a config, so it does not go through build_run.)"""
+  mesh = train.make_mesh(shape, devices=devices)
+  state, shardings = train.create_sharded_state(model, optimizer, batches[0], mesh,
+                                                rng=jax.random.key(1))
+  step = train.make_train_step(model, optimizer, mesh, shardings, seed=3)
+  losses = []
+  for batch in batches:
+    state, metrics = step(state, train.shard_batch(batch, train.batch_sharding(mesh)))
+    losses.append(float(metrics["loss"]))
+  return state, losses
+
+
 def main():
   model = build_model(MODEL)
   optimizer = train.make_optimizer(OPTIMIZER)
@@ -59,8 +69,7 @@ def main():
           ("one device", (1, 1, 1), jax.devices()[:1])]
   final = {}
   for name, shape, devices in runs:
-    _, _, state, out["losses"][name] = sharded_run.train_on_mesh(model, optimizer, batches,
-                                                                 shape, devices)
+    state, out["losses"][name] = train_on_mesh(model, optimizer, batches, shape, devices)
     experts = state.params["encoder"]["block_0"]["mlp"]["wi"]
     out["specs"][name] = [list(a) if isinstance(a, tuple) else a for a in experts.sharding.spec]
     out["shard_shapes"][name] = sorted({tuple(s.data.shape) for s in experts.addressable_shards})
