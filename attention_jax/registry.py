@@ -162,6 +162,16 @@ class VariantSpec:
         routes[name] = ("fn",)
     return routes
 
+  def route_options(self, options: Mapping[str, Any]) -> Dict[str, Dict[str, Any]]:
+    """`options` split by where they go (`option_routes`): `{"layer": ...,
+    "extras": ..., "fn": ...}`. An option routed to two places is in both; one
+    the variant does not declare goes to "fn", whose signature then names it."""
+    routed: Dict[str, Dict[str, Any]] = {"layer": {}, "extras": {}, "fn": {}}
+    for name, value in options.items():
+      for place in self.option_routes.get(name, ("fn",)):
+        routed[place][name] = value
+    return routed
+
   @functools.cached_property
   def call_arguments(self) -> Tuple[str, ...]:
     """The keywords of the function that the layer does not pass itself

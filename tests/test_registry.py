@@ -194,3 +194,13 @@ def test_options_are_routed_once_at_registration():
   assert fixed["head_dim"] == ("layer",) and fixed["scale"] == ("fn",)
   # A mixer of its own takes every option as a field of its module.
   assert set(registry.get_variant("perceiver").option_routes.values()) == {("layer",)}
+
+
+def test_route_options_splits_a_config_by_place():
+  routed = registry.get_variant("performer").route_options(
+      {"num_features": 16, "kernel": "relu", "chunk_size": 8, "not_declared": 1})
+  assert routed == {"layer": {}, "extras": {"num_features": 16, "kernel": "relu"},
+                    "fn": {"kernel": "relu", "chunk_size": 8, "not_declared": 1}}
+  routed = registry.get_variant("fixed_head_size").route_options({"head_dim": 4, "scale": 0.5})
+  assert routed == {"layer": {"head_dim": 4}, "extras": {}, "fn": {"scale": 0.5}}
+

@@ -234,9 +234,12 @@ class MultiHeadAttention(nn.Module):
     constrain = lambda a: nn.with_logical_constraint(a, ACTIVATION_AXES)
     query, key, value = (_unless_unused(a, constrain) for a in (query, key, value))
 
-    options = dict(self.attention_options)
+    # A Q/K/V variant routes no option to the layer (`make_mixer` set those).
+    routed = spec.route_options(self.attention_options)
+    options = routed["fn"]
     if spec.extras is not None:
-      options.update(self._variant_arrays(spec, options, query, key, value, deterministic))
+      options.update(spec.extras(**routed["extras"], name="variant")(
+          query, key, value, deterministic=deterministic))
     if self.dropout_rate > 0.0 and not deterministic:
       if not spec.can("dropout"):
         raise ValueError(f"attention variant {self.attention!r} has no attention weights to drop; "
@@ -286,17 +289,6 @@ class MultiHeadAttention(nn.Module):
         param_dtype=self.param_dtype, kernel_init=self.kernel_init, bias_init=self.bias_init,
         name="out")(out)
     return mixer_output(y, carry)
-
-  def _variant_arrays(self, spec: registry.VariantSpec, options: dict, query: Array, key: Array,
-                      value: Array, deterministic: bool) -> dict:
-    """Builds the variant's `extras` module from the options routed to it
-    (`spec.option_routes`) and returns the arrays it makes for `spec.fn`. An
-    option routed to both (Performer's `kernel`) stays in `options` too."""
-    routes = spec.option_routes
-    module_options = {name: options[name] if "fn" in routes[name] else options.pop(name)
-                      for name in list(options) if "extras" in routes.get(name, ())}
-    return spec.extras(**module_options, name="variant")(query, key, value,
-                                                         deterministic=deterministic)
 
   def _position_bias(self, q_positions: Array, k_positions: Array) -> Array:
     """ALiBi or T5 bias, `[B|1, H, Tq, Tk]`."""

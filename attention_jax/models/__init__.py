@@ -10,7 +10,7 @@ from typing import Any, Mapping, Union
 from attention_jax.models.blocks import Block, make_mixer
 from attention_jax.models.classifier import DualEncoderClassifier, SequenceClassifier
 from attention_jax.models.config import (POOLINGS, REMAT_POLICIES, RESIDUALS, ModelConfig,
-                                         attention_options_config, default_model_config)
+                                         default_model_config)
 from attention_jax.models.encoder import Encoder, VectorEncoder
 from attention_jax.models.encoder_decoder import TransformerEncoderDecoder
 from attention_jax.models.funnel import FunnelTransformer
@@ -53,5 +53,5 @@ __all__ = ["Block", "DualEncoderClassifier", "Encoder", "FunnelTransformer",
            "HierarchicalTransformer", "KINDS", "LanguageModel", "LayerStack", "MODEL_KINDS",
            "ModelConfig", "ModelKind", "POOLINGS", "REMAT_POLICIES", "RESIDUALS",
            "RNNEncoderDecoder", "SequenceClassifier", "TransformerEncoderDecoder",
-           "VectorEncoder", "VisionTransformer", "attention_options_config", "build_model",
+           "VectorEncoder", "VisionTransformer", "build_model",
            "default_model_config", "get_kind", "initial_carry", "make_mixer", "run_layers"]

@@ -63,16 +63,13 @@ def make_mixer(config: ModelConfig, variant: str, **module_kwargs) -> nn.Module:
       raise ValueError(f"attention variant {variant!r} cannot decode one token at a time: "
                        f"{spec.decoding_refusal}.")
     kwargs["decode"] = True
-  options = dict(config.options_for(variant))
   # Each option where its registration routes it: a layer field (fixed_head_size's
   # head_dim, or every option of a mixer of its own), else the attention
-  # function's options (the layer hands its extras module theirs).
-  kwargs.update({name: options.pop(name) for name in list(options)
-                 if spec.option_routes.get(name) == ("layer",)})
+  # layer's options, which it splits between its extras module and the function.
+  routed = spec.route_options(config.options_for(variant))
+  kwargs.update(routed["layer"])
   if spec.in_attention_layer:
-    kwargs["attention_options"] = FrozenDict(options)
-  else:
-    kwargs.update(options)
+    kwargs["attention_options"] = FrozenDict({**routed["extras"], **routed["fn"]})
   return spec.module(**kwargs, **module_kwargs)
 
 

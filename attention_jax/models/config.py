@@ -24,6 +24,9 @@ import ml_collections
 from flax.core import FrozenDict
 
 from attention_jax import positional, registry
+# Its functions by name: `attention_options` is also a field of ModelConfig.
+from attention_jax.attention_options import (check_options, explicit_options, options_config,
+                                             options_of, without_defaults)
 from attention_jax.layers import ACTIVATIONS, FEED_FORWARD_LAYERS, NORMS, feed_forward_options
 
 if typing.TYPE_CHECKING:
@@ -216,17 +219,16 @@ class ModelConfig:
       registry.get_mixer(name)
     if self.cross_attention is not None:
       registry.get_mixer(self.cross_attention)
-    object.__setattr__(self, "attention_options", FrozenDict(_set_options(
+    object.__setattr__(self, "attention_options", FrozenDict(explicit_options(
         self.attention_options, self.attention_variants)))
     # The default config lists every pooling option (so that each can be set
     # from the command line) whatever the pooling; those left unset are dropped.
-    object.__setattr__(self, "pooling_options", FrozenDict(_set_options(
+    object.__setattr__(self, "pooling_options", FrozenDict(explicit_options(
         self.pooling_options, tuple(POOLING_VARIANTS.values()))))
     if self.feed_forward in FEED_FORWARD_LAYERS:
-      defaults = feed_forward_options(self.feed_forward)
-      object.__setattr__(self, "feed_forward_options", FrozenDict({
-          k: v for k, v in self.feed_forward_options.items()
-          if v is not None and (k not in defaults or _normalised(v) != _normalised(defaults[k]))}))
+      defaults = {k: [v] for k, v in feed_forward_options(self.feed_forward).items()}
+      object.__setattr__(self, "feed_forward_options", FrozenDict(
+          without_defaults(self.feed_forward_options, defaults)))
     self.check()
 
   @classmethod
@@ -278,8 +280,7 @@ class ModelConfig:
 
   def options_for(self, variant: str) -> FrozenDict:
     """The attention options that `variant` declares."""
-    declared = {option.name for option in registry.variant_options(variant)}
-    return FrozenDict({k: v for k, v in self.attention_options.items() if k in declared})
+    return FrozenDict(options_of(variant, self.attention_options))
 
   def check(self) -> None:
     """Raises ValueError naming the first field that is out of range."""
@@ -288,7 +289,7 @@ class ModelConfig:
     kind = kinds.get_kind(self.kind)
     for name in set(self.schedule_period) | {self.attention}:
       registry.get_mixer(name)
-    _check_options(self.attention_options, self.attention_variants)
+    check_options(self.attention_options, self.attention_variants)
     if kind.causal:
       for name in self.schedule_period:
         if not registry.get_variant(name).causal:
@@ -468,7 +469,7 @@ def default_model_config() -> ml_collections.ConfigDict:
 
   Fields whose default is None become typed placeholders, so that
   `--config.model.num_kv_heads=2` is accepted; `attention_options` lists the
-  default variant's options (see `attention_options_config`), `pooling_options`
+  default variant's options (see `attention_options.options_config`), `pooling_options`
   those of every pooling module.
   """
   config = ml_collections.ConfigDict()
@@ -481,8 +482,8 @@ def default_model_config() -> ml_collections.ConfigDict:
       config[field.name] = dict(field.default)
     else:
       config[field.name] = field.default
-  config.attention_options = attention_options_config(config.attention)
-  config.pooling_options = attention_options_config(*POOLING_VARIANTS.values())
+  config.attention_options = options_config(config.attention)
+  config.pooling_options = options_config(*POOLING_VARIANTS.values())
   config.feed_forward_options = feed_forward_options_config(config.feed_forward)
   return config
 
@@ -502,23 +503,6 @@ def feed_forward_options_config(kind: str) -> ml_collections.ConfigDict:
   return options
 
 
-def attention_options_config(*variants: str) -> ml_collections.ConfigDict:
-  """The declared options of `variants` at their defaults, as a ConfigDict:
-  what `config.model.attention_options` holds so that each option can be set
-  with `--config.model.attention_options.<name>=<value>` (and
-  `config.model.pooling_options`, for the pooling modules)."""
-  options = ml_collections.ConfigDict()
-  for variant in variants:
-    for option in registry.variant_options(variant):
-      if option.name in options:
-        continue
-      if option.default is None:
-        options[option.name] = ml_collections.config_dict.placeholder(option.type)
-      else:
-        options[option.name] = option.default
-  return options
-
-
 def _frozen(value: Any) -> Any:
   if isinstance(value, ml_collections.ConfigDict):
     value = value.to_dict()
@@ -527,36 +511,6 @@ def _frozen(value: Any) -> Any:
   if isinstance(value, list):
     return tuple(value)
   return value
-
-
-def _set_options(options: Mapping[str, Any], variants: Tuple[str, ...]) -> dict:
-  """`options` without the unset (None) ones and those at the declared default
-  of every one of `variants` using them."""
-  defaults = {}
-  for variant in variants:
-    registry.get_variant(variant)
-    for option in registry.variant_options(variant):
-      defaults.setdefault(option.name, []).append(option.default)
-  return {k: v for k, v in options.items() if v is not None and (
-      k not in defaults or any(_normalised(v) != _normalised(d) for d in defaults[k]))}
-
-
-def _normalised(value: Any) -> Any:
-  return list(value) if isinstance(value, (tuple, list)) else value
-
-
-def _check_options(options: Mapping[str, Any], variants: Tuple[str, ...]) -> None:
-  """Each option must be declared by a variant in use; the error names the
-  variant, its options and the closest one."""
-  if len(variants) == 1:
-    registry.check_options(variants[0], options)
-    return
-  declared = {o.name for v in variants for o in registry.variant_options(v)}
-  for key in options:
-    if key not in declared:
-      raise ValueError(f"no variant of layer_attention {variants} has option {key!r}."
-                       f"{registry.did_you_mean(key, declared)} Their options are: "
-                       f"{', '.join(sorted(declared))}.")
 
 
 def _either(names: Tuple[str, ...]) -> str:

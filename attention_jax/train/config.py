@@ -16,9 +16,9 @@ from typing import Any, Dict, Iterable, List, Tuple
 
 import ml_collections
 
-from attention_jax import axes
+from attention_jax import attention_options, axes
 from attention_jax.layers import FEED_FORWARD_LAYERS, feed_forward_options
-from attention_jax.models import attention_options_config, default_model_config
+from attention_jax.models import default_model_config
 from attention_jax.registry import did_you_mean
 from attention_jax.train.optim import default_optimizer_config
 
@@ -46,7 +46,7 @@ def default_config(variant: str = "dot_product",
 
   config.model = default_model_config()  # vocab_size, num_classes, max_length: from the task
   config.model.attention = variant
-  config.model.attention_options = attention_options_config(variant)
+  config.model.attention_options = attention_options.options_config(variant)
   config.model.vocab_size = placeholder(int)
   config.model.num_classes = placeholder(int)
   config.model.max_length = placeholder(int)
@@ -88,36 +88,16 @@ def default_config(variant: str = "dot_product",
 
 
 def apply_attention_preset(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
-  """`config` with `model.attention_options` completed from `attention_preset`
-  (and `model.attention` set to the variant the preset runs, see `Preset.variant`;
-  options the two variants share keep the config's values).
-
-  The preset's options (for `config.task`, where the preset differs per task)
-  fill every option of `model.attention` that the config leaves unset or at its
-  declared default; options set to anything else are the user's and win, so a
-  preset can be run with one option changed. (An option explicitly set back to
-  its default under a preset that changes it is indistinguishable from an unset
-  one: the preset's value is used.)
+  """`config` with `model.attention` and `model.attention_options` completed
+  from `attention_preset` for `config.task` (`attention_options.with_preset`:
+  options the config sets to other than their defaults win).
 
   Raises:
     ValueError: on an unknown preset, or one the variant does not have.
   """
-  from attention_jax import registry  # pylint: disable=g-import-not-at-top
-  preset = config.get("attention_preset", "method")
-  options = registry.preset_options(config.model.attention, preset, config.get("task"))
-  variant = registry.preset_variant(config.model.attention, preset)
-  if variant != config.model.attention:  # the release ran another variant of the row
-    given = config.model.attention_options.to_dict()
-    config.model.attention = variant
-    config.model.attention_options = attention_options_config(variant)
-    for name in config.model.attention_options:
-      if given.get(name) is not None:
-        config.model.attention_options[name] = given[name]
-  defaults = {option.name: option.default for option in registry.variant_options(variant)}
-  for name, value in options.items():
-    current = config.model.attention_options.get(name)
-    if current is None or _normalise(current) == _normalise(defaults[name]):
-      config.model.attention_options[name] = value
+  config.model.attention, config.model.attention_options = attention_options.with_preset(
+      config.model.attention, config.model.attention_options,
+      config.get("attention_preset", "method"), config.get("task"))
   return config
 
 

@@ -7,7 +7,8 @@ config embeds (`config.model`), with the variant filled in.
 
 import ml_collections
 
-from attention_jax.models import attention_options_config, default_model_config
+from attention_jax.attention_options import options_config
+from attention_jax.models import default_model_config
 from attention_jax.registry import get_mixer
 
 
@@ -23,5 +24,5 @@ def get_config(variant: str = "dot_product") -> ml_collections.ConfigDict:
   config = ml_collections.ConfigDict()
   config.model = default_model_config()
   config.model.attention = variant
-  config.model.attention_options = attention_options_config(variant)
+  config.model.attention_options = options_config(variant)
   return config

@@ -18,7 +18,7 @@ Presets:
 
 import pathlib
 
-from attention_jax.models import attention_options_config
+from attention_jax.attention_options import options_config
 from attention_jax.train.config import load_config_module, parse_config_arg
 
 PRESETS = ("smoke", "transparent")
@@ -37,6 +37,6 @@ def get_config(arg: str = "dot_product"):
                       dropout_rate=0.0 if "smoke" in presets else 0.1,
                       transparent_attention="transparent" in presets)
   # Every option of the cross-attention variant, settable from the command line.
-  config.model.attention_options = attention_options_config("dot_product", variant)
+  config.model.attention_options = options_config("dot_product", variant)
   config.optimizer.learning_rate = 1e-3  # the RNN's smoke preset trains at 3e-3
   return config

@@ -72,3 +72,13 @@ def test_bad_presets_are_refused_by_name():
   config.attention_preset = "release"
   with pytest.raises(ValueError, match="unknown preset 'release'"):
     apply_attention_preset(config)
+
+
+def test_an_undeclared_option_survives_the_preset_to_be_refused_by_name():
+  config = default_config("local")
+  config.model.attention_options.windw_size = 9
+  apply_attention_preset(config)
+  assert config.model.attention_options.windw_size == 9
+  from attention_jax.models import ModelConfig  # pylint: disable=g-import-not-at-top
+  with pytest.raises(ValueError, match="has no option 'windw_size'. Did you mean 'window_size'"):
+    ModelConfig.from_config(config.model)
