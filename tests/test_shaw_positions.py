@@ -11,7 +11,7 @@ import pytest
 import attention_jax
 from attention_jax import positional
 from attention_jax.variants.dense import shaw_relative_attention
-from attention_testing import as_float64, assert_close, largest_intermediate, random_qkv
+from attention_testing import as_float64, assert_close, jit_apply, jit_init, largest_intermediate, random_qkv
 
 B, H = 2, 4
 
@@ -87,17 +87,17 @@ def _layer(**fields):
 def test_layer_outputs_depend_on_distances_only_and_decode_as_the_causal_pass():
   x = jax.random.normal(jax.random.PRNGKey(0), (B, 10, 16))
   layer = _layer()
-  variables = layer.init(jax.random.PRNGKey(1), x)
+  variables = jit_init(layer, jax.random.PRNGKey(1), x)
   params = jax.tree.map(lambda p: p + 0.2, nn.meta.unbox(variables["params"]))
-  shifted = layer.apply({"params": params}, x, positions=jnp.arange(10) + 17)
-  plain = layer.apply({"params": params}, x)
+  shifted = jit_apply(layer, {"params": params}, x, positions=jnp.arange(10) + 17)
+  plain = jit_apply(layer, {"params": params}, x)
   assert_close(shifted, plain, rtol=1e-5, atol=1e-5)
-  expected = layer.apply({"params": params}, x, is_causal=True)
+  expected = jit_apply(layer, {"params": params}, x, is_causal=True)
   decoder = layer.clone(decode=True)
-  cache = decoder.init(jax.random.PRNGKey(0), x)["cache"]
+  cache = jit_init(decoder, jax.random.PRNGKey(0), x)["cache"]
   outputs = []
   for t in range(10):
-    out, state = decoder.apply({"params": params, "cache": cache}, x[:, t:t + 1],
+    out, state = jit_apply(decoder, {"params": params, "cache": cache}, x[:, t:t + 1],
                                mutable=["cache"])
     cache = state["cache"]
     outputs.append(out)

@@ -19,7 +19,6 @@ jax.config.update("jax_platforms", "cpu")
 jax.config.update("jax_num_cpu_devices", 8)
 # pylint: disable=wrong-import-position
 import jax.numpy as jnp
-import numpy as np
 
 import attention_jax as aj
 from attention_jax.kernels.flash_attention import BlockSizes, ring
@@ -60,9 +59,10 @@ def differences(mesh, layout, is_causal, masks, dtype=jnp.float32):
   ring_attention = lambda *qkv: ring.ring_attention(
       *qkv, mesh=mesh, layout=layout, block_sizes=BlockSizes(8, 8), **kwargs)
   dense = lambda *qkv: aj.dot_product_attention(*qkv, implementation="xla", **kwargs)
-  (out, lse), (dense_out, dense_lse) = jax.jit(ring_attention)(q, k, v), dense(*dense_qkv)
+  out, lse = jax.jit(ring_attention)(q, k, v)
+  dense_out, dense_lse = jax.jit(dense)(*dense_qkv)
   grads = jax.jit(jax.grad(lambda *a: loss(ring_attention, *a), argnums=(0, 1, 2)))(q, k, v)
-  dense_grads = jax.grad(lambda *a: loss(dense, *a), argnums=(0, 1, 2))(*dense_qkv)
+  dense_grads = jax.jit(jax.grad(lambda *a: loss(dense, *a), argnums=(0, 1, 2)))(*dense_qkv)
   diff = lambda a, b: float(jnp.max(jnp.abs(a.astype(jnp.float32) - b)))
   return dict(out=diff(out, dense_out), lse=diff(lse, dense_lse),
               **{f"d{name}": diff(a, b) for name, a, b in zip("qkv", grads, dense_grads)})

@@ -32,8 +32,6 @@ CASES = {
     "plain": ({}, {}),
     "causal": (dict(is_causal=True), dict(is_causal=True)),
     "window": (dict(local_window_size=(40, 20)), dict(window=(40, 20))),
-    "causal_window": (dict(is_causal=True, local_window_size=(70, 5)),
-                      dict(is_causal=True, window=(70, 5))),
     "lengths": (dict(key_value_seq_lengths=jnp.array(KV_LENGTHS),
                      query_seq_lengths=jnp.array(Q_LENGTHS)),
                 dict(kv_lengths=KV_LENGTHS, q_lengths=Q_LENGTHS)),
@@ -86,16 +84,17 @@ def _compare(case, *, dtype=jnp.bfloat16, head_dim=64, block_sizes=SMALL_KEY_BLO
     assert_close(g, want, rtol=2e-2, atol=2e-2 * max(scale, 1.0), err_msg=f"gradient of {name}")
 
 
+# The interpreter takes ~20 s a case here, so each path is run once: "causal"
+# in float16 with the default blocks below, causal with a window in "everything".
 @pytest.mark.parity("flash")
-@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("case", ["plain", "window", "lengths", "everything"])
 def test_matches_reference_outputs_and_gradients(case):
   _compare(case)
 
 
 @pytest.mark.parity("flash")
-@pytest.mark.parametrize("case", ["plain", "causal"])
-def test_float16_head_dim_128_default_blocks(case):
-  _compare(case, dtype=jnp.float16, head_dim=128, block_sizes=None, kv_heads=1)
+def test_float16_head_dim_128_default_blocks():
+  _compare("causal", dtype=jnp.float16, head_dim=128, block_sizes=None, kv_heads=1)
 
 
 @pytest.mark.parity("flash")

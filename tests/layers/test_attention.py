@@ -8,7 +8,7 @@ import pytest
 
 from attention_jax import MultiHeadAttention, registry
 from attention_jax.variants.heads import multi_head_attention
-from attention_testing import assert_close
+from attention_testing import assert_close, jit_apply, jit_init
 
 B, T, E, H = 2, 6, 16, 4
 
@@ -18,7 +18,7 @@ def _inputs(seed=0, length=T, features=E):
 
 
 def _init(module, *args, **kwargs):
-  return nn.meta.unbox(module.init(jax.random.PRNGKey(1), *args, **kwargs))
+  return nn.meta.unbox(jit_init(module, jax.random.PRNGKey(1), *args, **kwargs))
 
 
 @pytest.mark.parity("multi_head")
@@ -34,10 +34,10 @@ def test_equals_flax_multi_head_dot_product_attention_with_the_same_weights(cros
   ours = MultiHeadAttention(num_heads=H, qkv_features=24, out_features=10)
   params = _init(ours, x, context)
   theirs = nn.MultiHeadDotProductAttention(num_heads=H, qkv_features=24, out_features=10)
-  theirs_params = theirs.init(jax.random.PRNGKey(2), x, context)
+  theirs_params = jit_init(theirs, jax.random.PRNGKey(2), x, context)
   assert jax.tree.structure(theirs_params) == jax.tree.structure(params)
-  expected = theirs.apply(params, x, context, mask=mask)
-  actual = ours.apply(params, x, context, mask=mask)
+  expected = jit_apply(theirs, params, x, context, mask=mask)
+  actual = jit_apply(ours, params, x, context, mask=mask)
   if with_mask:  # Flax gives fully masked rows uniform weights; ours gives zeros.
     attended = np.asarray(mask).any(-1)[:, 0]
     actual, expected = np.asarray(actual)[attended], np.asarray(expected)[attended]
@@ -49,8 +49,8 @@ def test_initial_parameters_equal_flax_dense_general_initialisation():
   ours = MultiHeadAttention(num_heads=H, qkv_features=24, out_features=10)
   theirs = nn.MultiHeadDotProductAttention(num_heads=H, qkv_features=24, out_features=10)
   key = jax.random.PRNGKey(3)
-  expected = theirs.init(key, x, context)
-  actual = nn.meta.unbox(ours.init(key, x, context))
+  expected = jit_init(theirs, key, x, context)
+  actual = nn.meta.unbox(jit_init(ours, key, x, context))
   for (path, want), got in zip(jax.tree_util.tree_leaves_with_path(expected),
                                jax.tree.leaves(actual)):
     np.testing.assert_array_equal(got, want, err_msg=jax.tree_util.keystr(path))
@@ -66,12 +66,12 @@ def test_initialises_and_runs_under_an_active_mesh_with_logical_rules():
   module = MultiHeadAttention(num_heads=H)
   x = _inputs(0)
   with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
-    variables = module.init(jax.random.PRNGKey(1), x)
+    variables = jit_init(module, jax.random.PRNGKey(1), x)
     out = jax.jit(module.apply)(variables, x)
   specs = nn.get_partition_spec(variables)["params"]
   assert specs["query"]["kernel"] == jax.sharding.PartitionSpec("embed", "heads", "kv")
   assert specs["out"]["kernel"] == jax.sharding.PartitionSpec("heads", "kv", "embed")
-  assert_close(out, module.apply(variables, x), atol=1e-6)
+  assert_close(out, jit_apply(module, variables, x), atol=1e-6)
 
 
 @pytest.mark.parity("multi_head")
@@ -79,7 +79,7 @@ def test_pure_multi_head_function_and_sum_of_heads_form_equal_the_module():
   x, context = _inputs(0), _inputs(1, length=9)
   module = MultiHeadAttention(num_heads=H, use_bias=False)
   params = _init(module, x, context)["params"]
-  expected = module.apply({"params": params}, x, context, is_causal=False)
+  expected = jit_apply(module, {"params": params}, x, context, is_causal=False)
   kernels = [params[name]["kernel"] for name in ("query", "key", "value", "out")]
   concat = multi_head_attention(x, context, *kernels)
   summed = multi_head_attention(x, context, *kernels, sum_of_heads=True)
@@ -103,14 +103,14 @@ def test_shared_kv_heads_equal_mha_with_repeated_kv_weights(variant, num_kv_head
     repeated[name] = {"kernel": jnp.repeat(params[name]["kernel"], H // kv_heads, axis=1),
                       "bias": jnp.repeat(params[name]["bias"], H // kv_heads, axis=0)}
   mha = MultiHeadAttention(num_heads=H)
-  assert_close(grouped.apply({"params": params}, x, is_causal=True),
-               mha.apply({"params": repeated}, x, is_causal=True))
+  assert_close(jit_apply(grouped, {"params": params}, x, is_causal=True),
+               jit_apply(mha, {"params": repeated}, x, is_causal=True))
 
 
 def _decode_step_by_step(module, params, x, cache):
   outputs = []
   for t in range(x.shape[1]):
-    out, mutated = module.apply({"params": params, "cache": cache}, x[:, t:t + 1],
+    out, mutated = jit_apply(module, {"params": params, "cache": cache}, x[:, t:t + 1],
                                 mutable=["cache"])
     cache = mutated["cache"]
     outputs.append(out)
@@ -124,10 +124,10 @@ def test_kv_cache_decoding_equals_the_causal_forward_pass(position, num_kv_heads
   x = _inputs(3)
   full = MultiHeadAttention(num_heads=H, num_kv_heads=num_kv_heads, position=position)
   params = _init(full, x)["params"]
-  expected = full.apply({"params": params}, x, is_causal=True)
+  expected = jit_apply(full, {"params": params}, x, is_causal=True)
 
   decoder = full.clone(decode=True)
-  cache = decoder.init(jax.random.PRNGKey(0), x)["cache"]
+  cache = jit_init(decoder, jax.random.PRNGKey(0), x)["cache"]
   assert cache["cached_key"].shape == (B, T, num_kv_heads, E // H)
   actual = jax.jit(_decode_step_by_step, static_argnums=0)(decoder, params, x, cache)
   assert_close(actual, expected, rtol=1e-5, atol=2e-5)
@@ -137,17 +137,17 @@ def test_kv_cache_prefill_then_decode_equals_the_causal_forward_pass():
   x = _inputs(4)
   full = MultiHeadAttention(num_heads=H, position="rope")
   params = _init(full, x)["params"]
-  expected = full.apply({"params": params}, x, is_causal=True)
+  expected = jit_apply(full, {"params": params}, x, is_causal=True)
   decoder = full.clone(decode=True)
-  cache = decoder.init(jax.random.PRNGKey(0), x)["cache"]
-  prefix, mutated = decoder.apply({"params": params, "cache": cache}, x[:, :4], mutable=["cache"])
+  cache = jit_init(decoder, jax.random.PRNGKey(0), x)["cache"]
+  prefix, mutated = jit_apply(decoder, {"params": params, "cache": cache}, x[:, :4], mutable=["cache"])
   rest = _decode_step_by_step(decoder, params, x[:, 4:], mutated["cache"])
   assert_close(jnp.concatenate([prefix, rest], axis=1), expected, atol=2e-5)
 
 
 def test_parameters_carry_logical_axis_names():
   module = MultiHeadAttention(num_heads=H, position="t5")
-  boxed = module.init(jax.random.PRNGKey(0), _inputs())["params"]
+  boxed = jit_init(module, jax.random.PRNGKey(0), _inputs())["params"]
   names = {path: leaf.names for path, leaf in jax.tree_util.tree_flatten_with_path(
       boxed, is_leaf=lambda l: isinstance(l, nn.Partitioned))[0]}
   by_param = {"/".join(k.key for k in path): value for path, value in names.items()}
@@ -162,7 +162,7 @@ def test_fixed_head_size_is_independent_of_the_number_of_heads():
   module = MultiHeadAttention(num_heads=8, head_dim=32)
   params = _init(module, _inputs())["params"]
   assert params["query"]["kernel"].shape == (E, 8, 32)
-  assert module.apply({"params": params}, _inputs()).shape == (B, T, E)
+  assert jit_apply(module, {"params": params}, _inputs()).shape == (B, T, E)
 
 
 def test_attention_options_reach_the_pure_function():
@@ -172,16 +172,16 @@ def test_attention_options_reach_the_pure_function():
   # With a window of 0 every token attends only to itself: output = out(value(x)).
   value = jnp.einsum("bte,ehd->bthd", x, params["value"]["kernel"]) + params["value"]["bias"]
   expected = jnp.einsum("bthd,hde->bte", value, params["out"]["kernel"]) + params["out"]["bias"]
-  assert_close(windowed.apply({"params": params}, x), expected)
+  assert_close(jit_apply(windowed, {"params": params}, x), expected)
 
 
 def test_dropout_is_active_only_when_not_deterministic():
   x = _inputs()
   module = MultiHeadAttention(num_heads=H, dropout_rate=0.5)
   params = _init(module, x)
-  clean = module.apply(params, x)
-  assert_close(module.apply(params, x, deterministic=True), clean)
-  noisy = module.apply(params, x, deterministic=False, rngs={"dropout": jax.random.PRNGKey(3)})
+  clean = jit_apply(module, params, x)
+  assert_close(jit_apply(module, params, x, deterministic=True), clean)
+  noisy = jit_apply(module, params, x, deterministic=False, rngs={"dropout": jax.random.PRNGKey(3)})
   assert not np.allclose(noisy, clean)
 
 
@@ -232,7 +232,7 @@ def _keyless_layer(attention, **options):
   module = MultiHeadAttention(num_heads=2, attention=attention, attention_options=options)
   x = np.asarray(_inputs(5))
   params = _init(module, jnp.asarray(x))["params"]
-  return module, x, params, np.asarray(module.apply({"params": params}, jnp.asarray(x)))
+  return module, x, params, np.asarray(jit_apply(module, {"params": params}, jnp.asarray(x)))
 
 
 @pytest.mark.property("lsh")
@@ -298,9 +298,9 @@ def test_decoding_a_keyless_variant_caches_values_only():
   full = MultiHeadAttention(num_heads=H, attention="synthesizer_dense",
                             attention_options={"max_length": T})
   params = _init(full, x)["params"]
-  expected = full.apply({"params": params}, x, is_causal=True)
+  expected = jit_apply(full, {"params": params}, x, is_causal=True)
   decoder = full.clone(decode=True)
-  cache = decoder.init(jax.random.PRNGKey(0), x)["cache"]
+  cache = jit_init(decoder, jax.random.PRNGKey(0), x)["cache"]
   assert set(cache) == {"cached_value", "cache_index"}
   actual = _decode_step_by_step(decoder, params, x, cache)
   assert_close(actual, expected, rtol=1e-5, atol=2e-5)
@@ -312,5 +312,5 @@ def test_attention_dropout_on_a_variant_without_weights_is_refused():
   params = _init(module, x)["params"]
   with pytest.raises(ValueError, match=r"'linear' has no attention weights to drop; got "
                                        r"dropout_rate=0.1"):
-    module.apply({"params": params}, x, deterministic=False,
+    jit_apply(module, {"params": params}, x, deterministic=False,
                  rngs={"dropout": jax.random.PRNGKey(0)})

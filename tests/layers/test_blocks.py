@@ -13,7 +13,7 @@ from jax.scipy.special import erf
 import attention_testing
 
 from attention_jax.layers import FeedForward, make_norm
-from attention_testing import assert_close
+from attention_testing import assert_close, jit_apply, jit_init
 
 B, T, E, F = 2, 8, 16, 32
 
@@ -23,7 +23,7 @@ def _inputs(seed=0, length=T, features=E):
 
 
 def _params(module, *args, **kwargs):
-  return nn.meta.unbox(module.init(jax.random.PRNGKey(1), *args, **kwargs))["params"]
+  return nn.meta.unbox(jit_init(module, jax.random.PRNGKey(1), *args, **kwargs))["params"]
 
 
 def _dense(x, p):
@@ -52,7 +52,7 @@ def test_feedforward_equals_act_x_w_then_w_out(activation):
   module = FeedForward(F, activation=activation)
   params = _perturbed(_params(module, x))
   expected = _dense(_PLAIN[activation](_dense(x, params["wi"])), params["wo"])
-  assert_close(module.apply({"params": params}, x), expected, atol=1e-5)
+  assert_close(jit_apply(module, {"params": params}, x), expected, atol=1e-5)
 
 
 # The GLU family of Shazeer 2020, written out: gate(x W) * (x V).
@@ -72,7 +72,7 @@ def test_gated_feedforward_equals_gate_xw_times_xv_then_w_out(activation):
   params = _perturbed(_params(module, x))
   assert set(params) == {"wi_0", "wi_1", "wo"}
   hidden = _GATE_FUNCTIONS[activation](_dense(x, params["wi_0"])) * _dense(x, params["wi_1"])
-  assert_close(module.apply({"params": params}, x), _dense(hidden, params["wo"]), atol=1e-5)
+  assert_close(jit_apply(module, {"params": params}, x), _dense(hidden, params["wo"]), atol=1e-5)
 
 
 @pytest.mark.parametrize("activation", ["relu", "swiglu"])
@@ -87,9 +87,9 @@ def test_chunked_feedforward_equals_the_whole_layer_in_value_and_gradient(activa
   assert jax.tree.structure(_params(chunked, x)) == jax.tree.structure(params)
 
   def loss(module, params, x):
-    return jnp.sum(jnp.sin(module.apply({"params": params}, x)))
+    return jnp.sum(jnp.sin(jit_apply(module, {"params": params}, x)))
 
-  assert_close(chunked.apply({"params": params}, x), whole.apply({"params": params}, x),
+  assert_close(jit_apply(chunked, {"params": params}, x), jit_apply(whole, {"params": params}, x),
                atol=1e-5)
   for expected, got in zip(jax.grad(loss, (1, 2))(whole, params, x),
                            jax.grad(loss, (1, 2))(chunked, params, x)):
@@ -112,7 +112,7 @@ def test_feedforward_without_bias_has_no_bias_params():
   params = _params(module, x)
   assert "bias" not in params["wi"] and "bias" not in params["wo"]
   expected = jnp.maximum(x @ params["wi"]["kernel"], 0) @ params["wo"]["kernel"]
-  assert_close(module.apply({"params": params}, x), expected)
+  assert_close(jit_apply(module, {"params": params}, x), expected)
 
 
 def test_feedforward_unknown_activation_lists_the_valid_ones():
@@ -141,8 +141,8 @@ def test_feedforward_dropout_acts_only_when_not_deterministic():
   module = FeedForward(F, dropout_rate=0.5)
   params = _params(module, x)
   reference = FeedForward(F, dropout_rate=0.0).apply({"params": params}, x)
-  assert_close(module.apply({"params": params}, x, deterministic=True), reference)
-  dropped = module.apply({"params": params}, x, deterministic=False,
+  assert_close(jit_apply(module, {"params": params}, x, deterministic=True), reference)
+  dropped = jit_apply(module, {"params": params}, x, deterministic=False,
                          rngs={"dropout": jax.random.PRNGKey(3)})
   assert not np.allclose(dropped, reference, atol=1e-3)
 
@@ -156,10 +156,10 @@ def test_feedforward_dropout_acts_only_when_not_deterministic():
 def test_norm_equals_its_formula_and_names_its_scale_axis(kind, formula):
   x = 3.0 * _inputs() + 1.0
   module = make_norm(kind, jnp.float32)
-  boxed = module.init(jax.random.PRNGKey(0), x)["params"]
+  boxed = jit_init(module, jax.random.PRNGKey(0), x)["params"]
   assert all(leaf.names == ("embed",) for _, leaf in _boxes(boxed))
   params = _perturbed(nn.meta.unbox(boxed))
-  assert_close(module.apply({"params": params}, x), formula(x, params), atol=1e-5)
+  assert_close(jit_apply(module, {"params": params}, x), formula(x, params), atol=1e-5)
 
 
 def test_scalenorm_is_g_x_over_its_norm_with_g_starting_at_sqrt_e():
@@ -170,7 +170,7 @@ def test_scalenorm_is_g_x_over_its_norm_with_g_starting_at_sqrt_e():
   params = {"scale": jnp.float32(1.7)}
   x64 = np.asarray(x, np.float64)
   expected = 1.7 * x64 / np.linalg.norm(x64, axis=-1, keepdims=True)
-  assert_close(module.apply({"params": params}, x), expected, atol=1e-5)
+  assert_close(jit_apply(module, {"params": params}, x), expected, atol=1e-5)
 
 
 def test_powernorm_divides_by_the_previous_running_quadratic_mean_and_updates_it():
@@ -178,7 +178,7 @@ def test_powernorm_divides_by_the_previous_running_quadratic_mean_and_updates_it
   psi_t^2 = a psi_{t-1}^2 + (1 - a) mean(x^2); evaluation reads psi and keeps it."""
   x = 2.0 * _inputs() + 0.5
   train, evaluate = make_norm("powernorm", deterministic=False), make_norm("powernorm")
-  variables = nn.meta.unbox(evaluate.init(jax.random.PRNGKey(0), x))
+  variables = nn.meta.unbox(jit_init(evaluate, jax.random.PRNGKey(0), x))
   np.testing.assert_array_equal(variables["batch_stats"]["quadratic_mean"], np.ones(E))
   rng = np.random.default_rng(0)
   previous = rng.uniform(0.5, 2.0, E)
@@ -189,14 +189,14 @@ def test_powernorm_divides_by_the_previous_running_quadratic_mean_and_updates_it
   x64 = np.asarray(x, np.float64)
   expected = (np.asarray(params["scale"]) * x64 / np.sqrt(previous + 1e-5)
               + np.asarray(params["bias"]))
-  y, updated = train.apply(variables, x, mutable=["batch_stats"])
+  y, updated = jit_apply(train, variables, x, mutable=["batch_stats"])
   assert_close(y, expected, atol=1e-5)
   np.testing.assert_allclose(updated["batch_stats"]["quadratic_mean"],
                              0.9 * previous + 0.1 * np.mean(x64 ** 2, axis=(0, 1)), rtol=1e-5)
   # Evaluation: the same output from the stored statistic, which stays.
-  assert_close(evaluate.apply(variables, x), expected, atol=1e-5)
+  assert_close(jit_apply(evaluate, variables, x), expected, atol=1e-5)
   # The statistic is a constant of the step: the gradient is g / psi_{t-1}.
-  grad = jax.grad(lambda x: jnp.sum(train.apply(variables, x, mutable=["batch_stats"])[0]))(x)
+  grad = jax.grad(lambda x: jnp.sum(jit_apply(train, variables, x, mutable=["batch_stats"])[0]))(x)
   assert_close(grad, np.broadcast_to(np.asarray(params["scale"]) / np.sqrt(previous + 1e-5),
                                      x.shape), atol=1e-5)
 
@@ -207,7 +207,7 @@ def test_adanorm_is_c_one_minus_ky_times_y_with_the_factor_held_constant():
   the factor frozen at the point."""
   x = 3.0 * _inputs(length=3) + 1.0
   module = make_norm("adanorm")
-  assert not jax.tree.leaves(module.init(jax.random.PRNGKey(1), x))  # nothing learned
+  assert not jax.tree.leaves(jit_init(module, jax.random.PRNGKey(1), x))  # nothing learned
 
   def standardised(x):
     centred = x - x.mean(-1, keepdims=True)
@@ -215,10 +215,10 @@ def test_adanorm_is_c_one_minus_ky_times_y_with_the_factor_held_constant():
 
   x64 = np.asarray(x, np.float64)
   y = standardised(x64)
-  assert_close(module.apply({}, x), (1.0 - 0.1 * y) * y, atol=1e-5)
+  assert_close(jit_apply(module, {}, x), (1.0 - 0.1 * y) * y, atol=1e-5)
   frozen = 1.0 - 0.1 * y
   weights = np.asarray(_inputs(seed=5, length=3), np.float64)
-  grad = np.asarray(jax.grad(lambda x: jnp.sum(weights * module.apply({}, x)))(x))
+  grad = np.asarray(jax.grad(lambda x: jnp.sum(weights * jit_apply(module, {}, x)))(x))
   step, numeric = 1e-6, np.zeros_like(x64)
   for index in np.ndindex(x64.shape):
     shift = np.zeros_like(x64)

@@ -16,7 +16,7 @@ import pytest
 from attention_jax.layers import MixtureOfExperts
 from attention_jax.models import build_model
 from attention_jax.train.steps import sown_losses
-from attention_testing import assert_close, perturbed
+from attention_testing import assert_close, jit_apply, jit_init, perturbed
 
 B, T, E, F = 2, 10, 8, 12
 
@@ -58,7 +58,7 @@ def _loop_reference(x, params, num_experts, top_k, capacity):
 
 def _module_and_params(**options):
   module = MixtureOfExperts(F, **options)
-  params = perturbed(nn.meta.unbox(module.init(jax.random.PRNGKey(1), _inputs()))["params"])
+  params = perturbed(nn.meta.unbox(jit_init(module, jax.random.PRNGKey(1), _inputs()))["params"])
   return module, params
 
 
@@ -73,7 +73,7 @@ def test_output_equals_the_token_by_token_routing_loop(num_experts, top_k, capac
                                       capacity_factor=capacity_factor)
   capacity = max(1, int(np.ceil(capacity_factor * top_k * T / num_experts)))
   x = _inputs()
-  got = jax.jit(lambda p, x: module.apply({"params": p}, x))(params, x)
+  got = jax.jit(lambda p, x: jit_apply(module, {"params": p}, x))(params, x)
   assert_close(got, _loop_reference(x, params, num_experts, top_k, capacity), atol=1e-5)
 
 
@@ -82,24 +82,24 @@ def test_dropped_tokens_get_zero_and_the_router_is_trained():
   residual carries them); the kept ones' gates pass gradient to the router."""
   module, params = _module_and_params(num_experts=2, top_k=1, capacity_factor=0.1)
   x = _inputs()
-  out = np.asarray(module.apply({"params": params}, x))
+  out = np.asarray(jit_apply(module, {"params": params}, x))
   kept = np.any(out != 0.0, axis=-1)
   assert set(kept.sum(axis=1).tolist()) <= {1, 2}  # one slot in each of 2 experts
-  grad = jax.grad(lambda p: jnp.sum(module.apply({"params": p}, x) ** 2))(params)
+  grad = jax.grad(lambda p: jnp.sum(jit_apply(module, {"params": p}, x) ** 2))(params)
   assert np.abs(grad["router"]["kernel"]).max() > 0
 
 
 def test_load_balancing_loss_is_sown_and_equals_n_sum_f_times_p():
   module, params = _module_and_params(num_experts=4, top_k=2, load_balancing_weight=0.3)
   x = _inputs()
-  _, sown = module.apply({"params": params}, x, mutable=["losses"])
+  _, sown = jit_apply(module, {"params": params}, x, mutable=["losses"])
   probs = _softmax(np.asarray(x, np.float64) @ np.asarray(params["router"]["kernel"], np.float64))
   fraction = np.bincount(probs.argmax(-1).ravel(), minlength=4) / (B * T)
   expected = 0.3 * 4 * np.sum(fraction * probs.mean(axis=(0, 1)))
   np.testing.assert_allclose(float(sown_losses(sown)), expected, rtol=1e-5)
   # Weight 0 sows nothing.
   quiet, params = _module_and_params(num_experts=4, load_balancing_weight=0.0)
-  assert not quiet.apply({"params": params}, x, mutable=["losses"])[1]
+  assert not jit_apply(quiet, {"params": params}, x, mutable=["losses"])[1]
 
 
 def test_model_with_moe_feed_forward_sows_one_loss_per_layer_and_names_expert_axes():
@@ -107,10 +107,10 @@ def test_model_with_moe_feed_forward_sows_one_loss_per_layer_and_names_expert_ax
                            num_heads=2, mlp_dim=F, max_length=T, feed_forward="moe",
                            feed_forward_options=dict(num_experts=4)))
   batch = jnp.ones((B, T), jnp.int32)
-  variables = model.init(jax.random.PRNGKey(0), batch)
+  variables = jit_init(model, jax.random.PRNGKey(0), batch)
   wi = variables["params"]["encoder"]["block_0"]["mlp"]["wi"]
   assert wi.names == ("expert", None, "mlp") and wi.value.shape == (4, E, F)
-  _, sown = model.apply({"params": nn.meta.unbox(variables["params"])}, batch,
+  _, sown = jit_apply(model, {"params": nn.meta.unbox(variables["params"])}, batch,
                         mutable=["losses"])
   assert len(jax.tree.leaves(sown)) == 2 and float(sown_losses(sown)) > 0
 

@@ -9,7 +9,7 @@ import pytest
 
 from attention_jax.layers import ProductKeyMemory
 from attention_jax.layers.product_key import product_key_lookup
-from attention_testing import assert_close, intermediate_shapes, perturbed
+from attention_testing import assert_close, intermediate_shapes, jit_apply, jit_init, perturbed
 
 B, T, E = 2, 5, 12
 
@@ -39,7 +39,7 @@ def test_lookup_finds_the_best_slots_of_all_num_keys_squared(num_keys, top_k):
 def test_memory_output_equals_the_softmax_over_the_best_slots_of_all_slots():
   module = ProductKeyMemory(num_keys=8, top_k=3, num_heads=2, key_dim=6)
   x = jax.random.normal(jax.random.PRNGKey(0), (B, T, E))
-  params = perturbed(nn.meta.unbox(module.init(jax.random.PRNGKey(1), x))["params"])
+  params = perturbed(nn.meta.unbox(jit_init(module, jax.random.PRNGKey(1), x))["params"])
   p = jax.tree.map(lambda a: np.asarray(a, np.float64), params)
   queries = np.asarray(x, np.float64) @ p["query"]["kernel"].reshape(E, -1)
   queries = (queries + p["query"]["bias"].reshape(-1)).reshape(B, T, 2, 2, 3)
@@ -50,7 +50,7 @@ def test_memory_output_equals_the_softmax_over_the_best_slots_of_all_slots():
   weights = np.exp(np.take_along_axis(full, best, -1))
   weights /= weights.sum(-1, keepdims=True)
   expected = np.einsum("bthk,bthke->bte", weights, p["values"][best])
-  assert_close(module.apply({"params": params}, x), expected, atol=1e-5)
+  assert_close(jit_apply(module, {"params": params}, x), expected, atol=1e-5)
 
 
 def test_no_array_the_size_of_the_memory_is_built_but_its_values():
@@ -58,12 +58,12 @@ def test_no_array_the_size_of_the_memory_is_built_but_its_values():
   65,536-long axis except the values' gradient (a scatter into the table)."""
   module = ProductKeyMemory(num_keys=256, top_k=4, num_heads=2, key_dim=8)
   x = jax.random.normal(jax.random.PRNGKey(0), (B, T, E))
-  params = nn.meta.unbox(module.init(jax.random.PRNGKey(1), x))["params"]
+  params = nn.meta.unbox(jit_init(module, jax.random.PRNGKey(1), x))["params"]
   assert params["values"].shape == (256 * 256, E)
-  forward = intermediate_shapes(lambda p: module.apply({"params": p}, x), params)
+  forward = intermediate_shapes(lambda p: jit_apply(module, {"params": p}, x), params)
   assert not [s for s in forward if 256 * 256 in s]
   backward = intermediate_shapes(
-      jax.grad(lambda p: jnp.sum(module.apply({"params": p}, x))), params)
+      jax.grad(lambda p: jnp.sum(jit_apply(module, {"params": p}, x))), params)
   assert [s for s in backward if 256 * 256 in s] == [(256 * 256, E)]
 
 
@@ -86,8 +86,8 @@ def test_initialises_and_runs_under_a_mesh_with_logical_rules():
   memory = ProductKeyMemory(num_keys=8, top_k=2, num_heads=2, key_dim=8)
   x = jax.random.normal(jax.random.PRNGKey(0), (2, 5, 16))
   with jax.set_mesh(mesh), nn.logical_axis_rules(axes.DEFAULT_RULES):
-    variables = memory.init(jax.random.PRNGKey(1), x)
+    variables = jit_init(memory, jax.random.PRNGKey(1), x)
     out = jax.jit(memory.apply)(variables, x)
   specs = nn.get_partition_spec(variables)["params"]
   assert specs["query"]["kernel"] == jax.sharding.PartitionSpec("embed", "heads", "kv")
-  assert_close(out, memory.apply(nn.meta.unbox(variables), x), atol=1e-6)
+  assert_close(out, jit_apply(memory, nn.meta.unbox(variables), x), atol=1e-6)

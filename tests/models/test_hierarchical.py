@@ -12,7 +12,7 @@ import pytest
 
 from attention_jax.models import Encoder, HierarchicalTransformer, VectorEncoder, build_model
 from attention_jax.models.classifier import masked_max, masked_mean
-from attention_testing import assert_close, jit_apply, train_briefly
+from attention_testing import assert_close, jit_apply, jit_init, train_briefly
 
 V, E, L = 11, 16, 4
 
@@ -26,7 +26,7 @@ def _model(**overrides):
 
 def _init(model, tokens, mask=None):
   """Variables with a non-zero head (it starts at zero), so logits show what it reads."""
-  variables = nn.meta.unbox(model.init(jax.random.PRNGKey(0), tokens, padding_mask=mask))
+  variables = nn.meta.unbox(jit_init(model, jax.random.PRNGKey(0), tokens, padding_mask=mask))
   params = dict(variables["params"])
   params["head"] = jax.tree.map(lambda a: jax.random.normal(jax.random.PRNGKey(1), a.shape),
                                 params["head"])

@@ -9,7 +9,7 @@ import pytest
 from attention_jax.models import Block, LayerStack, ModelConfig
 from attention_jax.models.stack import unstack_scanned
 from attention_jax.train.steps import sown_losses
-from attention_testing import perturbed, small_stack_config
+from attention_testing import jit_apply, perturbed, small_stack_config
 
 B, T, E = 2, 8, 16
 
@@ -55,7 +55,7 @@ def test_rate_one_in_training_is_the_identity_with_zero_gradients(overrides):
   stack = LayerStack(config)
 
   def loss(params, x):
-    y, carry = stack.apply({"params": params}, x, deterministic=False,
+    y, carry = jit_apply(stack, {"params": params}, x, deterministic=False,
                            rngs={"dropout": jax.random.PRNGKey(3)})
     return jnp.sum(jnp.sin(y)), (y, carry)
 
@@ -91,7 +91,7 @@ def test_each_layer_is_skipped_with_the_rate_independently(scan_layers):
   params, x = _params(config), _x()
   blocks = unstack_scanned(params, config) if scan_layers else params
   block = Block(_config(num_layers=2))
-  run = [lambda y, i=i: block.apply({"params": blocks[f"block_{i}"]}, y)[0] for i in (0, 1)]
+  run = [lambda y, i=i: jit_apply(block, {"params": blocks[f"block_{i}"]}, y)[0] for i in (0, 1)]
   outcomes = {(False, False): run[1](run[0](x)), (True, False): run[1](x),
               (False, True): run[0](x), (True, True): x}
   apply = jax.jit(lambda seed: LayerStack(config).apply(
@@ -122,7 +122,7 @@ def test_a_skipped_block_sows_a_zero_auxiliary_loss():
   def losses(rate):
     stack = LayerStack(_config(attention="adaptive_span", attention_options=options,
                                num_layers=2, layer_drop_rate=rate))
-    return jax.jit(lambda seed: stack.apply(
+    return jax.jit(lambda seed: jit_apply(stack, 
         {"params": params}, x, deterministic=False, rngs={"dropout": jax.random.PRNGKey(seed)},
         mutable=["losses"])[1])
 

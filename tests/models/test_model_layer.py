@@ -19,7 +19,7 @@ from attention_jax.models import (Block, LayerStack, ModelConfig, build_model,
 from attention_jax.models.config import POOLING_VARIANTS
 from attention_jax.models.stack import unstack_scanned
 from attention_jax.variants.prior.carried import SCORES
-from attention_testing import small_stack_config
+from attention_testing import jit_apply, jit_init, small_stack_config
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 
@@ -38,7 +38,7 @@ def _stack_loss(config):
   stack = LayerStack(config)
 
   def loss(params, x):
-    y, _ = stack.apply({"params": params}, x)
+    y, _ = jit_apply(stack, {"params": params}, x)
     return jnp.sum(jnp.sin(y))
 
   return stack, loss
@@ -57,7 +57,7 @@ def test_scanned_stack_equals_unrolled(layer_attention, remat_policy):
                     scan_layers=True, remat_policy=remat_policy)
   x = _x()
   stack, loss = _stack_loss(scanned)
-  scanned_params = nn.meta.unbox(stack.init(jax.random.PRNGKey(1), x)["params"])
+  scanned_params = nn.meta.unbox(jit_init(stack, jax.random.PRNGKey(1), x)["params"])
   params = unstack_scanned(scanned_params, scanned)
   _, unrolled_loss = _stack_loss(unrolled)
 
@@ -71,12 +71,12 @@ def test_scanned_stack_equals_unrolled(layer_attention, remat_policy):
 def test_qkv_dim_sets_the_attention_width_apart_from_the_model_width():
   config = _config(num_layers=1, qkv_dim=8)
   stack = LayerStack(config)
-  params = nn.meta.unbox(stack.init(jax.random.PRNGKey(0), _x())["params"])
+  params = nn.meta.unbox(jit_init(stack, jax.random.PRNGKey(0), _x())["params"])
   attention = params["block_0"]["attention"]
   shapes = {name: leaf["kernel"].shape for name, leaf in attention.items() if "kernel" in leaf}
   # H = 2 heads of D = qkv_dim / H = 4, projected from and back to E = 16.
   assert shapes["query"] == (E, 2, 4) and shapes["out"] == (2, 4, E)
-  y, _ = stack.apply({"params": params}, _x())
+  y, _ = jit_apply(stack, {"params": params}, _x())
   assert y.shape == (B, T, E)
   with pytest.raises(ValueError, match="model.qkv_dim must be a positive multiple of num_heads"):
     _config(qkv_dim=7)
@@ -108,13 +108,13 @@ def test_layer_schedule_equals_blocks_built_by_hand():
   assert config.schedule == ("local", "local", "dot_product") * 2
   x = _x(3)
   stack = LayerStack(config)
-  params = stack.init(jax.random.PRNGKey(0), x)["params"]
-  y, _ = stack.apply({"params": params}, x)
+  params = jit_init(stack, jax.random.PRNGKey(0), x)["params"]
+  y, _ = jit_apply(stack, {"params": params}, x)
 
   expected = x
   for i, variant in enumerate(config.schedule):
     block = Block(config, variant)
-    expected, _ = block.apply({"params": params[f"block_{i}"]}, expected, {})
+    expected, _ = jit_apply(block, {"params": params[f"block_{i}"]}, expected, {})
   np.testing.assert_allclose(y, expected, rtol=1e-6, atol=1e-6)
   # The local layers really are local: one with the full window differs.
   wide = _config(layer_attention=("local", "local", "dot_product"), num_layers=6,
@@ -161,8 +161,8 @@ def test_realformer_scores_are_the_running_sum_over_layers(scan_layers):
   config = _config(attention="realformer", num_layers=3, scan_layers=scan_layers)
   x = _x(5)
   stack = LayerStack(config)
-  params = nn.meta.unbox(stack.init(jax.random.PRNGKey(0), x)["params"])
-  _, carry = stack.apply({"params": params}, x)
+  params = nn.meta.unbox(jit_init(stack, jax.random.PRNGKey(0), x)["params"])
+  _, carry = jit_apply(stack, {"params": params}, x)
   layers = unstack_scanned(params, config) if scan_layers else params
 
   one_layer = _config(attention="realformer", num_layers=1)

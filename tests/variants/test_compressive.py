@@ -15,8 +15,8 @@ from attention_jax.variants.recurrence import (CompressiveAttention, Transformer
                                                attention_reconstruction_loss,
                                                compress_memory, compressive_attention,
                                                transformer_xl_attention)
-from attention_testing import (as_float64, assert_close, np_project_heads, np_softmax,
-                               perturbed, random_qkv, segment_training_step)
+from attention_testing import (as_float64, assert_close, jit_apply, jit_init, np_project_heads,
+                               np_softmax, perturbed, random_qkv, segment_training_step)
 
 B, E, H = 2, 16, 2
 
@@ -59,7 +59,7 @@ def _layer(seed=3, first_length=4, **fields):
   fields = dict(dict(memory_length=8, compressed_memory_length=4, compression_rate=2), **fields)
   layer = CompressiveAttention(num_heads=H, **fields)
   x = jax.random.normal(jax.random.PRNGKey(2), (B, first_length, E))
-  variables = layer.init(jax.random.PRNGKey(seed), x, is_causal=True)
+  variables = jit_init(layer, jax.random.PRNGKey(seed), x, is_causal=True)
   return layer, perturbed(nn.meta.unbox(variables["params"])), variables["memory"]
 
 
@@ -106,7 +106,7 @@ def test_memories_evolve_as_the_numpy_simulation(compression, lengths, memory_le
   garbage = np.random.default_rng(0)
   for segment, (np_memory, memory_real, np_compressed, compressed_real) in zip(segments,
                                                                                 expected):
-    y, state = layer.apply({"params": params, "memory": memory}, segment, is_causal=True,
+    y, state = jit_apply(layer, {"params": params, "memory": memory}, segment, is_causal=True,
                            mutable=["memory"])
     # Slots that hold no real state are hidden from every query.
     scrambled = {**memory,
@@ -116,7 +116,7 @@ def test_memories_evolve_as_the_numpy_simulation(compression, lengths, memory_le
                  "compressed": np.where(
                      np.asarray(_real(memory, "compressed_filled", compressed_length))[:, None],
                      memory["compressed"], garbage.normal(size=memory["compressed"].shape))}
-    assert_close(layer.apply({"params": params, "memory": scrambled}, segment, is_causal=True),
+    assert_close(jit_apply(layer, {"params": params, "memory": scrambled}, segment, is_causal=True),
                  y, rtol=1e-5, atol=1e-5)
     memory = state["memory"]
     # The real slots are the last ones, and the counts say how many.
@@ -158,7 +158,7 @@ def np_reconstruction_loss(hidden, old_states, compressed, real_slots, params):
 def _filled_memory(layer, params, memory, lengths=(4, 4, 4)):
   """The memory after `lengths` segments (both memories full for the default layer)."""
   for segment in _segments(lengths, seed=20):
-    _, state = layer.apply({"params": params, "memory": memory}, segment, is_causal=True,
+    _, state = jit_apply(layer, {"params": params, "memory": memory}, segment, is_causal=True,
                            mutable=["memory"])
     memory = state["memory"]
   return memory
@@ -169,7 +169,7 @@ def test_sown_reconstruction_loss_equals_its_formula():
   layer, params, memory = _layer(memory_length=4, compressed_memory_length=2,
                                  reconstruction_weight=0.5)
   x = jax.random.normal(jax.random.PRNGKey(5), (B, 4, E))
-  sown = lambda memory: layer.apply({"params": params, "memory": memory}, x, is_causal=True,
+  sown = lambda memory: jit_apply(layer, {"params": params, "memory": memory}, x, is_causal=True,
                                     mutable=["memory", "losses"])[1]["losses"]
   # The first segment pushes out only empty slots: nothing to reconstruct.
   np.testing.assert_array_equal(sown(memory)["attention_reconstruction"], [0.0])
@@ -209,7 +209,7 @@ def test_reconstruction_loss_trains_only_the_compression():
   layer, params, memory, x = _full_layer_and_segment(seed=6)
 
   def sown_loss(params, x, hidden):
-    _, state = layer.apply({"params": params, "memory": {**memory, "hidden": hidden}}, x,
+    _, state = jit_apply(layer, {"params": params, "memory": {**memory, "hidden": hidden}}, x,
                            is_causal=True, mutable=["memory", "losses"])
     return sum(jnp.sum(leaf) for leaf in jax.tree.leaves(state["losses"]))
 
@@ -229,15 +229,15 @@ def test_no_gradient_reaches_either_memory_from_the_output():
   layer, params, memory, x = _full_layer_and_segment(seed=7)
 
   def output_loss(params, hidden, compressed):
-    y, _ = layer.apply({"params": params, "memory": {**memory, "hidden": hidden,
+    y, _ = jit_apply(layer, {"params": params, "memory": {**memory, "hidden": hidden,
                                                      "compressed": compressed}},
                        x, is_causal=True, mutable=["memory"])
     return jnp.sum(y ** 2)
 
   # The compressed memory changes the output, yet passes it no gradient.
   without = {**memory, "compressed_filled": jnp.zeros((), jnp.int32)}
-  difference = (layer.apply({"params": params, "memory": memory}, x, is_causal=True)
-                - layer.apply({"params": params, "memory": without}, x, is_causal=True))
+  difference = (jit_apply(layer, {"params": params, "memory": memory}, x, is_causal=True)
+                - jit_apply(layer, {"params": params, "memory": without}, x, is_causal=True))
   assert np.abs(np.asarray(difference)).max() > 1e-3
   grad_params, grad_hidden, grad_compressed = jax.grad(output_loss, argnums=(0, 1, 2))(
       params, memory["hidden"], memory["compressed"])
@@ -260,11 +260,11 @@ def test_compressed_slots_are_the_keys_just_before_the_memory():
   xl = TransformerXLAttention(num_heads=H, memory_length=4 + 8)
   xl_params = {"attention": params["attention"]}
   for segment in _segments((4, 4, 4, 4), seed=40):
-    y, state = layer.apply({"params": params, "memory": memory}, segment, is_causal=True,
+    y, state = jit_apply(layer, {"params": params, "memory": memory}, segment, is_causal=True,
                            mutable=["memory"])
     xl_memory = {"hidden": jnp.concatenate([memory["compressed"], memory["hidden"]], axis=1),
                  "filled": memory["compressed_filled"] + memory["filled"]}
-    assert_close(y, xl.apply({"params": xl_params, "memory": xl_memory}, segment,
+    assert_close(y, jit_apply(xl, {"params": xl_params, "memory": xl_memory}, segment,
                              is_causal=True), rtol=1e-5, atol=1e-5)
     memory = state["memory"]
   assert int(memory["compressed_filled"]) == 4
@@ -274,15 +274,15 @@ def test_compressed_slots_are_the_keys_just_before_the_memory():
 def test_without_a_compressed_memory_it_is_transformer_xl():
   compressive, params, memory = _layer(compressed_memory_length=0)
   xl = TransformerXLAttention(num_heads=H, memory_length=8)
-  xl_variables = xl.init(jax.random.PRNGKey(3), jnp.zeros((B, 4, E)), is_causal=True)
+  xl_variables = jit_init(xl, jax.random.PRNGKey(3), jnp.zeros((B, 4, E)), is_causal=True)
   assert set(params) == {"attention"} and set(memory) == {"hidden", "filled"}
   assert (jax.tree.map(jnp.shape, params)
           == jax.tree.map(jnp.shape, nn.meta.unbox(xl_variables["params"])))
   xl_memory = xl_variables["memory"]
   for segment in _segments((4, 4, 4), seed=50):
-    y, state = compressive.apply({"params": params, "memory": memory}, segment, is_causal=True,
+    y, state = jit_apply(compressive, {"params": params, "memory": memory}, segment, is_causal=True,
                                  mutable=["memory", "losses"])
-    xl_y, xl_state = xl.apply({"params": params, "memory": xl_memory}, segment, is_causal=True,
+    xl_y, xl_state = jit_apply(xl, {"params": params, "memory": xl_memory}, segment, is_causal=True,
                               mutable=["memory"])
     np.testing.assert_array_equal(y, xl_y)
     assert "losses" not in state
@@ -320,7 +320,7 @@ def test_language_model_with_compressive_memory_trains_segment_by_segment_under_
                          "compression_rate": 2}))
   model = build_model(config)
   tokens = jax.random.randint(jax.random.PRNGKey(0), (B, 32), 0, 11)
-  variables = model.init(jax.random.PRNGKey(1), tokens[:, :8])
+  variables = jit_init(model, jax.random.PRNGKey(1), tokens[:, :8])
 
   step = segment_training_step(model, vocab_size=11)
   memory, reconstructions = variables["memory"], []
@@ -359,13 +359,13 @@ def test_bad_compression_options_are_refused():
   # Checked where a segment is compressed: initialisation and calls that keep
   # the memory as it is (a trainer's, without the collection) take any length.
   layer, params, memory = _layer(compression_rate=4, first_length=6)
-  layer.apply({"params": params, "memory": memory}, jnp.zeros((B, 6, E)))
+  jit_apply(layer, {"params": params, "memory": memory}, jnp.zeros((B, 6, E)))
   with pytest.raises(ValueError, match=r"compression_rate=4 must divide the sequence length 6"):
-    layer.apply({"params": params, "memory": memory}, jnp.zeros((B, 6, E)), mutable=["memory"])
+    jit_apply(layer, {"params": params, "memory": memory}, jnp.zeros((B, 6, E)), mutable=["memory"])
   with pytest.raises(ValueError, match=r"the memory 'compressed' holds \[B, "
                                        r"compressed_memory_length, E\] = \[2, 3, 16\].*"
                                        r"segments must keep"):
-    layer.apply({"params": params, "memory": {**memory, "compressed": jnp.zeros((B, 3, E))}},
+    jit_apply(layer, {"params": params, "memory": {**memory, "compressed": jnp.zeros((B, 3, E))}},
                 jnp.zeros((B, 4, E)), mutable=["memory"])
   with pytest.raises(ValueError, match="unknown compression 'mean'"):
     compress_memory(x, 2, "mean")
@@ -376,4 +376,4 @@ def test_bad_compression_options_are_refused():
       max_length=8, attention="compressive", attention_options={"compression": "pooling"})))
   with pytest.raises(ValueError, match=r"unknown compression 'pooling'\. Did you mean "
                                        r"'pool'\?"):
-    model.init(jax.random.PRNGKey(0), jnp.zeros((B, 8), jnp.int32))
+    jit_init(model, jax.random.PRNGKey(0), jnp.zeros((B, 8), jnp.int32))

@@ -9,7 +9,6 @@
   forward or the backward pass (checked on the traced program at T = 4096).
 """
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,7 +16,7 @@ import pytest
 
 from attention_jax import registry
 from attention_jax.models import Block, ModelConfig
-from attention_testing import largest_intermediate, perturbed
+from attention_testing import jit_init, largest_intermediate, perturbed
 
 EMBED, HEADS = 32, 2
 MIXERS = registry.list_variants("mixer")
@@ -66,7 +65,7 @@ def test_runs_by_name_in_a_block_under_jit_forward_and_backward(name):
                        max_length=length, dropout_rate=0.0)
   x = jax.random.normal(jax.random.PRNGKey(2), (1, length, EMBED))
   block = Block(config)
-  variables = block.init(jax.random.PRNGKey(0), x, {})
+  variables = jit_init(block, jax.random.PRNGKey(0), x, {})
   # State a variant keeps besides its parameters (routing's k-means centroids).
   state = {k: v for k, v in variables.items() if k != "params"}
 

@@ -14,15 +14,15 @@ import pytest
 from attention_jax.core import reference_attention
 from attention_jax.layers.attention import MultiHeadAttention
 from attention_jax.variants import hashing
-from attention_testing import (assert_close, assert_same_outputs_and_grads, loop_mask,
-                               outputs_and_grads, random_qkv)
+from attention_testing import (assert_close, assert_same_outputs_and_grads, jit_apply, jit_init,
+                               loop_mask, random_qkv)
 
 RNG = jax.random.PRNGKey(3)
 
 
 def _jit_module_output(module, x, **apply_kwargs):
-  variables = module.init(jax.random.PRNGKey(0), x)
-  out = jax.jit(lambda v, x: module.apply(v, x, **apply_kwargs))(variables, x)
+  variables = jit_init(module, jax.random.PRNGKey(0), x)
+  out = jax.jit(lambda v, x: jit_apply(module, v, x, **apply_kwargs))(variables, x)
   assert out.shape == x.shape
   assert np.isfinite(np.asarray(out)).all()
   return variables, out
@@ -144,7 +144,7 @@ def test_lsh_rotations_are_per_layer_redrawn_each_training_step_and_fixed_in_eva
 
   def train_step(variables, step):
     rng = jax.random.fold_in(jax.random.PRNGKey(0), step)
-    out, updates = module.apply(variables, x, deterministic=False, rngs={"attention": rng},
+    out, updates = jit_apply(module, variables, x, deterministic=False, rngs={"attention": rng},
                                 mutable=["random"])
     return out, {**variables, **updates}
 
@@ -155,10 +155,10 @@ def test_lsh_rotations_are_per_layer_redrawn_each_training_step_and_fixed_in_eva
   assert not np.array_equal(kept(after_2), kept(after_1))
   assert not np.allclose(out_1, out_2)
   # Evaluation after training uses the last draw, the same in every call.
-  eval_1, eval_2 = (module.apply(after_2, x) for _ in range(2))
+  eval_1, eval_2 = (jit_apply(module, after_2, x) for _ in range(2))
   assert_close(eval_1, eval_2)
   # Another initialisation (another layer, seed) draws other rotations.
-  other = module.init({"params": jax.random.PRNGKey(5)}, x)
+  other = jit_init(module, {"params": jax.random.PRNGKey(5)}, x)
   assert not np.array_equal(kept(other), kept(variables))
 
 
@@ -204,8 +204,8 @@ def test_routing_kmeans_updates_move_centroids_towards_their_members():
   query = jnp.asarray(directions[labels] + noise, jnp.float32)  # [B, N, H, D]
   key = jnp.asarray(directions[labels[:, ::-1]] + noise[:, ::-1], jnp.float32)
   module = hashing.RoutingCentroids(num_clusters=4, decay=0.5)
-  variables = module.init(jax.random.PRNGKey(0), query, key, key)
-  step = jax.jit(lambda variables: module.apply(variables, query, key, key, deterministic=False,
+  variables = jit_init(module, jax.random.PRNGKey(0), query, key, key)
+  step = jax.jit(lambda variables: jit_apply(module, variables, query, key, key, deterministic=False,
                                                 mutable=["kmeans"])[1])
   points = jnp.concatenate([query, key], axis=1)
   distances = [_within_cluster_distance(variables["kmeans"]["centroids"], points)]
@@ -215,7 +215,7 @@ def test_routing_kmeans_updates_move_centroids_towards_their_members():
   assert all(a > b for a, b in zip(distances, distances[1:])), distances
   assert distances[-1] < 0.5 * distances[0], distances
   # Deterministic calls (evaluation) leave the centroids alone.
-  _, frozen = module.apply(variables, query, key, key, deterministic=True, mutable=["kmeans"])
+  _, frozen = jit_apply(module, variables, query, key, key, deterministic=True, mutable=["kmeans"])
   assert_close(frozen["kmeans"]["centroids"], variables["kmeans"]["centroids"])
 
 
@@ -265,14 +265,14 @@ def test_routing_module_runs_under_jit_and_updates_centroids_in_training():
                               attention_options={"num_clusters": 4, "decay": 0.9})
   variables, _ = _jit_module_output(module, x, is_causal=True)
   assert variables["kmeans"]["variant"]["centroids"].shape == (2, 4, 8)
-  train = jax.jit(lambda variables: module.apply(variables, x, deterministic=False,
+  train = jax.jit(lambda variables: jit_apply(module, variables, x, deterministic=False,
                                                  mutable=["kmeans"]))
   out, updated = train(variables)
   assert out.shape == x.shape
   assert not np.allclose(updated["kmeans"]["variant"]["centroids"],
                          variables["kmeans"]["variant"]["centroids"])
   # No gradient reaches the centroids.
-  loss = lambda variables: jnp.sum(module.apply(variables, x) ** 2)
+  loss = lambda variables: jnp.sum(jit_apply(module, variables, x) ** 2)
   grads = jax.jit(jax.grad(loss))(variables)
   assert np.abs(np.asarray(grads["kmeans"]["variant"]["centroids"])).max() == 0.0
   assert np.abs(np.asarray(nn.unbox(grads["params"])["query"]["kernel"])).max() > 0.0
@@ -416,7 +416,7 @@ def test_sinkhorn_module_runs_under_jit_and_trains_its_sorting_network():
   variables, _ = _jit_module_output(module, x)
   sort_params = nn.unbox(variables["params"]["variant"])
   assert sort_params["sort_hidden_kernel"].shape == (2, 8, 4)
-  loss = lambda variables: jnp.sum(module.apply(variables, x) ** 2)
+  loss = lambda variables: jnp.sum(jit_apply(module, variables, x) ** 2)
   grads = nn.unbox(jax.jit(jax.grad(loss))(variables)["params"]["variant"])
   assert np.abs(np.asarray(grads["sort_output_kernel"])).max() > 0.0
 
@@ -539,8 +539,8 @@ def test_the_layer_runs_a_length_that_is_no_block_multiple(variant):
   options = {"chunk_size": 4} if variant == "lsh" else {"block_size": 4}
   module = MultiHeadAttention(num_heads=2, attention=variant, attention_options=options)
   _jit_module_output(module, x)
-  variables = module.init(jax.random.PRNGKey(0), x)
-  grads = jax.grad(lambda p: jnp.sum(module.apply({**variables, "params": p}, x) ** 2))(
+  variables = jit_init(module, jax.random.PRNGKey(0), x)
+  grads = jax.grad(lambda p: jnp.sum(jit_apply(module, {**variables, "params": p}, x) ** 2))(
       variables["params"])
   assert all(np.isfinite(np.asarray(g)).all() for g in jax.tree.leaves(grads))
 
@@ -556,7 +556,7 @@ def test_a_classifier_pooling_by_cls_trains_with_finite_gradients(variant):
                            pooling="cls", num_layers=2))
   tokens = jnp.asarray(np.random.default_rng(0).integers(1, 20, (3, 12)), jnp.int32)
   tokens = tokens.at[1, 5:].set(0).at[2, 2:].set(0)
-  variables = model.init({"params": jax.random.PRNGKey(0)}, tokens)
-  grads = jax.grad(lambda p: jnp.sum(model.apply({**variables, "params": p}, tokens) ** 2))(
+  variables = jit_init(model, {"params": jax.random.PRNGKey(0)}, tokens)
+  grads = jax.grad(lambda p: jnp.sum(jit_apply(model, {**variables, "params": p}, tokens) ** 2))(
       variables["params"])
   assert all(np.isfinite(np.asarray(g)).all() for g in jax.tree.leaves(grads))

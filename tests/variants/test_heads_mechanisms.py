@@ -10,8 +10,8 @@ import pytest
 
 import attention_jax
 from attention_jax.variants import heads
-from attention_testing import (assert_close, assert_same_outputs_and_grads, perturbed,
-                               random_qkv)
+from attention_testing import (assert_close, assert_same_outputs_and_grads, jit_apply, jit_init,
+                               perturbed, random_qkv)
 
 
 def _np(x):
@@ -242,7 +242,7 @@ def test_talking_heads_layer_takes_the_head_counts_as_options():
   layer = attention_jax.MultiHeadAttention(
       num_heads=4, num_kv_heads=2, attention="talking_heads",
       attention_options=dict(softmax_heads=5, value_heads=6))
-  params = nn.meta.unbox(layer.init(jax.random.PRNGKey(1), x)["params"])
+  params = nn.meta.unbox(jit_init(layer, jax.random.PRNGKey(1), x)["params"])
   assert params["variant"]["logits_mixing"].shape == (5, 4)
   assert params["variant"]["weights_mixing"].shape == (6, 5)
   assert params["out"]["kernel"].shape == (6, 4, 16)
@@ -273,21 +273,21 @@ def test_talking_heads_layer_refuses_bad_head_counts(options, message):
   layer = attention_jax.MultiHeadAttention(num_heads=4, num_kv_heads=2,
                                            attention="talking_heads", attention_options=options)
   with pytest.raises(ValueError, match=message):
-    layer.init(jax.random.PRNGKey(0), x)
+    jit_init(layer, jax.random.PRNGKey(0), x)
 
 
 @pytest.mark.property("talking_heads")
 def test_talking_heads_layer_starts_as_multi_head_attention():
   x = jax.random.normal(jax.random.PRNGKey(0), (2, 6, 16))
   talking = attention_jax.MultiHeadAttention(num_heads=4, attention="talking_heads")
-  variables = talking.init(jax.random.PRNGKey(1), x)
+  variables = jit_init(talking, jax.random.PRNGKey(1), x)
   mixing = variables["params"]["variant"]
   assert_close(mixing["logits_mixing"], np.eye(4))
   assert_close(mixing["weights_mixing"], np.eye(4))
   plain = attention_jax.MultiHeadAttention(num_heads=4)
   params = {k: v for k, v in variables["params"].items() if k != "variant"}
-  assert_close(talking.apply(variables, x, is_causal=True),
-               plain.apply({"params": params}, x, is_causal=True))
+  assert_close(jit_apply(talking, variables, x, is_causal=True),
+               jit_apply(plain, {"params": params}, x, is_causal=True))
 
 
 # ----------------------------------------------------------------------------
@@ -300,7 +300,7 @@ def _block_params(attention, **options):
                        embed_dim=32, num_heads=8, mlp_dim=64, max_length=16, dropout_rate=0.0)
   block = Block(config)
   x = jax.random.normal(jax.random.PRNGKey(2), (2, 16, 32))
-  variables = nn.unbox(block.init(jax.random.PRNGKey(0), x, {}))
+  variables = nn.unbox(jit_init(block, jax.random.PRNGKey(0), x, {}))
   return block, variables, x
 
 
@@ -331,7 +331,7 @@ def test_fixed_head_size_is_dot_product_attention_through_its_own_projections():
   block, variables, x = _block_params("fixed_head_size", head_dim=16)
   mixer = attention_jax.registry.get_variant("fixed_head_size").module(num_heads=8, head_dim=16)
   params = perturbed(variables["params"]["attention"])  # biases not zero
-  out = mixer.apply({"params": params}, x, is_causal=True)
+  out = jit_apply(mixer, {"params": params}, x, is_causal=True)
   project = lambda name: (np.einsum("bte,ehd->bthd", _np(x), _np(params[name]["kernel"]))
                           + _np(params[name]["bias"]))
   query, key, value = project("query"), project("key"), project("value")
@@ -343,7 +343,7 @@ def test_fixed_head_size_is_dot_product_attention_through_its_own_projections():
   want = np.einsum("bqhd,hde->bqe", heads_out, _np(params["out"]["kernel"]))
   assert_close(out, want + _np(params["out"]["bias"]), rtol=1e-4, atol=1e-5)
   # And it runs as a block's mixer by name.
-  y, _ = block.apply(variables, x, {})
+  y, _ = jit_apply(block, variables, x, {})
   assert y.shape == x.shape
 
 

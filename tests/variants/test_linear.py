@@ -13,8 +13,8 @@ import attention_jax
 from attention_jax.core import reference_attention
 from attention_jax.models import build_model, default_model_config
 from attention_jax.variants import common, linear
-from attention_testing import (as_float64, assert_close, assert_same_outputs_and_grads, loop_mask,
-                               outputs_and_grads, random_qkv)
+from attention_testing import (as_float64, assert_close, assert_same_outputs_and_grads, jit_apply,
+                               jit_init, loop_mask, outputs_and_grads, random_qkv)
 
 # This file's tolerance: float32 sums over whole sequences in a different order.
 _assert_same = functools.partial(assert_same_outputs_and_grads, rtol=2e-5, atol=2e-5)
@@ -314,8 +314,8 @@ def _run_module(name, options, is_causal, rngs=None):
   x = jax.random.normal(jax.random.PRNGKey(1), (2, 24, 16))
   module = attention_jax.MultiHeadAttention(num_heads=2, num_kv_heads=1, attention=name,
                                             attention_options=options)
-  variables = module.init(jax.random.PRNGKey(0), x, is_causal=is_causal)
-  apply = jax.jit(lambda variables, x, rngs: module.apply(variables, x, is_causal=is_causal,
+  variables = jit_init(module, jax.random.PRNGKey(0), x, is_causal=is_causal)
+  apply = jax.jit(lambda variables, x, rngs: jit_apply(module, variables, x, is_causal=is_causal,
                                                           rngs=rngs))
   return variables, apply(variables, x, rngs or {})
 
@@ -350,7 +350,7 @@ def test_each_layer_of_a_model_draws_its_own_features(name):
                      max_length=8, dropout_rate=0.0))
   model = build_model(config)
   tokens = jnp.arange(16).reshape(2, 8) % 11
-  variables = model.init(jax.random.PRNGKey(0), tokens)
+  variables = jit_init(model, jax.random.PRNGKey(0), tokens)
   projections = _layer_projections(variables[common.RANDOM_COLLECTION])
   assert len(projections) == 2, sorted(projections)
   first, second = projections.values()
@@ -370,11 +370,11 @@ def _attention_module(name, redraw_every):
 def test_features_are_redrawn_at_training_calls_0_n_2n_and_fixed_in_evaluation(name):
   module = _attention_module(name, redraw_every=2)
   x = jax.random.normal(jax.random.PRNGKey(1), (2, 6, 16))
-  variables = module.init(jax.random.PRNGKey(0), x)
+  variables = jit_init(module, jax.random.PRNGKey(0), x)
   drawn = [_layer_projections(variables[common.RANDOM_COLLECTION])]
   outputs = []
   for step in range(5):  # as the trainer: the attention key is a function of the step
-    out, updates = module.apply(variables, x, deterministic=False,
+    out, updates = jit_apply(module, variables, x, deterministic=False,
                                 rngs={"attention": jax.random.fold_in(jax.random.key(0), step)},
                                 mutable=[common.RANDOM_COLLECTION])
     variables = {**variables, **updates}
@@ -386,7 +386,7 @@ def test_features_are_redrawn_at_training_calls_0_n_2n_and_fixed_in_evaluation(n
   # The output of a call used that call's draw: it changed exactly when the features did.
   assert [not np.array_equal(outputs[i], outputs[i - 1]) for i in range(1, 5)] == changed[1:]
   # Evaluation: the kept draw, the same in two calls, and the collection is left alone.
-  evaluate = lambda: module.apply(variables, x, deterministic=True,
+  evaluate = lambda: jit_apply(module, variables, x, deterministic=True,
                                   rngs={"attention": jax.random.key(9)},
                                   mutable=[common.RANDOM_COLLECTION])
   (first, kept), (second, _) = evaluate(), evaluate()
@@ -395,8 +395,8 @@ def test_features_are_redrawn_at_training_calls_0_n_2n_and_fixed_in_evaluation(n
                                 drawn[-1][path])
   # redraw_every=0: training never redraws.
   never = _attention_module(name, redraw_every=0)
-  variables = never.init(jax.random.PRNGKey(0), x)
-  _, updates = never.apply(variables, x, deterministic=False,
+  variables = jit_init(never, jax.random.PRNGKey(0), x)
+  _, updates = jit_apply(never, variables, x, deterministic=False,
                            rngs={"attention": jax.random.key(3)}, mutable=[common.RANDOM_COLLECTION])
   np.testing.assert_array_equal(_layer_projections(updates[common.RANDOM_COLLECTION])[path],
                                 _layer_projections(variables[common.RANDOM_COLLECTION])[path])
@@ -405,7 +405,7 @@ def test_features_are_redrawn_at_training_calls_0_n_2n_and_fixed_in_evaluation(n
 def test_performer_relu_kernel_draws_no_features():
   module = attention_jax.MultiHeadAttention(num_heads=2, attention="performer",
                                             attention_options={"kernel": "relu"})
-  variables = module.init(jax.random.PRNGKey(0), jnp.ones((1, 6, 16)))
+  variables = jit_init(module, jax.random.PRNGKey(0), jnp.ones((1, 6, 16)))
   assert common.RANDOM_COLLECTION not in variables
   assert "variant" not in variables["params"]
 
@@ -420,11 +420,11 @@ def test_gates_need_causal():
 def _decode_in_pieces(layer, params, random, x, pieces):
   """The decoding layer fed `x` in consecutive pieces of the given lengths."""
   variables = {"params": params, **random}
-  cache = layer.init(jax.random.PRNGKey(0), x)["cache"]
+  cache = jit_init(layer, jax.random.PRNGKey(0), x)["cache"]
   outputs = []
   start = 0
   for length in pieces:
-    out, mutated = layer.apply({**variables, "cache": cache}, x[:, start:start + length],
+    out, mutated = jit_apply(layer, {**variables, "cache": cache}, x[:, start:start + length],
                                mutable=["cache"])
     cache, start = mutated["cache"], start + length
     outputs.append(out)
@@ -444,10 +444,10 @@ def test_decoding_from_the_recurrent_state_equals_the_causal_pass(name, options,
   full = attention_jax.MultiHeadAttention(num_heads=H, num_kv_heads=num_kv_heads,
                                           attention=name, attention_options=options,
                                           position="rope")
-  variables = full.init(jax.random.PRNGKey(2), x, is_causal=True)
+  variables = jit_init(full, jax.random.PRNGKey(2), x, is_causal=True)
   params = jax.tree.map(lambda p: p + 0.1, nn.meta.unbox(variables["params"]))
   random = {k: v for k, v in variables.items() if k not in ("params", "cache")}
-  expected = full.apply({"params": params, **random}, x, is_causal=True)
+  expected = jit_apply(full, {"params": params, **random}, x, is_causal=True)
   # A prompt of 5 in one call, then one token at a time, then 3 at once.
   pieces = [5] + [1] * (T - 8) + [3]
   decoded, cache = _decode_in_pieces(full.clone(decode=True), params, random, x, pieces)
@@ -462,4 +462,4 @@ def test_performer_with_the_reference_stabiliser_refuses_to_decode():
   layer = attention_jax.MultiHeadAttention(num_heads=H, attention="performer", decode=True,
                                            attention_options={"numerical_stabilizer": 1e-6})
   with pytest.raises(ValueError, match="numerical_stabilizer=1e-06 cannot decode"):
-    layer.init(jax.random.PRNGKey(0), x)
+    jit_init(layer, jax.random.PRNGKey(0), x)

@@ -14,7 +14,7 @@ from attention_jax import registry
 from attention_jax.variants import common, linear, low_rank
 from attention_testing import (as_float64 as _np, np_project_heads as _np_project,
                                np_project_out as _np_out, np_softmax as _np_softmax)
-from attention_testing import assert_close, random_qkv
+from attention_testing import (assert_close, jit_apply, jit_init, random_qkv)
 
 TASKS = ("listops", "text", "retrieval", "image", "pathfinder32", "pathx")
 
@@ -44,7 +44,7 @@ def test_linformer_release_is_one_shared_projection_and_ignores_padding():
   length, embed = 20, 16
   layer = _release_layer("linformer", "listops", length)
   x = np.asarray(jax.random.normal(jax.random.PRNGKey(0), (2, length, embed)))
-  params = nn.meta.unbox(layer.init(jax.random.PRNGKey(1), jnp.asarray(x))["params"])
+  params = nn.meta.unbox(jit_init(layer, jax.random.PRNGKey(1), jnp.asarray(x))["params"])
   assert set(params["variant"]) == {"key_projection"}  # the release's one `lr_kernel`
   kernel = _np(params["variant"]["key_projection"])
   assert kernel.shape == (length, 16)
@@ -56,13 +56,13 @@ def test_linformer_release_is_one_shared_projection_and_ignores_padding():
   v = np.einsum("bthd,tk->bkhd", v, kernel)
   weights = _np_softmax(np.einsum("bqhd,bkhd->bhqk", q / np.sqrt(q.shape[-1]), k))
   expected = _np_out(np.einsum("bhqk,bkhd->bqhd", weights, v), params["out"])
-  padded = layer.apply({"params": params}, jnp.asarray(x),
+  padded = jit_apply(layer, {"params": params}, jnp.asarray(x),
                        key_value_seq_lengths=jnp.array([20, 9]),
                        query_seq_lengths=jnp.array([20, 9]))
   assert_close(padded, expected, rtol=1e-4, atol=1e-5)
   # A pairwise mask is still refused rather than ignored.
   with pytest.raises(ValueError, match="key-padding mask"):
-    layer.apply({"params": params}, jnp.asarray(x), mask=jnp.ones((2, 1, length, length), bool))
+    jit_apply(layer, {"params": params}, jnp.asarray(x), mask=jnp.ones((2, 1, length, length), bool))
 
 
 def test_linformer_xavier_uniform_projection_has_the_glorot_bound_and_variance():
@@ -115,7 +115,7 @@ def test_synthesizer_release_is_random_logits_plus_dot_products_before_one_softm
   length, max_length, embed = 7, 9, 16
   layer = _release_layer("synthesizer_dense", "image", length, max_length=max_length)
   x = np.asarray(jax.random.normal(jax.random.PRNGKey(2), (2, length, embed)))
-  params = nn.meta.unbox(layer.init(jax.random.PRNGKey(3), jnp.asarray(x))["params"])
+  params = nn.meta.unbox(jit_init(layer, jax.random.PRNGKey(3), jnp.asarray(x))["params"])
   assert set(params) == {"query", "key", "value", "variant", "out"}
   random = _np(params["variant"]["logits"])
   assert random.shape == (2, max_length, max_length)
@@ -123,7 +123,7 @@ def test_synthesizer_release_is_random_logits_plus_dot_products_before_one_softm
   lengths = np.array([7, 4])
   valid = np.arange(length)[None, :] < lengths[:, None]
   expected = _np_out(_release_synthetic_attention(q, k, v, random, valid), params["out"])
-  out = np.asarray(layer.apply({"params": params}, jnp.asarray(x),
+  out = np.asarray(jit_apply(layer, {"params": params}, jnp.asarray(x),
                                key_value_seq_lengths=jnp.asarray(lengths),
                                query_seq_lengths=jnp.asarray(lengths)))
   # Valid queries agree; a padded query's row is all -1e10 in the release

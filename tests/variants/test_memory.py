@@ -9,8 +9,9 @@ import attention_jax
 from attention_jax.core import reference_attention
 from attention_jax.models import Block, ModelConfig
 from attention_jax.variants import memory
-from attention_testing import (B, H, KV_LENGTHS, Q_LENGTHS, Q_SEGMENTS, KV_SEGMENTS, TK, TQ,
-                               assert_close, bias_and_mask, loop_mask, random_qkv)
+from attention_testing import (B, H, KV_LENGTHS, KV_SEGMENTS, Q_LENGTHS, Q_SEGMENTS, TK, TQ,
+                               assert_close, bias_and_mask, jit_apply, jit_init, loop_mask,
+                               random_qkv)
 
 NUM_MEMORY = 3
 
@@ -115,12 +116,12 @@ def test_persistent_memory_trains_through_multi_head_attention_under_jit():
   module = attention_jax.MultiHeadAttention(
       num_heads=4, num_kv_heads=2, attention="persistent_memory",
       attention_options={"num_memory_slots": 5})
-  params = module.init(jax.random.PRNGKey(1), x)
+  params = jit_init(module, jax.random.PRNGKey(1), x)
   memories = params["params"]["variant"]
   assert memories["memory_key"].shape == (5, 2, 4)
   assert memories["memory_value"].shape == (5, 2, 4)
   lengths = jnp.array([10, 6])
-  loss = lambda p: jnp.sum(module.apply(p, x, is_causal=True, key_value_seq_lengths=lengths) ** 2)
+  loss = lambda p: jnp.sum(jit_apply(module, p, x, is_causal=True, key_value_seq_lengths=lengths) ** 2)
   grads = jax.jit(jax.grad(loss))(params)["params"]["variant"]
   assert np.abs(np.asarray(grads["memory_key"])).min() > 0
   assert np.abs(np.asarray(grads["memory_value"])).min() > 0
@@ -131,7 +132,7 @@ def test_persistent_memory_rejects_bad_sizes():
   module = attention_jax.MultiHeadAttention(num_heads=2, attention="persistent_memory",
                                             attention_options={"num_memory_slots": 0})
   with pytest.raises(ValueError, match="num_memory_slots must be an int >= 1"):
-    module.init(jax.random.PRNGKey(0), x)
+    jit_init(module, jax.random.PRNGKey(0), x)
   query, key, value = random_qkv(batch=1, q_len=4, num_heads=2, head_dim=4)
   with pytest.raises(ValueError, match=r"memory_key must be \[N, Hkv, D\]"):
     memory.persistent_memory_attention(query, key, value, memory_key=jnp.ones((3, 2, 5)),
@@ -194,8 +195,8 @@ def _latent_module(name, **options):
 
 
 def _init_apply(module, x, **kwargs):
-  variables = module.init(jax.random.PRNGKey(0), x, **kwargs)
-  return variables, jax.jit(lambda v, x: module.apply(v, x, **kwargs))
+  variables = jit_init(module, jax.random.PRNGKey(0), x, **kwargs)
+  return variables, jax.jit(lambda v, x: jit_apply(module, v, x, **kwargs))
 
 
 @pytest.mark.parametrize("name", LATENT_VARIANTS)
@@ -217,9 +218,9 @@ def test_latent_mixer_ignores_padded_tokens(name):
   assert_close(apply(variables, garbage)[1, :7], out[1, :7], atol=2e-5)
   # The same padding as a key-padding mask, as the encoder passes it.
   mask = (jnp.arange(12)[None, :] < lengths[:, None])[:, None, None, :]
-  assert_close(module.apply(variables, x, mask=mask), out, atol=2e-5)
+  assert_close(jit_apply(module, variables, x, mask=mask), out, atol=2e-5)
   # Padded queries output zeros.
-  q_padded = module.apply(variables, x, query_seq_lengths=lengths, key_value_seq_lengths=lengths)
+  q_padded = jit_apply(module, variables, x, query_seq_lengths=lengths, key_value_seq_lengths=lengths)
   assert np.all(np.asarray(q_padded[1, 7:]) == 0)
   assert_close(q_padded[:, :7], out[:, :7], atol=2e-5)
 
@@ -228,10 +229,10 @@ def test_latent_mixer_ignores_padded_tokens(name):
 def test_latent_mixer_carries_information_from_far_tokens(name):
   x = jax.random.normal(jax.random.PRNGKey(5), (1, 40, 16))
   module = _latent_module(name)
-  variables = module.init(jax.random.PRNGKey(0), x)
+  variables = jit_init(module, jax.random.PRNGKey(0), x)
 
   def first_output(last_token, lengths):
-    return module.apply(variables, x.at[0, -1].set(last_token),
+    return jit_apply(module, variables, x.at[0, -1].set(last_token),
                         key_value_seq_lengths=lengths)[0, 0]
 
   jacobian = jax.jit(jax.jacobian(first_output))
@@ -245,11 +246,11 @@ def test_latent_mixer_cross_attends_and_trains(name):
   x = jax.random.normal(jax.random.PRNGKey(6), (2, 5, 16))
   context = jax.random.normal(jax.random.PRNGKey(7), (2, 11, 16))
   module = _latent_module(name, dropout_rate=0.1)
-  variables = module.init(jax.random.PRNGKey(0), x, context)
+  variables = jit_init(module, jax.random.PRNGKey(0), x, context)
   assert variables["params"][LEARNED[name]].shape == (4, 16)
 
   def loss(variables, rng):
-    out = module.apply(variables, x, context, deterministic=False, rngs={"dropout": rng})
+    out = jit_apply(module, variables, x, context, deterministic=False, rngs={"dropout": rng})
     return jnp.sum(out ** 2)
 
   grads = jax.jit(jax.grad(loss))(variables, jax.random.PRNGKey(8))["params"]
@@ -270,7 +271,7 @@ def test_latent_mixer_rejects_what_it_cannot_do(name):
                            (dict(segment_ids=jnp.ones((1, 6), int)), "segment_ids"),
                            (dict(mask=jnp.ones((1, 1, 6, 6), bool)), "key-padding mask")]:
     with pytest.raises(ValueError, match=argument):
-      module.init(jax.random.PRNGKey(0), x, **kwargs)
+      jit_init(module, jax.random.PRNGKey(0), x, **kwargs)
   with pytest.raises(ValueError, match="does not support position"):
     _latent_module(name, position="rope").init(jax.random.PRNGKey(0), x)
   size_name = "num_inducing_points" if name == "inducing_points" else "num_latents"

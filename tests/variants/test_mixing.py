@@ -14,7 +14,7 @@ from attention_jax.variants.mixing.cross_covariance import cross_covariance_atte
 from attention_jax.variants.mixing.fourier import FourierMixing, fourier_mixing
 from attention_jax.variants.mixing.long_short import LongShortRangeAttention
 from attention_jax.variants.mixing.mlp import GatedMLP, TokenMixingMLP
-from attention_testing import as_float64, assert_close, np_softmax, perturbed
+from attention_testing import as_float64, assert_close, jit_apply, jit_init, np_softmax, perturbed
 
 B, T, E = 2, 6, 8
 LENGTHS = np.array([4, 6])  # the first sequence has two padded tokens
@@ -50,7 +50,7 @@ def np_layer_norm(x, scale, bias, eps=1e-6):
 def module_and_params(name, x, seed=1, **fields):
   """The registered module of `name` with random (perturbed) parameters."""
   module = registry.get_variant(name).module(num_heads=2, **fields)
-  variables = module.init(jax.random.PRNGKey(seed), x)
+  variables = jit_init(module, jax.random.PRNGKey(seed), x)
   return module, perturbed(variables.get("params", {}), seed)
 
 
@@ -68,10 +68,10 @@ def assert_module_is_its_formula(module, params, x, formula, is_causal, padding)
   """`module` equals `formula(lengths)` (numpy) padded by `padding` (the
   module's keyword arguments for LENGTHS) and unpadded (`formula(None)`), and
   padded tokens contribute nothing."""
-  apply = jax.jit(lambda x: module.apply({"params": params}, x, is_causal=is_causal, **padding))
+  apply = jax.jit(lambda x: jit_apply(module, {"params": params}, x, is_causal=is_causal, **padding))
   assert_close(apply(x), formula(LENGTHS), rtol=1e-4, atol=1e-5)
   assert_padding_contributes_nothing(apply, x)
-  full = jax.jit(lambda x: module.apply({"params": params}, x, is_causal=is_causal))(x)
+  full = jax.jit(lambda x: jit_apply(module, {"params": params}, x, is_causal=is_causal))(x)
   assert_close(full, formula(None), rtol=1e-4, atol=1e-5)
 
 
@@ -104,12 +104,12 @@ def test_fnet_is_the_real_part_of_numpys_2d_fft_over_tokens_and_channels():
 def test_fnet_module_zeroes_padding_before_the_transform():
   x = random_tokens(1)
   module, _ = module_and_params("fnet", x)
-  assert not module.init(jax.random.PRNGKey(0), x)  # no parameters
-  apply = jax.jit(lambda x: module.apply({}, x, mask=padding_mask()))
+  assert not jit_init(module, jax.random.PRNGKey(0), x)  # no parameters
+  apply = jax.jit(lambda x: jit_apply(module, {}, x, mask=padding_mask()))
   want = np.fft.fft2(np_zero_padding(as_float64(x), LENGTHS), axes=(1, 2)).real
   assert_close(apply(x)[0, :4], want[0, :4], atol=1e-4)
   assert_padding_contributes_nothing(apply, x)
-  by_lengths = module.apply({}, x, key_value_seq_lengths=jnp.asarray(LENGTHS))
+  by_lengths = jit_apply(module, {}, x, key_value_seq_lengths=jnp.asarray(LENGTHS))
   assert_close(by_lengths, apply(x), atol=1e-5)
 
 
@@ -123,7 +123,7 @@ def test_fnet_module_zeroes_padding_before_the_transform():
 def test_fnet_refuses_what_it_cannot_do(arguments, message):
   module = FourierMixing()
   with pytest.raises(ValueError, match=message):
-    module.apply({}, random_tokens(), **arguments)
+    jit_apply(module, {}, random_tokens(), **arguments)
 
 
 @pytest.mark.property("fnet")
@@ -156,7 +156,7 @@ def test_mlp_mixer_is_an_mlp_across_the_tokens_of_every_channel():
                rtol=1e-5, atol=1e-5)
   module, params = module_and_params("mlp_mixer", x, max_length=T, hidden_dim=3)
   assert params["token_out_kernel"].shape == (3, T)
-  apply = jax.jit(lambda x: module.apply({"params": params}, x, mask=padding_mask()))
+  apply = jax.jit(lambda x: jit_apply(module, {"params": params}, x, mask=padding_mask()))
   assert_close(apply(x), np_token_mixing(x, params, LENGTHS), rtol=1e-5, atol=1e-5)
   assert_padding_contributes_nothing(apply, x)
 
@@ -166,7 +166,7 @@ def test_mlp_mixer_runs_at_its_length_only():
   module = TokenMixingMLP(max_length=T + 1)
   with pytest.raises(ValueError, match=r"mlp_mixer mixes exactly max_length=7 tokens .* got a "
                                        r"sequence of T=6; set the option max_length"):
-    module.init(jax.random.PRNGKey(0), random_tokens())
+    jit_init(module, jax.random.PRNGKey(0), random_tokens())
   with pytest.raises(ValueError, match="'mlp_mixer' does not support is_causal"):
     TokenMixingMLP(max_length=T).init(jax.random.PRNGKey(0), random_tokens(),
                                       is_causal=True)
@@ -206,7 +206,7 @@ def test_causal_gmlp_reads_no_later_token():
   x = random_tokens(4, (1, 5, 4))
   module, params = module_and_params("gmlp", x, max_length=5, hidden_dim=6)
   assert_no_output_reads_a_later_token(
-      lambda x: module.apply({"params": params}, x, is_causal=True), x)
+      lambda x: jit_apply(module, {"params": params}, x, is_causal=True), x)
 
 
 @pytest.mark.property("gmlp")
@@ -214,12 +214,12 @@ def test_gmlp_starts_as_an_ungated_mlp():
   """W near zero and b = 1 (the paper's initialisation): s(z) ~ u at the start."""
   x = random_tokens(5)
   module = GatedMLP(max_length=T)
-  params = module.init(jax.random.PRNGKey(0), x)["params"]
+  params = jit_init(module, jax.random.PRNGKey(0), x)["params"]
   assert np.abs(np.asarray(params["spatial_kernel"])).max() <= 1e-3 / T
   np.testing.assert_array_equal(params["spatial_bias"], 1.0)
   z = jax.nn.gelu(x @ params["in_kernel"] + params["in_bias"], approximate=False)
   ungated = z[..., :E] @ params["out_kernel"] + params["out_bias"]
-  assert_close(module.apply({"params": params}, x), ungated, rtol=0, atol=1e-2)
+  assert_close(jit_apply(module, {"params": params}, x), ungated, rtol=0, atol=1e-2)
 
 
 @pytest.mark.property("gmlp")
@@ -277,7 +277,7 @@ def test_xca_layer_learns_a_temperature_per_head_and_ignores_padding():
   x = random_tokens(7)
   module, params = module_and_params("xca", x)
   assert params["variant"]["temperature"].shape == (2,)
-  apply = jax.jit(lambda x: module.apply({"params": params}, x, mask=padding_mask()))
+  apply = jax.jit(lambda x: jit_apply(module, {"params": params}, x, mask=padding_mask()))
   # The layer's output projection has a bias: padded rows output it, not zeros.
   out, changed = apply(x), apply(with_padded_tokens_changed(x))
   assert_close(out[0, :4], changed[0, :4], rtol=1e-5, atol=1e-5)
@@ -349,7 +349,7 @@ def test_causal_lite_reads_no_later_token():
   x = random_tokens(9, (1, 5, 4))
   module, params = module_and_params("lite", x, kernel_size=3)
   assert_no_output_reads_a_later_token(
-      lambda x: module.apply({"params": params}, x, is_causal=True), x)
+      lambda x: jit_apply(module, {"params": params}, x, is_causal=True), x)
 
 
 @pytest.mark.property("lite")

@@ -196,8 +196,8 @@ def test_the_stack_hands_each_layer_the_previous_layers_map():
   config = _config(kind="classifier")
   x = jax.random.normal(jax.random.PRNGKey(5), (B, 12, 16))
   stack = LayerStack(config)
-  params = perturbed(nn.meta.unbox(stack.init(jax.random.PRNGKey(0), x)["params"]))
-  y, carry = stack.apply({"params": params}, x)
+  params = perturbed(nn.meta.unbox(jit_init(stack, jax.random.PRNGKey(0), x)["params"]))
+  y, carry = jit_apply(stack, {"params": params}, x)
   stream, layer_carry = x, {MAPS: jnp.zeros((B, 2, 12, 12))}
   for i in range(config.num_layers):
     previous = layer_carry[MAPS]
@@ -226,11 +226,11 @@ def test_causal_model_output_never_depends_on_a_later_token():
   query from the second layer on."""
   tokens = _tokens(seed=1)
   model = build_model(_config(attention_options={"kernel_size": 5}))
-  params = perturbed(model.init(jax.random.PRNGKey(0), tokens)["params"])
-  logits = model.apply({"params": params}, tokens)
+  params = perturbed(jit_init(model, jax.random.PRNGKey(0), tokens)["params"])
+  logits = jit_apply(model, {"params": params}, tokens)
   cut = 5
   changed = tokens.at[:, cut + 1:].set((tokens[:, cut + 1:] % 10) + 1)
-  changed_logits = model.apply({"params": params}, changed)
+  changed_logits = jit_apply(model, {"params": params}, changed)
   np.testing.assert_allclose(changed_logits[:, :cut + 1], logits[:, :cut + 1], rtol=1e-5,
                              atol=1e-5)
   assert np.abs(np.asarray(changed_logits[:, cut + 1:] - logits[:, cut + 1:])).max() > 1e-3

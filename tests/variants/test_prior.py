@@ -12,7 +12,7 @@ from attention_jax.variants.prior.synthesizer import (DenseSyntheticLogits,
                                                       FactorizedSyntheticLogits,
                                                       RandomSyntheticLogits, synthesizer_attention)
 from attention_testing import (B, H, TK, TQ, VARIANT_MASK_CASES, assert_close, bias_and_mask,
-                               loop_mask, random_qkv)
+                               jit_apply, jit_init, loop_mask, random_qkv)
 
 SYNTHESIZERS = ["synthesizer_dense", "synthesizer_random", "synthesizer_factorized"]
 ALL_SYNTHESIZERS = [pytest.mark.property(name) for name in SYNTHESIZERS]
@@ -109,9 +109,9 @@ def test_masked_keys_get_zero_weight_and_padded_queries_output_zeros():
 def test_dense_logits_are_an_mlp_of_each_token_alone():
   query, key, value = random_qkv(batch=2, q_len=5, kv_len=6, num_heads=2, head_dim=4)
   module = DenseSyntheticLogits(max_length=8, hidden_dim=3)
-  variables = module.init(jax.random.PRNGKey(0), query, key, value)
+  variables = jit_init(module, jax.random.PRNGKey(0), query, key, value)
   p = {k: np.asarray(v) for k, v in variables["params"].items()}
-  logits = module.apply(variables, query, key, value)["synthetic_logits"]
+  logits = jit_apply(module, variables, query, key, value)["synthetic_logits"]
   assert logits.shape == (2, 2, 5, 6)
   x = np.asarray(query)
   for b, i, h in np.ndindex(2, 5, 2):
@@ -128,19 +128,19 @@ def test_fixed_random_logits_are_kept_per_layer_and_position_indexed(module_clas
   short = random_qkv(batch=1, q_len=4, kv_len=3, num_heads=2)
   long = random_qkv(batch=1, q_len=6, kv_len=7, num_heads=2)
   module = module_class(max_length=8, trainable=False)
-  variables = module.init(jax.random.PRNGKey(0), *short)
+  variables = jit_init(module, jax.random.PRNGKey(0), *short)
   # Not a parameter: the layer's draw, kept in the "random" collection.
   assert "params" not in variables and common.RANDOM_COLLECTION in variables
-  logits = lambda qkv: module.apply(variables, *qkv)["synthetic_logits"]
+  logits = lambda qkv: jit_apply(module, variables, *qkv)["synthetic_logits"]
   first = logits(short)
   assert_close(first, logits(long)[:, :, :4, :3])  # R[h, i, j].
   # Never redrawn, not even by training calls with an "attention" stream.
-  trained, _ = module.apply(variables, *short, deterministic=False,
+  trained, _ = jit_apply(module, variables, *short, deterministic=False,
                             rngs={"attention": jax.random.PRNGKey(5)},
                             mutable=[common.RANDOM_COLLECTION])
   np.testing.assert_array_equal(np.asarray(trained["synthetic_logits"]), np.asarray(first))
   # Another initialisation (another layer, another seed) draws another matrix.
-  other = module.apply(module.init(jax.random.PRNGKey(1), *short), *short)["synthetic_logits"]
+  other = jit_apply(module, jit_init(module, jax.random.PRNGKey(1), *short), *short)["synthetic_logits"]
   assert np.abs(np.asarray(first - other)).max() > 0.1
 
 
@@ -160,10 +160,10 @@ def test_trains_through_multi_head_attention_under_jit(name):
   module = attention_jax.MultiHeadAttention(num_heads=4, num_kv_heads=2, attention=name,
                                             attention_options={"max_length": 12},
                                             dropout_rate=0.1)
-  variables = module.init(jax.random.PRNGKey(1), x)
+  variables = jit_init(module, jax.random.PRNGKey(1), x)
 
   def loss(variables):
-    out = module.apply(variables, x, is_causal=True, key_value_seq_lengths=jnp.array([10, 7]),
+    out = jit_apply(module, variables, x, is_causal=True, key_value_seq_lengths=jnp.array([10, 7]),
                        deterministic=False, rngs={"dropout": jax.random.PRNGKey(2)})
     return jnp.sum(out ** 2)
 
@@ -181,7 +181,7 @@ def test_lengths_past_max_length_are_refused():
     module = attention_jax.MultiHeadAttention(num_heads=2, attention=name,
                                               attention_options={"max_length": 8})
     with pytest.raises(ValueError, match=match):
-      module.init(jax.random.PRNGKey(0), x)
+      jit_init(module, jax.random.PRNGKey(0), x)
   query, key, value = random_qkv(batch=1, q_len=4, kv_len=10, num_heads=2)
   with pytest.raises(ValueError, match="got key length Tk=10"):
     RandomSyntheticLogits(max_length=8).init(jax.random.PRNGKey(0), query, key, value)

@@ -12,8 +12,8 @@ from attention_jax.variants.prior.average import (AverageAttention, average_atte
                                                   average_attention_step, initial_average_state)
 from attention_jax.variants.prior.biases import gaussian_transformer_attention
 from attention_jax.variants.prior.hard_coded import hard_coded_gaussian_attention
-from attention_testing import (B, H, Q_LENGTHS, Q_SEGMENTS, TK, TQ, VARIANT_MASK_CASES,
-                               as_float64, assert_close, assert_same_outputs_and_grads,
+from attention_testing import (B, H, Q_LENGTHS, Q_SEGMENTS, TK, TQ, VARIANT_MASK_CASES, as_float64,
+                               assert_close, assert_same_outputs_and_grads, jit_apply, jit_init,
                                largest_intermediate, loop_mask, perturbed, random_qkv)
 
 MASK_CASES = VARIANT_MASK_CASES
@@ -167,7 +167,7 @@ def test_hard_coded_gaussian_window_covering_the_support_equals_the_untruncated(
 def test_hard_coded_gaussian_makes_no_query_or_key_projection():
   layer = MultiHeadAttention(num_heads=2, attention="hard_coded_gaussian")
   x = jax.random.normal(jax.random.PRNGKey(0), (1, 16, 8))
-  params = layer.init(jax.random.PRNGKey(1), x)["params"]
+  params = jit_init(layer, jax.random.PRNGKey(1), x)["params"]
   assert "query" not in params and "key" not in params and "value" in params
 
 
@@ -193,7 +193,7 @@ def _average_layer(features=8, mlp_dim=16, seed=0):
   """An AverageAttention layer and random (not default-initialised) parameters."""
   layer = AverageAttention(mlp_dim=mlp_dim)
   x = jnp.zeros((1, 3, features))
-  params = perturbed(layer.init(jax.random.PRNGKey(seed), x)["params"])
+  params = perturbed(jit_init(layer, jax.random.PRNGKey(seed), x)["params"])
   return layer, params
 
 
@@ -226,7 +226,7 @@ def test_average_layer_against_numpy(is_causal, padded):
   x = jax.random.normal(jax.random.PRNGKey(1), (2, 7, 8))
   lengths = np.array([4, 7])
   kwargs = dict(key_value_seq_lengths=jnp.array(lengths)) if padded else {}
-  out = layer.apply({"params": params}, x, is_causal=is_causal, **kwargs)
+  out = jit_apply(layer, {"params": params}, x, is_causal=is_causal, **kwargs)
   valid = np.arange(7)[None, :] < lengths[:, None] if padded else None
   assert_close(out, np_average_layer(x, params, valid, is_causal), rtol=1e-4, atol=1e-5)
 
@@ -258,7 +258,7 @@ def test_average_cumulative_average_and_gates_by_formula():
 def test_average_incremental_decoding_equals_the_full_pass():
   layer, params = _average_layer(seed=3)
   x = jax.random.normal(jax.random.PRNGKey(4), (2, 9, 8))
-  full = layer.apply({"params": params}, x, is_causal=True)
+  full = jit_apply(layer, {"params": params}, x, is_causal=True)
   state = initial_average_state(2, 8)
   outs = []
   for t in range(x.shape[1]):
@@ -279,7 +279,7 @@ def test_average_is_linear_in_length():
   """No T x T array at T = 4096, through the pure function and its gradient."""
   layer, params = _average_layer()
   length = 4096
-  loss = lambda p, x: jnp.sum(layer.apply({"params": p}, x, is_causal=True) ** 2)
+  loss = lambda p, x: jnp.sum(jit_apply(layer, {"params": p}, x, is_causal=True) ** 2)
   largest = largest_intermediate(jax.grad(loss, argnums=(0, 1)), params,
                                  jnp.zeros((1, length, 8)))
   assert largest < 64 * length
@@ -295,6 +295,6 @@ def test_average_rejects_bad_arguments():
   with pytest.raises(ValueError, match="valid"):
     average_attention(x, valid=jnp.ones((1, 4), bool), **params)
   with pytest.raises(ValueError, match="segment_ids"):
-    layer.apply({"params": params}, x, segment_ids=jnp.zeros((1, 5), jnp.int32))
+    jit_apply(layer, {"params": params}, x, segment_ids=jnp.zeros((1, 5), jnp.int32))
   with pytest.raises(ValueError, match="x_t"):
     average_attention_step(initial_average_state(1, 8), jnp.zeros((1, 4)), **params)

@@ -7,9 +7,8 @@ import numpy as np
 import pytest
 
 import attention_jax
-from attention_jax.core import reference_attention
 from attention_jax.variants import scoring
-from attention_testing import assert_close, assert_same_outputs_and_grads, random_qkv
+from attention_testing import assert_close, assert_same_outputs_and_grads, jit_apply, jit_init, random_qkv
 
 
 def _np(x):
@@ -97,8 +96,8 @@ def test_luong_general_is_q_w_k_and_with_the_identity_is_luong_dot():
 def test_the_layer_honours_padding_and_runs_under_jit(name):
   layer = attention_jax.MultiHeadAttention(num_heads=2, attention=name)
   x = jax.random.normal(jax.random.PRNGKey(0), (2, 9, 16))
-  variables = layer.init(jax.random.PRNGKey(1), x)
-  apply = jax.jit(lambda v, x: layer.apply(v, x, key_value_seq_lengths=jnp.array([9, 4])))
+  variables = jit_init(layer, jax.random.PRNGKey(1), x)
+  apply = jax.jit(lambda v, x: jit_apply(layer, v, x, key_value_seq_lengths=jnp.array([9, 4])))
   out = apply(variables, x)
   # What the padded keys (4..8 of sequence 1) hold changes nothing.
   out_changed = apply(variables, x.at[1, 4:].set(7.0))
@@ -227,14 +226,14 @@ def test_luong_local_layer_places_decoded_queries_at_their_positions():
   layer = attention_jax.MultiHeadAttention(
       num_heads=2, attention="luong_local", attention_options=dict(mode="monotonic", window=2))
   x = jax.random.normal(jax.random.PRNGKey(0), (1, 6, 8))
-  variables = layer.init(jax.random.PRNGKey(1), x)
-  full = layer.apply(variables, x, is_causal=True)
+  variables = jit_init(layer, jax.random.PRNGKey(1), x)
+  full = jit_apply(layer, variables, x, is_causal=True)
   decoder = attention_jax.MultiHeadAttention(
       num_heads=2, attention="luong_local", decode=True,
       attention_options=dict(mode="monotonic", window=2))
-  cache = decoder.init(jax.random.PRNGKey(1), x)["cache"]
+  cache = jit_init(decoder, jax.random.PRNGKey(1), x)["cache"]
   for t in range(6):
-    out, updated = decoder.apply({"params": variables["params"], "cache": cache}, x[:, t:t + 1],
+    out, updated = jit_apply(decoder, {"params": variables["params"], "cache": cache}, x[:, t:t + 1],
                                  mutable=["cache"])
     cache = updated["cache"]
     assert_close(out[:, 0], full[:, t], rtol=1e-5, atol=1e-5)
@@ -295,16 +294,16 @@ def test_nadaraya_watson_learned_width_starts_at_the_width_and_is_trained():
   fixed = attention_jax.MultiHeadAttention(num_heads=2, attention="nadaraya_watson",
                                            attention_options=dict(width=1.5))
   x = jax.random.normal(jax.random.PRNGKey(0), (2, 6, 8))
-  variables = layer.init(jax.random.PRNGKey(1), x)
+  variables = jit_init(layer, jax.random.PRNGKey(1), x)
   params = variables["params"]
   without = {name: p for name, p in params.items() if name != "variant"}
-  assert_close(layer.apply(variables, x), fixed.apply({"params": without}, x))
-  grads = jax.grad(lambda p: jnp.sum(jnp.sin(layer.apply({"params": p}, x))))(params)
+  assert_close(jit_apply(layer, variables, x), jit_apply(fixed, {"params": without}, x))
+  grads = jax.grad(lambda p: jnp.sum(jnp.sin(jit_apply(layer, {"params": p}, x))))(params)
   assert float(jnp.max(jnp.abs(grads["variant"]["log_width"]))) > 0.0
   wider = jax.tree.map(lambda p: p, params)
   wider["variant"]["log_width"] = jnp.log(jnp.array([1.0, 3.0]))  # head 1 three times wider
-  out_wider = layer.apply({"params": wider}, x)
-  assert not np.allclose(out_wider, layer.apply(variables, x))
+  out_wider = jit_apply(layer, {"params": wider}, x)
+  assert not np.allclose(out_wider, jit_apply(layer, variables, x))
 
 
 @pytest.mark.parametrize("options, message", [

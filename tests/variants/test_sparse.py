@@ -555,13 +555,16 @@ ACCELERATOR_KERNELS = {
         320, window=60, block=96, stride=40, summary=4, longformer_window=20,
         bigbird_block=128)),
 }
-# Triton: every pattern, causal and not; TPU: each pattern once (its interpreter is slow).
+# Triton: every pattern, causal and not. TPU (its interpreter takes 25-50 s a
+# case here): three patterns that between them reach each path of its kernel
+# (one layout for all heads and one per head, causal and not, blocks skipped,
+# partial and full, GQA), since the layouts come from the code the Triton
+# cases check for every pattern.
 ACCELERATOR_CASES = (
     [("pallas_gpu", name, causal) for name in sorted(ACCELERATOR_KERNELS["pallas_gpu"][2])
      for causal in (False, True)]
     + [("pallas_tpu", name, causal) for name, causal in [
-        ("local", False), ("block_local", True), ("dilated", False), ("strided_per_head", True),
-        ("fixed", False), ("longformer", True), ("bigbird", True)]])
+        ("dilated", False), ("strided_per_head", True), ("bigbird", True)]])
 
 
 @pytest.mark.parametrize("implementation,name,causal", ACCELERATOR_CASES)

@@ -14,8 +14,8 @@ import attention_jax
 from attention_jax.core import reference_attention
 from attention_jax.models import Block, ModelConfig
 from attention_jax.variants import structured
-from attention_testing import (as_float64, assert_close, assert_same_outputs_and_grads,
-                               largest_intermediate, random_qkv)
+from attention_testing import (as_float64, assert_close, assert_same_outputs_and_grads, jit_apply,
+                               jit_init, largest_intermediate, random_qkv)
 
 # ---------------------------------------------------------------------------- structured_crf
 
@@ -171,10 +171,10 @@ def test_crf_padded_keys_weigh_nothing_and_change_nothing(padding, normalize):
 def test_crf_layer_learns_its_transition():
   layer = attention_jax.MultiHeadAttention(num_heads=2, attention="structured_crf")
   x = jax.random.normal(jax.random.PRNGKey(0), (2, 6, 8))
-  variables = layer.init(jax.random.PRNGKey(1), x)
+  variables = jit_init(layer, jax.random.PRNGKey(1), x)
   transition = variables["params"]["variant"]["transition"]
   assert transition.shape == (2, 2, 2) and not np.any(transition)
-  grads = jax.grad(lambda p: jnp.sum(jnp.sin(layer.apply({"params": p}, x))))(variables["params"])
+  grads = jax.grad(lambda p: jnp.sum(jnp.sin(jit_apply(layer, {"params": p}, x))))(variables["params"])
   assert float(jnp.max(jnp.abs(grads["variant"]["transition"]))) > 0.0
 
 
@@ -296,18 +296,18 @@ def test_graph_edge_lists_build_no_length_squared_array():
 def test_graph_layer_takes_edges_as_attention_arguments_or_an_adjacency_as_mask():
   layer = attention_jax.MultiHeadAttention(num_heads=2, attention="graph")
   x = jax.random.normal(jax.random.PRNGKey(0), (2, 9, 16))
-  variables = layer.init(jax.random.PRNGKey(1), x)
+  variables = jit_init(layer, jax.random.PRNGKey(1), x)
   senders, receivers, adjacency = _random_graph(1, 2, 9, 9, num_edges=25)
-  by_edges = jax.jit(lambda v, x, s, r: layer.apply(
+  by_edges = jax.jit(lambda v, x, s, r: jit_apply(layer, 
       v, x, attention_arguments=dict(senders=s, receivers=r)))(variables, x, senders, receivers)
-  by_mask = layer.apply(variables, x, mask=jnp.asarray(adjacency)[:, None])
+  by_mask = jit_apply(layer, variables, x, mask=jnp.asarray(adjacency)[:, None])
   assert_close(by_edges, by_mask, rtol=1e-5, atol=1e-5)
-  assert not np.allclose(by_mask, layer.apply(variables, x))  # the graph matters
+  assert not np.allclose(by_mask, jit_apply(layer, variables, x))  # the graph matters
   with pytest.raises(ValueError, match="takes no attention argument 'edges'; its function "
                                        "takes: adjacency, senders, receivers, scale"):
-    layer.apply(variables, x, attention_arguments=dict(edges=senders))
+    jit_apply(layer, variables, x, attention_arguments=dict(edges=senders))
   with pytest.raises(ValueError, match="takes no attention argument 'is_causal'"):
-    layer.apply(variables, x, attention_arguments=dict(is_causal=True))
+    jit_apply(layer, variables, x, attention_arguments=dict(is_causal=True))
 
 
 @pytest.mark.parity("graph")
@@ -316,11 +316,11 @@ def test_a_block_passes_the_edges_on_to_its_mixer():
                        max_length=9, dropout_rate=0.0)
   block = Block(config)
   x = jax.random.normal(jax.random.PRNGKey(0), (2, 9, 16))
-  variables = block.init(jax.random.PRNGKey(1), x, {})
+  variables = jit_init(block, jax.random.PRNGKey(1), x, {})
   senders, receivers, adjacency = _random_graph(2, 2, 9, 9, num_edges=20)
-  by_edges, _ = block.apply(variables, x, {},
+  by_edges, _ = jit_apply(block, variables, x, {},
                             attention_arguments=dict(senders=senders, receivers=receivers))
-  by_mask, _ = block.apply(variables, x, {}, mask=jnp.asarray(adjacency)[:, None])
+  by_mask, _ = jit_apply(block, variables, x, {}, mask=jnp.asarray(adjacency)[:, None])
   assert_close(by_edges, by_mask, rtol=1e-5, atol=1e-5)
 
 
