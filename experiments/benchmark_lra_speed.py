@@ -24,12 +24,23 @@ What is recorded in the results file (JSON):
 * `status`: "ok"; "oom" when the step ran out of memory; "refused" when XLA's
   analysis says the step needs more than this machine's RAM (it is then not
   run). Such cells still exit 0: their status is the result.
+
+Several cells may compile side by side on one accelerator (compilation is CPU
+work, a lent GPU's time is short) and still be timed one at a time: with
+`ATTENTION_JAX_TIMING_LOCK=<file>` in the environment, a cell runs its warm-up
+and timed steps holding an exclusive lock on that file, and records how long it
+waited for it (`timing_lock`). Another cell's compilation may still launch
+autotuning kernels on the device meanwhile, which is why the step is the
+median of several.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import fcntl
 import json
+import os
 import pathlib
 import sys
 import time
@@ -65,6 +76,24 @@ def text_model_config(variant: str, length: int,
   model = config.model
   model.vocab_size, model.num_classes, model.max_length = info.vocab_size, info.num_classes, length
   return config
+
+
+@contextlib.contextmanager
+def timing_lock(record: Dict[str, Any]):
+  """Holds the exclusive lock named by $ATTENTION_JAX_TIMING_LOCK, if set, and
+  records its path and the seconds waited for it in `record["timing_lock"]`."""
+  path = os.environ.get("ATTENTION_JAX_TIMING_LOCK")
+  if not path:
+    yield
+    return
+  started = time.perf_counter()
+  with open(path, "a") as lock_file:
+    fcntl.flock(lock_file, fcntl.LOCK_EX)
+    record["timing_lock"] = dict(path=path, waited_s=time.perf_counter() - started)
+    try:
+      yield
+    finally:
+      fcntl.flock(lock_file, fcntl.LOCK_UN)
 
 
 def measure(variant: str, length: int, batch_size: int, steps: int = 10, warmup: int = 2,
@@ -133,16 +162,17 @@ def measure(variant: str, length: int, batch_size: int, steps: int = 10, warmup:
       except MemoryError as e:
         record.update(status="refused", error=str(e))
         return record
-    for _ in range(warmup):
-      state, metrics = train_step(state, batch)
-    jax.block_until_ready(state)
     step_seconds = []
-    with bench.PeakMemory("process" if on_cpu else "device") as peak:
-      for _ in range(steps):
-        started = time.perf_counter()
+    with timing_lock(record):
+      for _ in range(warmup):
         state, metrics = train_step(state, batch)
-        jax.block_until_ready((state, metrics))
-        step_seconds.append(time.perf_counter() - started)
+      jax.block_until_ready(state)
+      with bench.PeakMemory("process" if on_cpu else "device") as peak:
+        for _ in range(steps):
+          started = time.perf_counter()
+          state, metrics = train_step(state, batch)
+          jax.block_until_ready((state, metrics))
+          step_seconds.append(time.perf_counter() - started)
     # The median step, not the mean: one step slowed by another process on a
     # shared machine then moves nothing.
     median = float(np.median(step_seconds))

@@ -39,8 +39,9 @@ print(jax.devices(), jax.devices()[0].compute_capability)" | tee -a "$OUT/gpu.tx
 
 tests() {
   # Every kernel test on the hardware (the Triton and Mosaic GPU kernels run
-  # natively; the TPU kernel's tests run in its interpreter, as on CPU).
-  timeout 150 $PY -m pytest tests/kernels -q -n 8 -p no:cacheprovider \
+  # natively; the TPU kernel's tests run in its interpreter, as on CPU), without
+  # the CPU-only XLA flags of tests/conftest.py (this JAX's XLA may not know them).
+  ATTENTION_JAX_TEST_XLA_FLAGS=0 timeout 150 $PY -m pytest tests/kernels -q -n 8 -p no:cacheprovider \
       2>&1 | tee "$OUT/tests_kernels.log" | tail -60
 }
 
@@ -81,6 +82,32 @@ lra_speed4k() {  # the LRA speed table's 4K column at the paper's batch 32, tarr
   timeout 270 $PY -m experiments.reproduce --table=configs/tables/lra_speed.py \
       --results=results/lra_speed_gpu/ --only=length=4096 2>&1 | tee "$OUT/lra_speed.log" | tail -30
   tar cf "$OUT/lra_speed_gpu.tar" results/lra_speed_gpu
+}
+
+# The whole LRA speed table (configs/tables/lra_speed.py: 11 variants x 1K-4K,
+# batch 32) in one call: SPEED_JOBS cells compile side by side (CPU work) and
+# are timed one at a time (ATTENTION_JAX_TIMING_LOCK, experiments/
+# benchmark_lra_speed.py), longest lengths first. Then two cells again, each
+# alone on the machine, into $SPEED_RESULTS.alone/: a check that the side-by-side
+# compiles did not move the timings. The finished cells are tarred to $OUT.
+SPEED_RESULTS=${SPEED_RESULTS:-results/lra_speed_gpu}
+lra_speed_all() {  # lra_speed_all SECONDS
+  local table=configs/tables/lra_speed.py logs=/tmp/lra_speed_logs
+  mkdir -p $logs
+  $PY -c "import runpy; m = runpy.run_path('$table')
+for length in reversed(m['LENGTHS']):
+  for variant in m['VARIANTS']: print(variant, length)" |
+    ATTENTION_JAX_TIMING_LOCK=/tmp/lra_speed.lock timeout "$1" xargs -r -P "${SPEED_JOBS:-6}" -L 1 \
+      sh -c "$PY -m experiments.reproduce --table=$table --results=$SPEED_RESULTS/ \
+        --only=variant=\$0 --only=length=\$1 > $logs/\$0_\$1.log 2>&1; \
+        grep -h '^{\"variant' $logs/\$0_\$1.log || tail -n 3 $logs/\$0_\$1.log"
+  tar cf "$OUT/lra_speed_gpu.tar" $SPEED_RESULTS $logs 2>/dev/null
+  for cell in "dot_product 2048" "linear 4096"; do
+    set -- $cell
+    timeout 90 $PY -m experiments.reproduce --table=$table --results=$SPEED_RESULTS.alone/ \
+        --only=variant=$1 --only=length=$2 2>&1 | grep '^{"variant'
+  done
+  tar cf "$OUT/lra_speed_gpu.tar" $SPEED_RESULTS $SPEED_RESULTS.alone $logs 2>/dev/null
 }
 
 # The full-size ListOps column (configs/tables/lra.py, the paper's model, batch
@@ -200,6 +227,7 @@ for stage in "$@"; do
     bench64) bench 64 4096,16384 200 ;;
     bench128) bench 128 1024,4096,8192,16384,32768 340 ;;
     listops_wait*) listops_wait "${stage#listops_wait}" ;;
+    lra_speed_all*) lra_speed_all "${stage#lra_speed_all}" ;;
     *) "$stage" ;;
   esac
 done

@@ -2,7 +2,8 @@
 
 The tests check values, not speed, and most of their time on CPU goes to XLA
 compiling many small programs; `TEST_XLA_FLAGS` make each compile cheaper.
-Set XLA_FLAGS yourself to override any of them.
+Set XLA_FLAGS yourself to override any of them, or ATTENTION_JAX_TEST_XLA_FLAGS=0
+to add none (on an accelerator, whose XLA version may not know the CPU flags).
 """
 
 import atexit
@@ -23,6 +24,8 @@ TEST_XLA_FLAGS = {
     "xla_cpu_parallel_codegen_split_count": "1",
 }
 for _flag, _value in TEST_XLA_FLAGS.items():
+  if os.environ.get("ATTENTION_JAX_TEST_XLA_FLAGS") == "0":
+    break
   if f"--{_flag}=" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --{_flag}={_value}".strip()
 

@@ -11,6 +11,8 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 
 import pytest
 from absl import flags
@@ -393,6 +395,34 @@ def test_benchmark_lra_speed_one_tiny_cell(tmp_path, capsys):
   assert record["model"]["num_layers"] == 4 and record["model"]["embed_dim"] == 256
   assert benchmark_lra_speed.main(["--variant=nope", "--length=64", f"--out={out}"]) == 2
   assert "nope" in capsys.readouterr().err
+
+
+def test_speed_cells_take_turns_at_the_timing_lock(tmp_path, monkeypatch):
+  # Cells compiled side by side are timed one at a time: a cell waits for the
+  # lock another holds, and records the wait.
+  lock_path = tmp_path / "timing.lock"
+  monkeypatch.setenv("ATTENTION_JAX_TIMING_LOCK", str(lock_path))
+  held = threading.Event()
+
+  def hold_the_lock():
+    with benchmark_lra_speed.timing_lock({}):
+      held.set()
+      time.sleep(0.5)
+
+  holder = threading.Thread(target=hold_the_lock)
+  holder.start()
+  held.wait()
+  record = {}
+  with benchmark_lra_speed.timing_lock(record):
+    pass
+  holder.join()
+  assert record["timing_lock"]["path"] == str(lock_path)
+  assert record["timing_lock"]["waited_s"] >= 0.3
+  monkeypatch.delenv("ATTENTION_JAX_TIMING_LOCK")
+  unlocked = {}
+  with benchmark_lra_speed.timing_lock(unlocked):
+    pass
+  assert unlocked == {}
 
 
 SEQ2SEQ = str(REPO / "configs" / "tables" / "seq2seq_smoke.py")
