@@ -34,6 +34,7 @@ SOURCES: Dict[str, Optional[str]] = {
     "results/quickstart/table.md": None,
     "results/lra_smoke/table.md": "configs/tables/lra_smoke.py",
     "results/lra_speed/table.md": "configs/tables/lra_speed.py",
+    "benchmarks/lra_speed_h200/table.md": "configs/tables/lra_speed.py",
     "results/kernels/table.md": "configs/tables/kernels.py",
     "results/seq2seq_smoke/table.md": "configs/tables/seq2seq_smoke.py",
     "results/zoo_smoke/table.md": "configs/tables/zoo_smoke.py",

@@ -4,6 +4,7 @@ committed results.json files give when rendered again."""
 
 import json
 import pathlib
+import re
 
 import pytest
 
@@ -43,7 +44,12 @@ def _rendered_from_results(source: str, tmp_path: pathlib.Path):
   table = tables.load_table(ROOT / config)
   kind = tables.kind_of(table)
   cells = tables.expand(table, results_dir)
-  assert all(cell.results_path.is_file() for cell in cells), f"{source}: unfinished cells"
+  # A table may be partial (a GPU table whose last cells the call's limit cut
+  # off) only where its header says so.
+  finished = sum(cell.results_path.is_file() for cell in cells)
+  stated = re.search(r"^- cells finished: (\d+) of (\d+)$", (ROOT / source).read_text(), re.M)
+  assert stated and (int(stated[1]), int(stated[2])) == (finished, len(cells)), (
+      f"{source}: {finished} of {len(cells)} cells finished, the header says {stated}")
   lines = kind.markdown(table, kind.summarize(table, cells), data_dir=str(tmp_path / "none"))
   return readme_tables.tables_of("\n".join(lines) + "\n")
 

@@ -10,6 +10,7 @@ The summary therefore names the processor and those instruction sets too.
 
 from __future__ import annotations
 
+import os
 import pathlib
 import platform
 import subprocess
@@ -30,7 +31,14 @@ _CPUINFO = pathlib.Path("/proc/cpuinfo")
 
 def git_revision() -> Optional[str]:
   """HEAD of the checkout this package runs from (with "+dirty" for uncommitted
-  changes to anything but `OUTPUT_FOLDERS`), or None outside a git checkout."""
+  changes to anything but `OUTPUT_FOLDERS`), or None outside a git checkout.
+
+  $ATTENTION_JAX_GIT_REVISION, when set, is returned instead: a copy of the tree
+  sent to another machine (a lent GPU's) carries a `.git` that need not describe
+  it, so the sender names the clean commit it sent (experiments/gpu_session.sh).
+  """
+  if os.environ.get("ATTENTION_JAX_GIT_REVISION"):
+    return os.environ["ATTENTION_JAX_GIT_REVISION"]
   root = pathlib.Path(__file__).resolve().parents[2]
   try:
     revision = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True,

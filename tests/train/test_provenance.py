@@ -1,5 +1,7 @@
 """Results name the machine that made them: on CPU the processor and its vector ISA."""
 
+import subprocess
+
 import jax
 
 from attention_jax.train import provenance
@@ -40,3 +42,13 @@ def test_readme_provenance_reads_the_compare_header_with_the_processor():
   assert readme_tables.provenance(header) == "git 0123456, 1 x cpu (AMD EPYC 7B13; avx, avx2, fma)"
   assert readme_tables.provenance("listops (smoke), 1 x cpu, git 0123456789\n") == (
       "git 0123456, 1 x cpu")
+
+
+def test_git_revision_is_the_checkout_head_or_the_revision_the_sender_names(monkeypatch):
+  monkeypatch.delenv("ATTENTION_JAX_GIT_REVISION", raising=False)
+  head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=provenance.pathlib.Path(__file__).parent,
+                        capture_output=True, text=True, check=True).stdout.strip()
+  assert provenance.git_revision() in (head, head + "+dirty")
+  # A tree sent to a lent GPU carries a stale .git: the sender names the commit.
+  monkeypatch.setenv("ATTENTION_JAX_GIT_REVISION", "0123abc")
+  assert provenance.git_revision() == "0123abc"
