@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import functools
 import itertools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -12,12 +12,39 @@ import numpy as np
 from attention_jax.core import reference_attention
 
 
+def runtime_bound_environment(**extra: str) -> dict:
+  """The environment for a subprocess that mostly runs its programs rather than
+  compiles them (a training run, a benchmark): this session's environment
+  without the backend optimisation level 0 that tests/conftest.py asks for,
+  which makes compiles cheap and the compiled code slow."""
+  environment = dict(os.environ, **extra)
+  environment["XLA_FLAGS"] = " ".join(
+      flag for flag in environment.get("XLA_FLAGS", "").split()
+      if not flag.startswith("--xla_backend_optimization_level="))
+  return environment
+
+
+def _is_traced(value) -> bool:
+  """Arrays and pytrees holding arrays (variables, rng dicts, caches) are
+  traced; Python values (flags, sizes, shapes, None, strings, methods) fixed."""
+  return any(isinstance(leaf, (jax.Array, np.ndarray)) for leaf in jax.tree.leaves(value))
+
+
 def _jit_called(fn, *args, **kwargs):
-  """`fn(*args, **kwargs)` compiled as one program; keyword arguments that are
-  not arrays (flags, methods, filters) are fixed, not traced."""
-  static = {k: v for k, v in kwargs.items() if not isinstance(v, (jax.Array, np.ndarray))}
-  arrays = {k: v for k, v in kwargs.items() if k not in static}
-  return jax.jit(functools.partial(fn, **static))(*args, **arrays)
+  """`fn(*args, **kwargs)` compiled as one program; the arguments that are not
+  arrays or containers (flags, sizes, methods, filters) are fixed, not traced,
+  whether passed by keyword or by position."""
+  fixed_args = {i: a for i, a in enumerate(args) if not _is_traced(a)}
+  fixed_kwargs = {k: v for k, v in kwargs.items() if not _is_traced(v)}
+  traced_args = [a for i, a in enumerate(args) if i not in fixed_args]
+  traced_kwargs = {k: v for k, v in kwargs.items() if k not in fixed_kwargs}
+
+  def call(*traced, **traced_by_name):
+    traced = iter(traced)
+    every_arg = [fixed_args[i] if i in fixed_args else next(traced) for i in range(len(args))]
+    return fn(*every_arg, **fixed_kwargs, **traced_by_name)
+
+  return jax.jit(call)(*traced_args, **traced_kwargs)
 
 
 def jit_init(model, *args, method=None, **kwargs):

@@ -73,7 +73,7 @@ def test_output_equals_the_token_by_token_routing_loop(num_experts, top_k, capac
                                       capacity_factor=capacity_factor)
   capacity = max(1, int(np.ceil(capacity_factor * top_k * T / num_experts)))
   x = _inputs()
-  got = jax.jit(lambda p, x: jit_apply(module, {"params": p}, x))(params, x)
+  got = jax.jit(lambda p, x: module.apply({"params": p}, x))(params, x)
   assert_close(got, _loop_reference(x, params, num_experts, top_k, capacity), atol=1e-5)
 
 

@@ -15,7 +15,7 @@ import pytest
 import attention_testing
 from attention_jax.layers import FeedForward, MultiHeadAttention
 from attention_jax.models import Block, ModelConfig, build_model
-from attention_testing import assert_close
+from attention_testing import assert_close, jit_apply, jit_init
 
 B, T, E, H, F = 2, 8, 16, 4, 32
 
@@ -39,12 +39,12 @@ def _inputs(seed=0, length=T, features=E):
 
 
 def _params(module, *args, **kwargs):
-  return nn.meta.unbox(module.init(jax.random.PRNGKey(1), *args, **kwargs))["params"]
+  return nn.meta.unbox(jit_init(module, jax.random.PRNGKey(1), *args, **kwargs))["params"]
 
 
 def _apply(block, params, x, **kwargs):
   """The block's output; its carry must come back as given (empty here)."""
-  out, carry = block.apply({"params": params}, x, **kwargs)
+  out, carry = jit_apply(block, {"params": params}, x, **kwargs)
   assert carry == {}
   return out
 
@@ -61,10 +61,10 @@ def _block_by_formula(params, x, *, residual, norm, mask=None, is_causal=False):
   normalize = _layer_norm if norm == "layernorm" else _rms_norm
 
   def attend(y):
-    return attention.apply({"params": params["attention"]}, y, mask=mask, is_causal=is_causal)
+    return jit_apply(attention, {"params": params["attention"]}, y, mask=mask, is_causal=is_causal)
 
   def feed_forward(y):
-    return mlp.apply({"params": params["mlp"]}, y)
+    return jit_apply(mlp, {"params": params["mlp"]}, y)
 
   if residual == "pre_norm":
     y = x + attend(normalize(x, params["attention_norm"]))
@@ -156,11 +156,11 @@ def test_block_hands_the_carry_on():
   # RealFormer adds its scores [B, H, T, T] and keeps what it does not own.
   realformer = _block(attention="realformer")
   params = _params(realformer, x, carry={})
-  out, carry = realformer.apply({"params": params}, x, carry=other)
+  out, carry = jit_apply(realformer, {"params": params}, x, carry=other)
   assert set(carry) == {"not_mine", "attention_scores"}
   assert carry["attention_scores"].shape == (B, H, T, T)
   # The next block reads them: its output differs from a first block's.
-  second, _ = realformer.apply({"params": params}, x, carry=carry)
+  second, _ = jit_apply(realformer, {"params": params}, x, carry=carry)
   assert not np.allclose(second, out, atol=1e-4)
 
 
@@ -187,15 +187,15 @@ def test_block_takes_every_norm_by_name_and_only_powernorm_keeps_statistics(norm
   """Norm layers are named attention_norm and mlp_norm; PowerNorm's running
   statistic changes in training (deterministic=False) and not in evaluation."""
   block, x = _block(norm=norm), _inputs()
-  variables = nn.meta.unbox(block.init(jax.random.PRNGKey(1), x))
+  variables = nn.meta.unbox(jit_init(block, jax.random.PRNGKey(1), x))
   if norm != "powernorm":
     assert set(variables) == {"params"}
     return
   stats = variables["batch_stats"]
   assert set(stats) == {"attention_norm", "mlp_norm"}
-  _, evaluated = block.apply(variables, x, mutable=["batch_stats"])
+  _, evaluated = jit_apply(block, variables, x, mutable=["batch_stats"])
   assert jax.tree.all(jax.tree.map(np.array_equal, evaluated["batch_stats"], stats))
-  _, trained = block.apply(variables, x, deterministic=False, mutable=["batch_stats"])
+  _, trained = jit_apply(block, variables, x, deterministic=False, mutable=["batch_stats"])
   assert not np.allclose(trained["batch_stats"]["attention_norm"]["quadratic_mean"],
                          stats["attention_norm"]["quadratic_mean"])
 

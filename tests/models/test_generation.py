@@ -10,7 +10,7 @@ from attention_jax import registry
 from attention_jax.models import ModelConfig, build_model
 from attention_jax.models.generation import (decoding_model, empty_cache, generate,
                                              sample_logits)
-from attention_testing import perturbed
+from attention_testing import jit_apply, jit_init, perturbed
 
 B, T, VOCAB = 2, 12, 11
 CAUSAL_MIXERS = [n for n in registry.list_variants("mixer") if registry.get_variant(n).causal]
@@ -26,7 +26,7 @@ def _config(**overrides):
 def _model_and_variables(config, seed=0):
   model = build_model(config)
   tokens = jax.random.randint(jax.random.PRNGKey(seed + 1), (B, T), 1, VOCAB)
-  variables = model.init(jax.random.PRNGKey(seed), tokens)
+  variables = jit_init(model, jax.random.PRNGKey(seed), tokens)
   return model, {**variables, "params": perturbed(variables["params"])}, tokens
 
 
@@ -42,7 +42,7 @@ def test_greedy_generation_is_the_argmax_of_the_full_forward_pass(overrides):
   assert out.shape == (B, T) and (out[:, :4] == prompt).all()
   # One causal pass over the output scores every prefix: position t - 1 sees
   # tokens up to t - 1 only, as the pass over `out[:, :t]` would.
-  logits = model.apply(variables, out)
+  logits = jit_apply(model, variables, out)
   np.testing.assert_array_equal(out[:, 4:], jnp.argmax(logits[:, 3:-1], axis=-1))
 
 
@@ -57,7 +57,7 @@ def test_every_causal_variant_decodes_as_its_full_pass_or_says_why_not(name):
       empty_cache(decoding_model(build_model(config)), B, T)
     return
   model, variables, tokens = _model_and_variables(config)
-  expected = model.apply(variables, tokens)
+  expected = jit_apply(model, variables, tokens)
   decoder = decoding_model(model)
   step = jax.jit(lambda cache, tokens: decoder.apply({**variables, "cache": cache}, tokens,
                                                      mutable=["cache"]))

@@ -122,7 +122,7 @@ def test_a_skipped_block_sows_a_zero_auxiliary_loss():
   def losses(rate):
     stack = LayerStack(_config(attention="adaptive_span", attention_options=options,
                                num_layers=2, layer_drop_rate=rate))
-    return jax.jit(lambda seed: jit_apply(stack, 
+    return jax.jit(lambda seed: stack.apply(
         {"params": params}, x, deterministic=False, rngs={"dropout": jax.random.PRNGKey(seed)},
         mutable=["losses"])[1])
 

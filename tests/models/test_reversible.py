@@ -9,7 +9,8 @@ import pytest
 
 from attention_jax.models import Block, LayerStack, ModelConfig, build_model
 from attention_jax.models.reversible import ReversibleBlock, reversible_layers
-from attention_testing import assert_causal_language_model, perturbed, small_stack_config
+from attention_testing import (assert_causal_language_model, jit_apply, jit_init, perturbed,
+                               small_stack_config)
 
 B, T, E = 2, 12, 16
 
@@ -37,8 +38,9 @@ def _plain_reversible(config, params, x, mask=None, is_causal=False):
   for i, variant in enumerate(config.schedule):
     layer = ReversibleBlock(config, variant)
     layer_params = {"params": params["reversible"][f"block_{i}"]}
-    x1 = x1 + layer.apply(layer_params, x2, mask, is_causal, True, method=ReversibleBlock.attend)
-    x2 = x2 + layer.apply(layer_params, x1, True, method=ReversibleBlock.feed_forward)
+    x1 = x1 + jit_apply(layer, layer_params, x2, mask, is_causal, True,
+                        method=ReversibleBlock.attend)
+    x2 = x2 + jit_apply(layer, layer_params, x1, True, method=ReversibleBlock.feed_forward)
   return (x1 + x2) / 2
 
 
@@ -80,7 +82,7 @@ def test_custom_vjp_equals_autodiff_of_the_same_layers(overrides, masked, is_cau
   stack = LayerStack(config)
 
   def loss(params, x):
-    y, _ = stack.apply({"params": params}, x, mask=mask, is_causal=is_causal)
+    y, _ = jit_apply(stack, {"params": params}, x, mask=mask, is_causal=is_causal)
     return jnp.sum(jnp.sin(y) * jnp.arange(E))
 
   def plain_loss(params, x):
@@ -109,12 +111,12 @@ def test_custom_vjp_with_dropout_keys_equals_autodiff_with_the_same_keys():
   layers = [ReversibleBlock(config, v) for v in config.schedule_period]
 
   def attend(layer):
-    return lambda p, y, context, key: layer.apply(
+    return lambda p, y, context, key: jit_apply(layer, 
         {"params": p}, y, context["mask"], False, False, method=ReversibleBlock.attend,
         rngs={"dropout": key})
 
   def feed_forward(layer):
-    return lambda p, y, context, key: layer.apply(
+    return lambda p, y, context, key: jit_apply(layer, 
         {"params": p}, y, False, method=ReversibleBlock.feed_forward, rngs={"dropout": key})
 
   fs, gs = tuple(map(attend, layers)), tuple(map(feed_forward, layers))
@@ -151,10 +153,10 @@ def test_stack_in_training_draws_dropout_and_is_deterministic_in_evaluation():
   x = _x()
   params = _params(config, x)
   stack = LayerStack(config)
-  evaluated, _ = stack.apply({"params": params}, x)
+  evaluated, _ = jit_apply(stack, {"params": params}, x)
   np.testing.assert_allclose(evaluated, _plain_reversible(config, params, x), rtol=1e-5,
                              atol=1e-5)
-  trained = [stack.apply({"params": params}, x, deterministic=False,
+  trained = [jit_apply(stack, {"params": params}, x, deterministic=False,
                          rngs={"dropout": jax.random.PRNGKey(seed)})[0] for seed in (0, 0, 1)]
   np.testing.assert_array_equal(trained[0], trained[1])
   assert not np.allclose(trained[0], trained[2], atol=1e-3)
@@ -169,10 +171,10 @@ def _train_grad_temp_bytes(stack, num_layers, length=256):
   layers = LayerStack(config)
   x = jax.ShapeDtypeStruct((2, length, 32), jnp.float32)
   params = jax.eval_shape(lambda: nn.meta.unbox(
-      layers.init(jax.random.PRNGKey(0), jnp.zeros(x.shape))["params"]))
+      jit_init(layers, jax.random.PRNGKey(0), jnp.zeros(x.shape))["params"]))
 
   def loss(params, x):
-    y, _ = layers.apply({"params": params}, x, deterministic=False,
+    y, _ = jit_apply(layers, {"params": params}, x, deterministic=False,
                         rngs={"dropout": jax.random.PRNGKey(1)})
     return jnp.sum(jnp.sin(y))
 
@@ -201,11 +203,11 @@ def test_every_stacked_model_kind_trains_under_jit(kind):
   model = build_model(config)
   tokens = jax.random.randint(jax.random.PRNGKey(0), (B, T), 1, 11)
   inputs = (tokens, tokens[::-1]) if kind == "dual_classifier" else (tokens,)
-  params = perturbed(nn.meta.unbox(model.init(jax.random.PRNGKey(1), *inputs)["params"]))
+  params = perturbed(nn.meta.unbox(jit_init(model, jax.random.PRNGKey(1), *inputs)["params"]))
   assert set(params["encoder"]["reversible"]) == {f"block_{i}" for i in range(3)}
 
   def loss(params):
-    out = model.apply({"params": params}, *inputs, deterministic=False,
+    out = jit_apply(model, {"params": params}, *inputs, deterministic=False,
                       rngs={"dropout": jax.random.PRNGKey(2)})
     return jnp.sum(out ** 2)
 

@@ -11,14 +11,14 @@ import pytest
 
 from attention_jax.models import VisionTransformer, build_model
 from attention_jax.models.vit import extract_patches
-from attention_testing import assert_close, train_briefly
+from attention_testing import assert_close, jit_apply, jit_init, train_briefly
 
 VOCAB = 257  # 8-bit pixels + 1, as the image tasks give them
 
 
 
 def _init(model, *args, **kwargs):
-  return nn.meta.unbox(model.init(*args, **kwargs))
+  return nn.meta.unbox(jit_init(model, *args, **kwargs))
 
 def _vit(side=8, **overrides):
   config = dict(kind="vit", vocab_size=VOCAB, num_classes=3, num_layers=1, embed_dim=16,
@@ -33,7 +33,7 @@ def _pixels(batch, side, seed=0):
 
 def _captured(model, variables, tokens, name):
   """The output of submodule `name` in a forward pass."""
-  _, state = model.apply(variables, tokens, capture_intermediates=lambda m, _: m.name == name,
+  _, state = jit_apply(model, variables, tokens, capture_intermediates=lambda m, _: m.name == name,
                          mutable=["intermediates"])
   (out,) = state["intermediates"][name]["__call__"]
   return out
@@ -93,7 +93,7 @@ def test_the_head_reads_the_cls_output():
   head["kernel"] = jax.random.normal(jax.random.PRNGKey(3), head["kernel"].shape)
   variables = {"params": {**variables["params"], "head": head}}
   encoded = _captured(model, variables, tokens, "encoder")
-  logits = model.apply(variables, tokens)
+  logits = jit_apply(model, variables, tokens)
   assert_close(logits, np.asarray(encoded[:, 0]) @ np.asarray(head["kernel"]) + head["bias"],
                rtol=1e-5, atol=1e-5)
 
@@ -104,7 +104,7 @@ def test_any_non_causal_mixer_is_its_attention(attention):
   model = _vit(attention=attention, attention_options=options)
   tokens = _pixels(2, 8)
   variables = _init(model, jax.random.PRNGKey(0), tokens)
-  assert model.apply(variables, tokens).shape == (2, 3)
+  assert jit_apply(model, variables, tokens).shape == (2, 3)
 
 
 @pytest.mark.parametrize("overrides,message", [
@@ -142,7 +142,7 @@ def test_it_learns_where_the_bright_patch_is():
   optimizer = optax.adam(3e-3)
 
   def loss(params):
-    logits = model.apply({"params": params}, tokens)
+    logits = jit_apply(model, {"params": params}, tokens)
     return optax.softmax_cross_entropy_with_integer_labels(logits, jnp.asarray(labels)).mean()
 
   @jax.jit
@@ -155,7 +155,7 @@ def test_it_learns_where_the_bright_patch_is():
   first = float(loss(params))
   for _ in range(60):
     params, state, _ = step(params, state)
-  accuracy = float((model.apply({"params": params}, tokens).argmax(-1) == labels).mean())
+  accuracy = float((jit_apply(model, {"params": params}, tokens).argmax(-1) == labels).mean())
   assert first == pytest.approx(np.log(3), abs=1e-3)  # the zero head starts uniform
   assert accuracy > 0.9, accuracy
 

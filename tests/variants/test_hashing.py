@@ -22,7 +22,7 @@ RNG = jax.random.PRNGKey(3)
 
 def _jit_module_output(module, x, **apply_kwargs):
   variables = jit_init(module, jax.random.PRNGKey(0), x)
-  out = jax.jit(lambda v, x: jit_apply(module, v, x, **apply_kwargs))(variables, x)
+  out = jax.jit(lambda v, x: module.apply(v, x, **apply_kwargs))(variables, x)
   assert out.shape == x.shape
   assert np.isfinite(np.asarray(out)).all()
   return variables, out
@@ -205,7 +205,7 @@ def test_routing_kmeans_updates_move_centroids_towards_their_members():
   key = jnp.asarray(directions[labels[:, ::-1]] + noise[:, ::-1], jnp.float32)
   module = hashing.RoutingCentroids(num_clusters=4, decay=0.5)
   variables = jit_init(module, jax.random.PRNGKey(0), query, key, key)
-  step = jax.jit(lambda variables: jit_apply(module, variables, query, key, key, deterministic=False,
+  step = jax.jit(lambda variables: module.apply(variables, query, key, key, deterministic=False,
                                                 mutable=["kmeans"])[1])
   points = jnp.concatenate([query, key], axis=1)
   distances = [_within_cluster_distance(variables["kmeans"]["centroids"], points)]
@@ -265,7 +265,7 @@ def test_routing_module_runs_under_jit_and_updates_centroids_in_training():
                               attention_options={"num_clusters": 4, "decay": 0.9})
   variables, _ = _jit_module_output(module, x, is_causal=True)
   assert variables["kmeans"]["variant"]["centroids"].shape == (2, 4, 8)
-  train = jax.jit(lambda variables: jit_apply(module, variables, x, deterministic=False,
+  train = jax.jit(lambda variables: module.apply(variables, x, deterministic=False,
                                                  mutable=["kmeans"]))
   out, updated = train(variables)
   assert out.shape == x.shape

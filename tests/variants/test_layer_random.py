@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from attention_jax.variants import common
+from attention_testing import jit_apply, jit_init
 
 
 def _draw(key):
@@ -53,7 +54,7 @@ def _train_calls(model, variables, steps, seed=0):
   draws = []
   for step in range(steps):
     key = jax.random.fold_in(jax.random.key(seed), step)
-    out, updates = model.apply(variables, jnp.zeros(()), False, rngs={"attention": key},
+    out, updates = jit_apply(model, variables, jnp.zeros(()), False, rngs={"attention": key},
                                mutable=[common.RANDOM_COLLECTION])
     variables = {**variables, **updates}
     draws.append(np.asarray(out))
@@ -63,8 +64,8 @@ def _train_calls(model, variables, steps, seed=0):
 @pytest.mark.parametrize("scan", [False, True])
 def test_each_layer_draws_its_own_array_unrolled_and_scanned(scan):
   model = TwoLayers(redraw_every=0, scan=scan)
-  variables = model.init({"params": jax.random.key(0)}, jnp.zeros(()))
-  out = np.asarray(model.apply(variables, jnp.zeros(())))
+  variables = jit_init(model, {"params": jax.random.key(0)}, jnp.zeros(()))
+  out = np.asarray(jit_apply(model, variables, jnp.zeros(())))
   assert out.shape == (2, 4)
   assert not np.allclose(out[0], out[1])
   # redraw_every=0: training never redraws.
@@ -76,20 +77,20 @@ def test_each_layer_draws_its_own_array_unrolled_and_scanned(scan):
 @pytest.mark.parametrize("scan", [False, True])
 def test_training_redraws_at_calls_0_n_2n_and_evaluation_keeps_the_last_draw(scan):
   model = TwoLayers(redraw_every=3, scan=scan)
-  variables = model.init({"params": jax.random.key(0)}, jnp.zeros(()))
-  initial = np.asarray(model.apply(variables, jnp.zeros(())))
+  variables = jit_init(model, {"params": jax.random.key(0)}, jnp.zeros(()))
+  initial = np.asarray(jit_apply(model, variables, jnp.zeros(())))
   draws, trained = _train_calls(model, variables, 7)
   changed = [not np.array_equal(draws[i], draws[i - 1] if i else initial) for i in range(7)]
   assert changed == [True, False, False, True, False, False, True]
   assert not np.allclose(draws[0][0], draws[0][1])  # per layer at every redraw
   # Evaluation uses the kept (last) draw, the same in every call.
   for _ in range(2):
-    np.testing.assert_array_equal(np.asarray(model.apply(trained, jnp.zeros(()))), draws[-1])
+    np.testing.assert_array_equal(np.asarray(jit_apply(model, trained, jnp.zeros(()))), draws[-1])
 
 
 def test_draws_are_a_function_of_seed_layer_and_step():
   model = TwoLayers(redraw_every=1)
-  variables = model.init({"params": jax.random.key(0)}, jnp.zeros(()))
+  variables = jit_init(model, {"params": jax.random.key(0)}, jnp.zeros(()))
   full, _ = _train_calls(model, variables, 4)
   again, _ = _train_calls(model, variables, 4)
   np.testing.assert_array_equal(np.stack(full), np.stack(again))
@@ -98,22 +99,22 @@ def test_draws_are_a_function_of_seed_layer_and_step():
   # A run resumed from the collection after step 2 draws what the uninterrupted one drew.
   _, after_two = _train_calls(model, variables, 2)
   key = jax.random.fold_in(jax.random.key(0), 2)
-  resumed = model.apply(after_two, jnp.zeros(()), False, rngs={"attention": key},
+  resumed = jit_apply(model, after_two, jnp.zeros(()), False, rngs={"attention": key},
                         mutable=[common.RANDOM_COLLECTION])[0]
   np.testing.assert_array_equal(np.asarray(resumed), full[2])
 
 
 def test_without_the_collection_or_the_stream_the_draw_is_fixed_per_layer():
   model = TwoLayers(redraw_every=1)
-  variables = model.init({"params": jax.random.key(0)}, jnp.zeros(()))
+  variables = jit_init(model, {"params": jax.random.key(0)}, jnp.zeros(()))
   # No "attention" stream: training keeps the initial draw.
-  kept = np.asarray(model.apply(variables, jnp.zeros(()), False,
+  kept = np.asarray(jit_apply(model, variables, jnp.zeros(()), False,
                                 mutable=[common.RANDOM_COLLECTION])[0])
-  np.testing.assert_array_equal(kept, np.asarray(model.apply(variables, jnp.zeros(()))))
+  np.testing.assert_array_equal(kept, np.asarray(jit_apply(model, variables, jnp.zeros(()))))
   # Only the parameters: a fixed draw per layer path, never redrawn.
-  bare = model.apply({"params": variables.get("params", {})}, jnp.zeros(()), False,
+  bare = jit_apply(model, {"params": variables.get("params", {})}, jnp.zeros(()), False,
                      rngs={"attention": jax.random.key(5)})
-  bare_again = model.apply({"params": {}}, jnp.zeros(()))
+  bare_again = jit_apply(model, {"params": {}}, jnp.zeros(()))
   np.testing.assert_array_equal(np.asarray(bare), np.asarray(bare_again))
   assert not np.allclose(bare[0], bare[1])
 

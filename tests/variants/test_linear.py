@@ -315,7 +315,7 @@ def _run_module(name, options, is_causal, rngs=None):
   module = attention_jax.MultiHeadAttention(num_heads=2, num_kv_heads=1, attention=name,
                                             attention_options=options)
   variables = jit_init(module, jax.random.PRNGKey(0), x, is_causal=is_causal)
-  apply = jax.jit(lambda variables, x, rngs: jit_apply(module, variables, x, is_causal=is_causal,
+  apply = jax.jit(lambda variables, x, rngs: module.apply(variables, x, is_causal=is_causal,
                                                           rngs=rngs))
   return variables, apply(variables, x, rngs or {})
 

@@ -121,7 +121,7 @@ def test_persistent_memory_trains_through_multi_head_attention_under_jit():
   assert memories["memory_key"].shape == (5, 2, 4)
   assert memories["memory_value"].shape == (5, 2, 4)
   lengths = jnp.array([10, 6])
-  loss = lambda p: jnp.sum(jit_apply(module, p, x, is_causal=True, key_value_seq_lengths=lengths) ** 2)
+  loss = lambda p: jnp.sum(module.apply(p, x, is_causal=True, key_value_seq_lengths=lengths) ** 2)
   grads = jax.jit(jax.grad(loss))(params)["params"]["variant"]
   assert np.abs(np.asarray(grads["memory_key"])).min() > 0
   assert np.abs(np.asarray(grads["memory_value"])).min() > 0
@@ -196,7 +196,7 @@ def _latent_module(name, **options):
 
 def _init_apply(module, x, **kwargs):
   variables = jit_init(module, jax.random.PRNGKey(0), x, **kwargs)
-  return variables, jax.jit(lambda v, x: jit_apply(module, v, x, **kwargs))
+  return variables, jax.jit(lambda v, x: module.apply(v, x, **kwargs))
 
 
 @pytest.mark.parametrize("name", LATENT_VARIANTS)

@@ -68,10 +68,10 @@ def assert_module_is_its_formula(module, params, x, formula, is_causal, padding)
   """`module` equals `formula(lengths)` (numpy) padded by `padding` (the
   module's keyword arguments for LENGTHS) and unpadded (`formula(None)`), and
   padded tokens contribute nothing."""
-  apply = jax.jit(lambda x: jit_apply(module, {"params": params}, x, is_causal=is_causal, **padding))
+  apply = jax.jit(lambda x: module.apply({"params": params}, x, is_causal=is_causal, **padding))
   assert_close(apply(x), formula(LENGTHS), rtol=1e-4, atol=1e-5)
   assert_padding_contributes_nothing(apply, x)
-  full = jax.jit(lambda x: jit_apply(module, {"params": params}, x, is_causal=is_causal))(x)
+  full = jax.jit(lambda x: module.apply({"params": params}, x, is_causal=is_causal))(x)
   assert_close(full, formula(None), rtol=1e-4, atol=1e-5)
 
 
@@ -105,7 +105,7 @@ def test_fnet_module_zeroes_padding_before_the_transform():
   x = random_tokens(1)
   module, _ = module_and_params("fnet", x)
   assert not jit_init(module, jax.random.PRNGKey(0), x)  # no parameters
-  apply = jax.jit(lambda x: jit_apply(module, {}, x, mask=padding_mask()))
+  apply = jax.jit(lambda x: module.apply({}, x, mask=padding_mask()))
   want = np.fft.fft2(np_zero_padding(as_float64(x), LENGTHS), axes=(1, 2)).real
   assert_close(apply(x)[0, :4], want[0, :4], atol=1e-4)
   assert_padding_contributes_nothing(apply, x)
@@ -156,7 +156,7 @@ def test_mlp_mixer_is_an_mlp_across_the_tokens_of_every_channel():
                rtol=1e-5, atol=1e-5)
   module, params = module_and_params("mlp_mixer", x, max_length=T, hidden_dim=3)
   assert params["token_out_kernel"].shape == (3, T)
-  apply = jax.jit(lambda x: jit_apply(module, {"params": params}, x, mask=padding_mask()))
+  apply = jax.jit(lambda x: module.apply({"params": params}, x, mask=padding_mask()))
   assert_close(apply(x), np_token_mixing(x, params, LENGTHS), rtol=1e-5, atol=1e-5)
   assert_padding_contributes_nothing(apply, x)
 
@@ -277,7 +277,7 @@ def test_xca_layer_learns_a_temperature_per_head_and_ignores_padding():
   x = random_tokens(7)
   module, params = module_and_params("xca", x)
   assert params["variant"]["temperature"].shape == (2,)
-  apply = jax.jit(lambda x: jit_apply(module, {"params": params}, x, mask=padding_mask()))
+  apply = jax.jit(lambda x: module.apply({"params": params}, x, mask=padding_mask()))
   # The layer's output projection has a bias: padded rows output it, not zeros.
   out, changed = apply(x), apply(with_padded_tokens_changed(x))
   assert_close(out[0, :4], changed[0, :4], rtol=1e-5, atol=1e-5)

@@ -13,7 +13,7 @@ from attention_jax.models import Block, Encoder, ModelConfig, SequenceClassifier
 from attention_jax.models.blocks import make_mixer
 from attention_jax.train.config import parse_config_arg
 from attention_jax.variants import pooling
-from attention_testing import as_float64, assert_close, np_softmax, perturbed
+from attention_testing import as_float64, assert_close, jit_apply, jit_init, np_softmax, perturbed
 
 B, T, E, A = 3, 7, 5, 4
 
@@ -103,10 +103,10 @@ def test_a_zero_context_vector_is_mean_pooling_and_an_empty_row_pools_to_zeros()
 def test_the_module_pools_with_its_parameters_several_queries_concatenated():
   x = _normal(4, (B, T, E))
   module = pooling.AttentionPooling(num_queries=2, attention_dim=3)
-  params = perturbed(module.init(jax.random.PRNGKey(0), x)["params"])
+  params = perturbed(jit_init(module, jax.random.PRNGKey(0), x)["params"])
   assert {k: v.shape for k, v in params.items()} == {
       "kernel": (E, 3), "bias": (3,), "context_vector": (2, 3)}
-  got = module.apply({"params": params}, x, mask=MASK)
+  got = jit_apply(module, {"params": params}, x, mask=MASK)
   expected, _ = np_attention_pooling(x, params["kernel"], params["bias"],
                                      params["context_vector"], np.asarray(MASK))
   assert got.shape == (B, 2 * E)
@@ -163,8 +163,8 @@ def test_hierarchical_pooling_is_word_pooling_then_sentence_pooling():
 def test_sentence_length_cuts_the_sequence_into_chunks_and_pools_twice():
   x = _normal(7, (B, T, E))
   module = pooling.AttentionPooling(sentence_length=3, num_queries=2)
-  params = perturbed(module.init(jax.random.PRNGKey(0), x)["params"])
-  got = module.apply({"params": params}, x, mask=MASK)
+  params = perturbed(jit_init(module, jax.random.PRNGKey(0), x)["params"])
+  got = jit_apply(module, {"params": params}, x, mask=MASK)
   # T = 7 in chunks of 3: the third chunk holds one token and two of padding.
   chunks = np.zeros((B, 9, E), np.float32)
   chunks[:, :T] = x
@@ -186,7 +186,7 @@ GRU_MASK = _mask([[[1, 1, 0, 0], [1, 1, 1, 0], [0, 0, 0, 0]],
 
 def _han(x, word_mask, seed=0):
   module = pooling.HierarchicalAttentionPooling(hidden_dim=3, num_queries=2)
-  params = perturbed(module.init(jax.random.PRNGKey(seed), x, word_mask=word_mask)["params"])
+  params = perturbed(jit_init(module, jax.random.PRNGKey(seed), x, word_mask=word_mask)["params"])
   return module, params
 
 
@@ -200,14 +200,14 @@ def test_han_with_gru_encoders_is_the_encoders_then_the_two_poolings_by_hand():
   # over the sentence vectors (empty sentences at the end), sentence pooling.
   gru = pooling.BidirectionalGRU(3)
   level = lambda prefix: {k: params[prefix + k] for k in ("kernel", "bias", "context_vector")}
-  words = np.asarray(gru.apply({"params": params["word_encoder"]}, x.reshape(B * S, W, E),
+  words = np.asarray(jit_apply(gru, {"params": params["word_encoder"]}, x.reshape(B * S, W, E),
                                GRU_MASK.reshape(B * S, W)))
   flat_mask = np.asarray(GRU_MASK).reshape(B * S, W)
   word = level("word_")
   vectors, _ = np_attention_pooling(words, word["kernel"], word["bias"], word["context_vector"],
                                     flat_mask)
   sentence_mask = np.asarray(GRU_MASK).any(-1)
-  vectors = np.asarray(gru.apply({"params": params["sentence_encoder"]},
+  vectors = np.asarray(jit_apply(gru, {"params": params["sentence_encoder"]},
                                  jnp.asarray(vectors.reshape(B, S, 6), jnp.float32),
                                  jnp.asarray(sentence_mask)))
   sentence = level("sentence_")
@@ -225,7 +225,7 @@ def test_han_ignores_padded_words_and_trailing_empty_sentences_with_finite_gradi
   module, params = _han(x, word_mask)
 
   def value_and_grads(params, x):
-    fn = lambda p, x: module.apply({"params": p}, x, word_mask=word_mask)
+    fn = lambda p, x: jit_apply(module, {"params": p}, x, word_mask=word_mask)
     return fn(params, x), jax.grad(lambda p, x: jnp.sum(fn(p, x) ** 2), argnums=(0, 1))(params,
                                                                                          x)
 
@@ -233,10 +233,10 @@ def test_han_ignores_padded_words_and_trailing_empty_sentences_with_finite_gradi
   assert all(np.isfinite(np.asarray(g)).all() for g in jax.tree.leaves(grads))
   assert np.all(np.asarray(grads[1])[~np.asarray(word_mask)] == 0)  # padding gets no gradient
   noise = jnp.where(word_mask[..., None], x, 7.0)
-  assert_close(module.apply({"params": params}, noise, word_mask=word_mask), got,
+  assert_close(jit_apply(module, {"params": params}, noise, word_mask=word_mask), got,
                rtol=1e-5, atol=1e-5)
   # Document 0 without its empty sentence and without the padded last word column.
-  trimmed = module.apply({"params": params}, x[0:1, :2, :3], word_mask=word_mask[0:1, :2, :3])
+  trimmed = jit_apply(module, {"params": params}, x[0:1, :2, :3], word_mask=word_mask[0:1, :2, :3])
   assert_close(trimmed[0], got[0], rtol=1e-5, atol=1e-5)
 
 
@@ -255,10 +255,10 @@ def test_han_with_gru_refuses_padding_before_a_real_word():
 def test_han_without_encoders_takes_padding_anywhere_and_is_the_pure_function():
   x = _normal(11, (B, S, W, E))
   module = pooling.HierarchicalAttentionPooling(encoder="none")
-  params = perturbed(module.init(jax.random.PRNGKey(0), x, word_mask=WORD_MASK)["params"])
+  params = perturbed(jit_init(module, jax.random.PRNGKey(0), x, word_mask=WORD_MASK)["params"])
   level = lambda prefix: {k: params[prefix + k] for k in ("kernel", "bias", "context_vector")}
   expected, _ = np_hierarchical(x, level("word_"), level("sentence_"), WORD_MASK)
-  assert_close(module.apply({"params": params}, x, word_mask=WORD_MASK), expected,
+  assert_close(jit_apply(module, {"params": params}, x, word_mask=WORD_MASK), expected,
                rtol=1e-5, atol=1e-5)
 
 
@@ -313,7 +313,7 @@ def test_cross_alignment_ignores_padding_and_passes_finite_gradients_when_fully_
   module = pooling.CrossAlignment()
 
   def outputs_and_grads(a, b):
-    fn = lambda a, b: module.apply({}, a, b, a_mask=MASK, b_mask=b_mask)
+    fn = lambda a, b: jit_apply(module, {}, a, b, a_mask=MASK, b_mask=b_mask)
     loss = lambda a, b: sum(jnp.sum(m ** 2) for m in fn(a, b))
     return fn(a, b), jax.grad(loss, argnums=(0, 1))(a, b)
 
@@ -321,7 +321,7 @@ def test_cross_alignment_ignores_padding_and_passes_finite_gradients_when_fully_
   assert all(np.isfinite(np.asarray(g)).all() for g in grads)
   noisy_a = jnp.where(MASK[..., None], a, 30.0)
   noisy_b = jnp.where(b_mask[..., None], b, -30.0)
-  n_a, n_b = module.apply({}, noisy_a, noisy_b, a_mask=MASK, b_mask=b_mask)
+  n_a, n_b = jit_apply(module, {}, noisy_a, noisy_b, a_mask=MASK, b_mask=b_mask)
   # The real tokens' enhancements do not move; padded ones keep their own x.
   assert_close(np.asarray(n_a)[np.asarray(MASK)], np.asarray(m_a)[np.asarray(MASK)],
                rtol=1e-5, atol=1e-5)
@@ -350,10 +350,10 @@ def test_classifier_pooling_by_attention_is_the_module_on_the_encoder_outputs():
   model = SequenceClassifier(config)
   tokens = _tokens()
   mask = jnp.arange(8)[None] < jnp.array([[8], [5]])
-  variables = nn.meta.unbox(model.init(jax.random.PRNGKey(0), tokens))
+  variables = nn.meta.unbox(jit_init(model, jax.random.PRNGKey(0), tokens))
   params = perturbed(variables["params"])
   assert "cls" not in params and set(params["pooling"]) == {"kernel", "bias", "context_vector"}
-  logits = model.apply({"params": params}, tokens, padding_mask=mask)
+  logits = jit_apply(model, {"params": params}, tokens, padding_mask=mask)
   encoded = Encoder(config).apply({"params": params["encoder"]}, tokens, padding_mask=mask)
   pooled, _ = np_attention_pooling(encoded, params["pooling"]["kernel"],
                                    params["pooling"]["bias"],
@@ -363,9 +363,9 @@ def test_classifier_pooling_by_attention_is_the_module_on_the_encoder_outputs():
   assert_close(logits, expected, rtol=1e-4, atol=1e-5)
   # Padded tokens do not change the logits; unmasked, they do.
   other = jnp.where(mask, tokens, _tokens(seed=5))
-  assert_close(model.apply({"params": params}, other, padding_mask=mask), logits,
+  assert_close(jit_apply(model, {"params": params}, other, padding_mask=mask), logits,
                rtol=1e-5, atol=1e-5)
-  assert not np.allclose(model.apply({"params": params}, other), logits, atol=1e-4)
+  assert not np.allclose(jit_apply(model, {"params": params}, other), logits, atol=1e-4)
 
 
 @pytest.mark.property("attention_pooling")

@@ -8,7 +8,8 @@ import pytest
 
 import attention_jax
 from attention_jax.variants import scoring
-from attention_testing import assert_close, assert_same_outputs_and_grads, jit_apply, jit_init, random_qkv
+from attention_testing import (assert_close, assert_same_outputs_and_grads, jit_apply, jit_init,
+                               random_qkv)
 
 
 def _np(x):
@@ -97,7 +98,7 @@ def test_the_layer_honours_padding_and_runs_under_jit(name):
   layer = attention_jax.MultiHeadAttention(num_heads=2, attention=name)
   x = jax.random.normal(jax.random.PRNGKey(0), (2, 9, 16))
   variables = jit_init(layer, jax.random.PRNGKey(1), x)
-  apply = jax.jit(lambda v, x: jit_apply(layer, v, x, key_value_seq_lengths=jnp.array([9, 4])))
+  apply = jax.jit(lambda v, x: layer.apply(v, x, key_value_seq_lengths=jnp.array([9, 4])))
   out = apply(variables, x)
   # What the padded keys (4..8 of sequence 1) hold changes nothing.
   out_changed = apply(variables, x.at[1, 4:].set(7.0))

@@ -298,7 +298,7 @@ def test_graph_layer_takes_edges_as_attention_arguments_or_an_adjacency_as_mask(
   x = jax.random.normal(jax.random.PRNGKey(0), (2, 9, 16))
   variables = jit_init(layer, jax.random.PRNGKey(1), x)
   senders, receivers, adjacency = _random_graph(1, 2, 9, 9, num_edges=25)
-  by_edges = jax.jit(lambda v, x, s, r: jit_apply(layer, 
+  by_edges = jax.jit(lambda v, x, s, r: layer.apply(
       v, x, attention_arguments=dict(senders=s, receivers=r)))(variables, x, senders, receivers)
   by_mask = jit_apply(layer, variables, x, mask=jnp.asarray(adjacency)[:, None])
   assert_close(by_edges, by_mask, rtol=1e-5, atol=1e-5)

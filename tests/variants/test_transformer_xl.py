@@ -12,7 +12,7 @@ import pytest
 from attention_jax import positional
 from attention_jax.models import LayerStack, ModelConfig, build_model
 from attention_jax.variants.recurrence import TransformerXLAttention, transformer_xl_attention
-from attention_testing import (as_float64, assert_close, perturbed, random_qkv,
+from attention_testing import (as_float64, assert_close, jit_apply, jit_init, perturbed, random_qkv,
                                segment_training_step)
 
 B, E, H = 2, 16, 2
@@ -45,7 +45,7 @@ def test_relative_shift_refuses_the_wrong_number_of_distances():
 def _relative_module_params(features=E, head_dim=8, seed=0):
   module = positional.XLRelativePosition(num_heads=H, head_dim=head_dim)
   query = jnp.zeros((B, 3, H, head_dim))
-  params = module.init(jax.random.PRNGKey(seed), query, query, jnp.arange(3), jnp.arange(3),
+  params = jit_init(module, jax.random.PRNGKey(seed), query, query, jnp.arange(3), jnp.arange(3),
                        features)["params"]
   return module, perturbed(nn.meta.unbox(params), seed=seed + 1)
 
@@ -70,7 +70,7 @@ def test_relative_scores_equal_the_pairwise_formula(q_start, k_start, q_len, kv_
   query, key, _ = random_qkv(seed=2, batch=B, q_len=q_len, kv_len=kv_len, num_heads=H,
                              num_kv_heads=H, head_dim=8)
   q_positions, k_positions = q_start + np.arange(q_len), k_start + np.arange(kv_len)
-  got = module.apply({"params": params}, query, key, jnp.asarray(q_positions),
+  got = jit_apply(module, {"params": params}, query, key, jnp.asarray(q_positions),
                      jnp.asarray(k_positions), E)
   assert_close(got, np_xl_terms(query, key, q_positions, k_positions, params, E),
                rtol=1e-4, atol=1e-4)
@@ -81,11 +81,11 @@ def test_relative_scores_depend_only_on_the_distance():
   module, params = _relative_module_params()
   query, key, _ = random_qkv(seed=3, batch=B, q_len=4, kv_len=6, num_heads=H, num_kv_heads=H,
                              head_dim=8)
-  scores = lambda shift: module.apply({"params": params}, query, key, shift + jnp.arange(2, 6),
+  scores = lambda shift: jit_apply(module, {"params": params}, query, key, shift + jnp.arange(2, 6),
                                       shift + jnp.arange(6), E)
   assert_close(scores(0), scores(37), rtol=1e-4, atol=1e-4)
   with pytest.raises(AssertionError):  # and they do depend on it
-    assert_close(scores(0), module.apply({"params": params}, query, key, jnp.arange(4),
+    assert_close(scores(0), jit_apply(module, {"params": params}, query, key, jnp.arange(4),
                                          jnp.arange(6), E), rtol=1e-4, atol=1e-4)
 
 
@@ -140,20 +140,20 @@ def test_segments_with_memory_equal_one_pass_under_the_memory_mask(memory_length
                        scan_layers=scan_layers)
   stack = LayerStack(config)
   x = jax.random.normal(jax.random.PRNGKey(0), (B, length, E))
-  variables = stack.init(jax.random.PRNGKey(1), x[:, :segment], is_causal=True)
+  variables = jit_init(stack, jax.random.PRNGKey(1), x[:, :segment], is_causal=True)
   variables = {"params": perturbed(variables["params"]), "memory": variables["memory"]}
   memory, outputs = variables["memory"], []
   for start in range(0, length, segment):
-    (y, _), state = stack.apply({"params": variables["params"], "memory": memory},
+    (y, _), state = jit_apply(stack, {"params": variables["params"], "memory": memory},
                                 x[:, start:start + segment], is_causal=True, mutable=["memory"])
     memory = state["memory"]
     outputs.append(y)
   by_segment = jnp.concatenate(outputs, axis=1)
-  whole, _ = stack.apply({"params": variables["params"]}, x,
+  whole, _ = jit_apply(stack, {"params": variables["params"]}, x,
                          mask=_segments_mask(length, segment, memory_length), is_causal=True)
   assert_close(by_segment, whole, rtol=2e-4, atol=2e-4)
   # Without the memory the segments differ: the memory is what carries across.
-  alone = jnp.concatenate([stack.apply({"params": variables["params"]}, x[:, s:s + segment],
+  alone = jnp.concatenate([jit_apply(stack, {"params": variables["params"]}, x[:, s:s + segment],
                                        is_causal=True)[0] for s in range(0, length, segment)], 1)
   assert np.abs(np.asarray(alone[:, segment:] - whole[:, segment:])).max() > 1e-2
 
@@ -161,7 +161,7 @@ def test_segments_with_memory_equal_one_pass_under_the_memory_mask(memory_length
 def _layer(memory_length=3):
   layer = TransformerXLAttention(num_heads=H, memory_length=memory_length)
   x = jax.random.normal(jax.random.PRNGKey(2), (B, 5, E))
-  variables = layer.init(jax.random.PRNGKey(3), x, is_causal=True)
+  variables = jit_init(layer, jax.random.PRNGKey(3), x, is_causal=True)
   return layer, {"params": perturbed(variables["params"]), "memory": variables["memory"]}, x
 
 
@@ -174,7 +174,7 @@ def test_memory_keeps_the_last_inputs_and_counts_what_it_holds():
   for step, length in enumerate([4, 1, 3, 7]):
     x = jax.random.normal(jax.random.PRNGKey(10 + step), (B, length, E))
     seen.append(x)
-    _, state = layer.apply({"params": variables["params"], "memory": memory}, x,
+    _, state = jit_apply(layer, {"params": variables["params"], "memory": memory}, x,
                            is_causal=True, mutable=["memory"])
     memory = state["memory"]
     so_far = jnp.concatenate(seen, axis=1)
@@ -186,18 +186,18 @@ def test_memory_keeps_the_last_inputs_and_counts_what_it_holds():
 @pytest.mark.property("transformer_xl")
 def test_no_gradient_reaches_the_memory():
   layer, variables, x = _layer()
-  _, state = layer.apply(variables, x, is_causal=True, mutable=["memory"])
+  _, state = jit_apply(layer, variables, x, is_causal=True, mutable=["memory"])
   memory = state["memory"]
 
   def loss(params, hidden):
-    y, _ = layer.apply({"params": params, "memory": {**memory, "hidden": hidden}}, x,
+    y, _ = jit_apply(layer, {"params": params, "memory": {**memory, "hidden": hidden}}, x,
                        is_causal=True, mutable=["memory"])
     return jnp.sum(y ** 2)
 
   # The memory changes the output, yet passes it no gradient.
-  with_memory = layer.apply({"params": variables["params"], "memory": memory}, x,
+  with_memory = jit_apply(layer, {"params": variables["params"], "memory": memory}, x,
                             is_causal=True)
-  without = layer.apply({"params": variables["params"]}, x, is_causal=True)
+  without = jit_apply(layer, {"params": variables["params"]}, x, is_causal=True)
   assert np.abs(np.asarray(with_memory - without)).max() > 1e-3
   grad_params, grad_memory = jax.grad(loss, argnums=(0, 1))(variables["params"],
                                                             memory["hidden"])
@@ -213,7 +213,7 @@ def test_language_model_with_memory_trains_segment_by_segment_under_jit():
       position="none", scan_layers=True))
   model = build_model(config)
   tokens = jax.random.randint(jax.random.PRNGKey(0), (B, 24), 0, 11)
-  variables = model.init(jax.random.PRNGKey(1), tokens[:, :8])
+  variables = jit_init(model, jax.random.PRNGKey(1), tokens[:, :8])
 
   step = segment_training_step(model, vocab_size=11)
   memory = variables["memory"]
@@ -234,9 +234,9 @@ def test_bad_memory_length_and_position_are_refused():
     TransformerXLAttention(num_heads=H, position="rope").init(jax.random.PRNGKey(0), x)
   layer, variables, _ = _layer()
   with pytest.raises(ValueError, match="segments must keep the batch size"):
-    layer.apply(variables, jnp.zeros((B + 1, 4, E)), mutable=["memory"])
+    jit_apply(layer, variables, jnp.zeros((B + 1, 4, E)), mutable=["memory"])
   model = build_model(ModelConfig.from_config(dict(
       kind="language_model", vocab_size=11, num_layers=1, embed_dim=E, num_heads=H, mlp_dim=32,
       max_length=8, attention="transformer_xl", attention_options={"memory_length": -2})))
   with pytest.raises(ValueError, match="memory_length must be .*, got -2"):
-    model.init(jax.random.PRNGKey(0), jnp.zeros((B, 8), jnp.int32))
+    jit_init(model, jax.random.PRNGKey(0), jnp.zeros((B, 8), jnp.int32))
