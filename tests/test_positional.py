@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from attention_jax import positional
+from attention_testing import jit_apply, jit_init
 
 # Jitted once per shape: eager dispatch compiles every primitive separately, which
 # dominates the runtime of tests this small.
@@ -84,9 +85,9 @@ def test_sinusoidal_module_adds_embedding_and_has_no_params():
 def test_sinusoidal_module_bad_inputs():
   module = positional.SinusoidalPositionEmbedding()
   with pytest.raises(ValueError, match=r"x must be \[B, T, E\], got shape \(5, 8\)"):
-    module.init(jax.random.PRNGKey(0), jnp.zeros((5, 8)))
+    jit_init(module, jax.random.PRNGKey(0), jnp.zeros((5, 8)))
   with pytest.raises(ValueError, match=r"positions must be \[T\] or \[B, T\].*\(4,\)"):
-    module.init(jax.random.PRNGKey(0), jnp.zeros((2, 5, 8)), jnp.arange(4))
+    jit_init(module, jax.random.PRNGKey(0), jnp.zeros((2, 5, 8)), jnp.arange(4))
 
 
 # --------------------------------------------------------------------------- learned
@@ -112,13 +113,13 @@ def test_learned_param_shape_axes_and_output():
 def test_learned_too_long_raises():
   module = positional.LearnedPositionEmbedding(max_length=4)
   with pytest.raises(ValueError, match=r"sequence length 5 exceeds max_length 4"):
-    module.init(jax.random.PRNGKey(0), jnp.zeros((1, 5, 8)))
+    jit_init(module, jax.random.PRNGKey(0), jnp.zeros((1, 5, 8)))
   x = jnp.zeros((1, 3, 8))
-  variables = module.init(jax.random.PRNGKey(0), x)
-  with pytest.raises(ValueError, match=r"max_length=4.*\[0, 4\]"):
+  variables = jit_init(module, jax.random.PRNGKey(0), x)
+  with pytest.raises(ValueError, match=r"max_length=4.*\[0, 4\]"):  # eager: a value check
     module.apply(variables, x, jnp.array([0, 2, 4]))
   with pytest.raises(ValueError, match=r"positions must be integers"):
-    module.apply(variables, x, jnp.array([0.0, 1.0, 2.0]))
+    jit_apply(module, variables, x, jnp.array([0.0, 1.0, 2.0]))
 
 
 # --------------------------------------------------------------------------- RoPE
@@ -317,14 +318,14 @@ def test_check_position_encoding():
 def _complex_params(vocab=7, features=8, seed=3):
   module = positional.ComplexWordEmbedding(vocab, features)
   tokens = jnp.zeros((1, 3), jnp.int32)
-  return module, nn.meta.unbox(module.init(jax.random.PRNGKey(seed), tokens)["params"])
+  return module, nn.meta.unbox(jit_init(module, jax.random.PRNGKey(seed), tokens)["params"])
 
 
 def test_complex_embedding_matches_the_complex_formula():
   module, params = _complex_params()
   tokens = jnp.array([[3, 1, 3, 6]])
   positions = jnp.array([0, 5, 9, 2])
-  got = module.apply({"params": params}, tokens, positions)
+  got = jit_apply(module, {"params": params}, tokens, positions)
   r, w, theta = (np.asarray(params[name], np.float64) for name in ("amplitude", "frequency",
                                                                     "phase"))
   for t, (token, pos) in enumerate(zip(np.asarray(tokens[0]), np.asarray(positions))):
@@ -338,7 +339,7 @@ def test_complex_embedding_shift_is_a_fixed_rotation_of_each_dimension():
   module, params = _complex_params()
   tokens = jnp.array([[2, 5, 2]])
   shift = 4
-  at = lambda pos: np.asarray(module.apply({"params": params}, tokens, pos), np.float64)
+  at = lambda pos: np.asarray(jit_apply(module, {"params": params}, tokens, pos), np.float64)
   as_complex = lambda x: x[..., :4] + 1j * x[..., 4:]
   rotation = np.exp(1j * np.asarray(params["frequency"], np.float64)[np.asarray(tokens)] * shift)
   for start in (0, 11):
@@ -354,11 +355,11 @@ def test_complex_embedding_in_a_model_and_bad_features():
                                         position="complex"))
   model = build_model(config)
   tokens = jnp.ones((2, 8), jnp.int32)
-  variables = model.init(jax.random.PRNGKey(0), tokens)
+  variables = jit_init(model, jax.random.PRNGKey(0), tokens)
   assert set(variables["params"]["encoder"]["token_embedding"]) == {"amplitude", "frequency",
                                                                     "phase"}
   # The same token at two positions embeds differently: the order is in the embedding.
-  logits = model.apply(variables, tokens)
+  logits = jit_apply(model, variables, tokens)
   assert np.abs(np.asarray(logits[:, 0] - logits[:, 5])).max() > 1e-4
   with pytest.raises(ValueError, match="features must be a positive even int"):
     positional.ComplexWordEmbedding(5, 7).init(jax.random.PRNGKey(0), jnp.zeros((1, 2),

@@ -10,7 +10,7 @@ import pytest
 from attention_jax.models import (DualEncoderClassifier, Encoder, LanguageModel, ModelConfig,
                                   SequenceClassifier, build_model)
 from attention_jax.models.classifier import masked_mean
-from attention_testing import assert_close, jit_apply
+from attention_testing import assert_close, jit_apply, jit_init
 
 B, T, V, E = 3, 10, 24, 16
 # dropout_rate=0.0: the old Encoder's and classifiers' default (ModelConfig's is 0.1).
@@ -44,7 +44,7 @@ def test_dual_classifier_is_the_head_on_its_pair_features(pooling, pair_features
   tokens, tokens2 = _tokens(0), _tokens(1, length=T - 2)
   mask = jnp.arange(T)[None] < jnp.array([[T], [6], [3]])
   mask2 = jnp.ones((B, T - 2), bool)
-  variables = _perturbed(model.init(jax.random.PRNGKey(0), tokens, tokens2))
+  variables = _perturbed(jit_init(model, jax.random.PRNGKey(0), tokens, tokens2))
   params = variables["params"]
   # One encoder shared by both towers.
   assert sorted(params) == sorted(["encoder", "head_hidden", "head"] +
@@ -80,7 +80,7 @@ def test_dual_classifier_ignores_padded_tokens_of_either_document():
   model = DualEncoderClassifier(_small(num_classes=2, pooling="mean"))
   tokens, tokens2 = _tokens(0), _tokens(1)
   mask = jnp.broadcast_to(jnp.arange(T)[None] < 6, (B, T))
-  variables = _perturbed(model.init(jax.random.PRNGKey(0), tokens, tokens2))
+  variables = _perturbed(jit_init(model, jax.random.PRNGKey(0), tokens, tokens2))
   logits = jit_apply(model, variables, tokens, tokens2, padding_mask=mask, padding_mask2=mask)
   changed = jit_apply(model, variables, tokens.at[:, 6:].set(5), tokens2.at[:, 7:].set(9),
                       padding_mask=mask, padding_mask2=mask)
@@ -93,7 +93,7 @@ def test_language_model_logits_never_depend_on_later_tokens(attention):
   model = LanguageModel(_small(kind="language_model", attention=attention,
                                attention_options=options))
   tokens = _tokens(0)
-  variables = _perturbed(model.init(jax.random.PRNGKey(0), tokens))
+  variables = _perturbed(jit_init(model, jax.random.PRNGKey(0), tokens))
   logits = jit_apply(model, variables, tokens)
   assert logits.shape == (B, T, V) and logits.dtype == jnp.float32
   for t in (0, 4, T - 2):
@@ -134,7 +134,7 @@ def test_cls_pooling_starts_with_gradients_of_the_size_of_mean_pooling(attention
     config = _small(num_classes=4, pooling=pooling, attention=attention,
                     attention_options=sized, dropout_rate=0.0)
     model = SequenceClassifier(config)
-    params = nn.meta.unbox(model.init(jax.random.PRNGKey(0), tokens))["params"]
+    params = nn.meta.unbox(jit_init(model, jax.random.PRNGKey(0), tokens))["params"]
     # The zero-initialised head passes no gradient down; a random one does.
     params["head"]["kernel"] = jax.random.normal(jax.random.PRNGKey(1),
                                                  params["head"]["kernel"].shape)

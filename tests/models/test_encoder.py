@@ -12,7 +12,7 @@ from attention_jax import positional
 from attention_jax.models import (Encoder, ModelConfig, SequenceClassifier, build_model,
                                   default_model_config)
 from attention_jax.models.classifier import masked_max, masked_mean
-from attention_testing import assert_close, jit_apply
+from attention_testing import assert_close, jit_apply, jit_init
 
 B, T, V, E = 2, 8, 20, 16
 # dropout_rate=0.0: the old Encoder's default (ModelConfig's is 0.1).
@@ -34,7 +34,7 @@ def _tokens(seed=0, length=T):
 
 
 def _init(module, *args, **kwargs):
-  return nn.meta.unbox(module.init(jax.random.PRNGKey(1), *args, **kwargs))
+  return nn.meta.unbox(jit_init(module, jax.random.PRNGKey(1), *args, **kwargs))
 
 
 def _init_perturbed(module, *args, seed=7):
@@ -75,7 +75,7 @@ def test_jitted_encoder_equals_eager_encoder():
   tokens, padding_mask = _tokens(), _suffix_padding([T, 5])
   encoder = _encoder(position="t5")
   variables = _init(encoder, tokens)
-  apply = lambda v, t, m: encoder.apply(v, t, padding_mask=m)
+  apply = lambda v, t, m: jit_apply(encoder, v, t, padding_mask=m)
   assert_close(jax.jit(apply)(variables, tokens, padding_mask),
                apply(variables, tokens, padding_mask), atol=1e-5)
 
@@ -124,12 +124,12 @@ def test_causal_encoder_output_at_t_ignores_later_tokens(position):
 def test_sequence_longer_than_max_length_raises_naming_both(position):
   encoder = _encoder(position=position)
   with pytest.raises(ValueError, match=r"13.*max_length=12"):
-    encoder.init(jax.random.PRNGKey(0), _tokens(length=13))
+    jit_init(encoder, jax.random.PRNGKey(0), _tokens(length=13))
 
 
 def test_bad_inputs_raise():
   encoder = _encoder()
-  init = lambda *a, **k: encoder.init(jax.random.PRNGKey(0), *a, **k)
+  init = lambda *a, **k: jit_init(encoder, jax.random.PRNGKey(0), *a, **k)
   with pytest.raises(ValueError, match="padding_mask must be bool"):
     init(_tokens(), padding_mask=jnp.ones((B, T - 1), bool))
   with pytest.raises(ValueError, match="padding_mask must be bool"):

@@ -13,7 +13,7 @@ from attention_jax.models import build_model, decoding
 from attention_jax.models.seq2seq import shift_right
 from attention_jax.train import config as train_config
 from attention_jax.train.trainer import train_and_evaluate
-from attention_testing import assert_close, jit_apply
+from attention_testing import assert_close, jit_apply, jit_init
 
 VOCAB = 13
 
@@ -31,7 +31,7 @@ def _batch(count=4, min_length=3, max_length=7, seed=0):
 
 
 def _init(model, inputs, targets, seed=0):
-  return model.init(jax.random.PRNGKey(seed), inputs, targets)
+  return jit_init(model, jax.random.PRNGKey(seed), inputs, targets)
 
 
 @pytest.mark.parametrize("overrides", [dict(), dict(rnn_cell="lstm", attention="luong_general"),

@@ -12,7 +12,7 @@ import pytest
 
 from attention_jax.models import ModelConfig, build_model, decoding
 from attention_jax.models.stack import LAYER_OUTPUTS, run_layers
-from attention_testing import assert_close, jit_apply, perturbed
+from attention_testing import assert_close, jit_apply, jit_init, perturbed
 
 V, L = 13, 12
 MODEL = dict(kind="transformer_seq2seq", attention="dot_product", cross_attention="additive",
@@ -27,7 +27,7 @@ TARGET = jnp.array([[7, 6, 5, 4, 3, 2, 0, 0, 0, 0, 0, 0],
 
 def _model_and_variables(**overrides):
   model = build_model({**MODEL, **overrides})
-  variables = nn.meta.unbox(model.init(jax.random.PRNGKey(0), SOURCE, TARGET))
+  variables = nn.meta.unbox(jit_init(model, jax.random.PRNGKey(0), SOURCE, TARGET))
   # Random parameters everywhere: default biases and scales would hide a
   # branch that is not wired in.
   return model, {"params": perturbed(variables["params"])}
@@ -89,7 +89,7 @@ def test_the_stack_hands_on_every_layer_output_in_its_carry(scan_layers):
                                         attention_options=dict(window_size=2)))
   x = jax.random.normal(jax.random.PRNGKey(0), (2, 8, 16))
   module = _Stack(config)
-  variables = module.init(jax.random.PRNGKey(1), x)
+  variables = jit_init(module, jax.random.PRNGKey(1), x)
   out, carry = jit_apply(module, variables, x)
   layers = carry[LAYER_OUTPUTS]
   assert layers.shape == (2, 5, 8, 16)

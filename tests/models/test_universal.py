@@ -11,7 +11,7 @@ from attention_jax import positional
 from attention_jax.models import Block, LayerStack, ModelConfig, build_model
 from attention_jax.models.universal import adaptive_computation
 from attention_jax.train.steps import sown_losses
-from attention_testing import assert_causal_language_model, jit_apply, perturbed, small_stack_config
+from attention_testing import assert_causal_language_model, jit_apply, jit_init, perturbed, small_stack_config
 
 B, T, E = 2, 8, 16
 
@@ -191,7 +191,7 @@ def test_every_stacked_model_kind_trains_with_the_ponder_cost(kind):
   model = build_model(config)
   tokens = jax.random.randint(jax.random.PRNGKey(0), (B, T), 1, 11)
   inputs = (tokens, tokens[::-1]) if kind == "dual_classifier" else (tokens,)
-  params = perturbed(nn.meta.unbox(model.init(jax.random.PRNGKey(1), *inputs)["params"]))
+  params = perturbed(nn.meta.unbox(jit_init(model, jax.random.PRNGKey(1), *inputs)["params"]))
 
   def loss(params):
     out, sown = jit_apply(model, {"params": params}, *inputs, deterministic=False,

@@ -10,8 +10,8 @@ import attention_jax
 from attention_jax.layers.attention import MultiHeadAttention
 from attention_jax.variants.prior.biases import (conditional_adapter_attention,
                                                  conditional_block_bias)
-from attention_testing import (B, H, VARIANT_MASK_CASES, as_float64, assert_close,
-                               assert_same_outputs_and_grads, loop_mask, random_qkv)
+from attention_testing import (as_float64, assert_close, assert_same_outputs_and_grads, B, H,
+                               jit_apply, jit_init, loop_mask, random_qkv, VARIANT_MASK_CASES)
 from test_priors import np_masked_attention
 
 T, BLOCK, NUM_BLOCKS, TASKS, TASK_DIM = 9, 3, 3, 3, 5  # T = TK of the mask grid
@@ -127,10 +127,10 @@ def test_conditional_adapter_layer_takes_task_ids_per_call():
   layer = MultiHeadAttention(num_heads=2, attention="conditional_adapter",
                              attention_options=dict(num_tasks=3, block_size=4, max_length=8))
   x = jax.random.normal(jax.random.PRNGKey(0), (2, 8, 16))
-  params = layer.init(jax.random.PRNGKey(1), x)["params"]
+  params = jit_init(layer, jax.random.PRNGKey(1), x)["params"]
   vanilla = MultiHeadAttention(num_heads=2).apply(
       {"params": {k: v for k, v in params.items() if k != "variant"}}, x)
-  assert_close(layer.apply({"params": params}, x), vanilla)  # a new layer is vanilla
+  assert_close(jit_apply(layer, {"params": params}, x), vanilla)  # a new layer is vanilla
   params["variant"]["block_logits"] = jax.random.normal(jax.random.PRNGKey(2), (2, 2, 4, 4))
   params["variant"]["film_kernel"] = jax.random.normal(jax.random.PRNGKey(3), (32, 8))
   apply = jax.jit(lambda ids: layer.apply({"params": params}, x,

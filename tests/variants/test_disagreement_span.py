@@ -14,8 +14,8 @@ from attention_jax.layers.attention import MultiHeadAttention
 from attention_jax.variants import heads
 from attention_jax.variants.dense import dot_product_attention
 from attention_jax.variants.sparse.windows import local_attention
-from attention_testing import (B, H, KV_LENGTHS, as_float64, assert_close, largest_intermediate,
-                               random_qkv)
+from attention_testing import (as_float64, assert_close, B, H, jit_apply, jit_init, KV_LENGTHS,
+                               largest_intermediate, random_qkv)
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent.parent / "train"))
 import tiny_config  # pylint: disable=g-import-not-at-top,wrong-import-position
@@ -115,8 +115,8 @@ def test_the_layer_sows_each_loss_once_even_when_keeping_the_weights():
   layer = MultiHeadAttention(num_heads=2, attention="disagreement")
   x = jax.random.normal(jax.random.PRNGKey(0), (2, 6, 8))
   # Only the parameters: `init` sows too, and its losses would be appended to.
-  variables = {"params": layer.init(jax.random.PRNGKey(1), x)["params"]}
-  _, state = layer.apply(variables, x, is_causal=True, mutable=["losses", "intermediates"])
+  variables = {"params": jit_init(layer, jax.random.PRNGKey(1), x)["params"]}
+  _, state = jit_apply(layer, variables, x, is_causal=True, mutable=["losses", "intermediates"])
   losses = state["losses"]
   assert sorted(losses) == ["output_disagreement", "position_disagreement",
                             "subspace_disagreement"]
@@ -193,16 +193,16 @@ def test_span_penalty_is_sown_and_spans_are_clamped_and_trainable():
   layer = MultiHeadAttention(num_heads=H, attention="adaptive_span",
                              attention_options={"max_span": 8, "ramp": 2, "span_penalty": 0.25})
   x = jax.random.normal(jax.random.PRNGKey(0), (1, 20, 16))
-  params = layer.init(jax.random.PRNGKey(1), x)["params"]
+  params = jit_init(layer, jax.random.PRNGKey(1), x)["params"]
   assert_close(params["variant"]["span"], np.full(H, 4.0))
   raw = jnp.asarray([-3.0, 1.0, 5.5, 12.0])
   params = {**params, "variant": {"span": raw}}
-  _, state = layer.apply({"params": params}, x, is_causal=True, mutable=["losses"])
+  _, state = jit_apply(layer, {"params": params}, x, is_causal=True, mutable=["losses"])
   (penalty,) = state["losses"]["variant"]["span_penalty"]
   assert_close(penalty, 0.25 * np.mean([0.0, 1.0, 5.5, 8.0]))
 
   def loss(span):
-    return jnp.sum(layer.apply({"params": {**params, "variant": {"span": span}}}, x,
+    return jnp.sum(jit_apply(layer, {"params": {**params, "variant": {"span": span}}}, x,
                                is_causal=True) ** 2)
   grad = jax.grad(loss)(raw)
   assert np.isfinite(np.asarray(grad)).all()

@@ -8,8 +8,8 @@ import pytest
 
 from attention_jax.layers.attention import MultiHeadAttention
 from attention_jax.variants.prior.biases import gaussian_local_attention
-from attention_testing import (B, H, KV_LENGTHS, TK, TQ, VARIANT_MASK_CASES, as_float64,
-                               assert_close, loop_mask, random_qkv)
+from attention_testing import (as_float64, assert_close, B, H, jit_apply, jit_init, KV_LENGTHS,
+                               loop_mask, random_qkv, TK, TQ, VARIANT_MASK_CASES)
 from test_priors import np_masked_attention
 
 HEAD_DIM = 8
@@ -114,7 +114,7 @@ def test_gaussian_local_rejects_lengths_of_a_bad_shape():
 def test_gaussian_local_layer_learns_its_predictor():
   layer = MultiHeadAttention(num_heads=2, attention="gaussian_local")
   x = jax.random.normal(jax.random.PRNGKey(0), (2, 6, 16))
-  params = layer.init(jax.random.PRNGKey(1), x)["params"]
+  params = jit_init(layer, jax.random.PRNGKey(1), x)["params"]
   assert params["variant"]["position_kernel"].shape == (2, 8, 8)
-  grads = jax.grad(lambda p: jnp.sum(layer.apply({"params": p}, x, is_causal=True) ** 2))(params)
+  grads = jax.grad(lambda p: jnp.sum(jit_apply(layer, {"params": p}, x, is_causal=True) ** 2))(params)
   assert all(np.abs(np.asarray(g)).max() > 0 for g in jax.tree.leaves(grads["variant"]))

@@ -10,7 +10,7 @@ import pytest
 import attention_jax
 from attention_jax.core import reference_attention
 from attention_jax.variants import low_rank
-from attention_testing import assert_close, assert_same_outputs_and_grads, loop_mask, random_qkv
+from attention_testing import assert_close, assert_same_outputs_and_grads, jit_apply, jit_init, loop_mask, random_qkv
 
 # This file's tolerance: float32 sums over whole sequences in a different order.
 _assert_same = functools.partial(assert_same_outputs_and_grads, rtol=2e-5, atol=2e-5)
@@ -33,7 +33,7 @@ def _run_module(name, options, is_causal=False, length=24):
   x = jax.random.normal(jax.random.PRNGKey(1), (2, length, 16))
   module = attention_jax.MultiHeadAttention(num_heads=2, num_kv_heads=1, attention=name,
                                             attention_options=options)
-  variables = module.init(jax.random.PRNGKey(0), x, is_causal=is_causal)
+  variables = jit_init(module, jax.random.PRNGKey(0), x, is_causal=is_causal)
   out = jax.jit(lambda v, x: module.apply(v, x, is_causal=is_causal))(variables, x)
   assert out.shape == x.shape and np.isfinite(np.asarray(out)).all()
   return variables, module
@@ -100,10 +100,10 @@ def test_linformer_module_sizes_from_the_key_length_and_rejects_longer_inputs():
   variables, module = _run_module("linformer", {"projected_length": 8})
   assert variables["params"]["variant"]["key_projection"].shape == (24, 8)
   assert variables["params"]["variant"]["value_projection"].shape == (24, 8)
-  shorter = module.apply(variables, jnp.ones((1, 16, 16)))
+  shorter = jit_apply(module, variables, jnp.ones((1, 16, 16)))
   assert shorter.shape == (1, 16, 16)
   with pytest.raises(ValueError, match="sized for key length 24, got Tk=32"):
-    module.apply(variables, jnp.ones((1, 32, 16)))
+    jit_apply(module, variables, jnp.ones((1, 32, 16)))
   shared, _ = _run_module("linformer", {"projected_length": 8, "share_kv": True})
   assert "value_projection" not in shared["params"]["variant"]
 

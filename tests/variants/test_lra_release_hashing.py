@@ -12,8 +12,9 @@ import pytest
 import attention_jax
 from attention_jax import registry
 from attention_jax.variants import hashing
-from attention_testing import (as_float64 as _np, np_project_heads as _np_project,
-                               np_project_out as _np_out, np_softmax as _np_softmax)
+from attention_testing import (as_float64 as _np, jit_apply, jit_init,
+                               np_project_heads as _np_project, np_project_out as _np_out,
+                               np_softmax as _np_softmax)
 from attention_testing import assert_close
 
 TASKS = ("listops", "text", "retrieval", "image", "pathfinder32", "pathx")
@@ -60,7 +61,7 @@ def test_lsh_release_is_the_release_reformer_head(length):
   embed = 16
   layer = _release_layer("lsh", "listops")
   x = np.asarray(jax.random.normal(jax.random.PRNGKey(0), (2, length, embed)))
-  variables = layer.init(jax.random.PRNGKey(1), jnp.asarray(x))
+  variables = jit_init(layer, jax.random.PRNGKey(1), jnp.asarray(x))
   params = nn.meta.unbox(variables["params"])
   assert "key" not in params  # shared QK
   assert "random" not in variables  # fixed rotations: nothing drawn per layer
@@ -77,10 +78,10 @@ def test_lsh_release_is_the_release_reformer_head(length):
   out = np.stack([np.stack([_np_release_lsh_head(q[b, :, h], v[b, :, h], rotation)
                             for h in range(2)], axis=1) for b in range(2)])
   expected = _np_out(out[:, :length], params["out"])
-  got = layer.apply({"params": params}, jnp.asarray(x))
+  got = jit_apply(layer, {"params": params}, jnp.asarray(x))
   assert_close(got, expected, rtol=1e-4, atol=1e-4)
   # The release applies no padding mask: given padding changes nothing.
-  got_padded = layer.apply({"params": params}, jnp.asarray(x),
+  got_padded = jit_apply(layer, {"params": params}, jnp.asarray(x),
                            key_value_seq_lengths=jnp.array([length, 9]))
   assert_close(got_padded, expected, rtol=1e-4, atol=1e-4)
 
@@ -165,9 +166,9 @@ def test_sinkhorn_release_is_the_release_computation():
 def test_sinkhorn_release_layer_has_no_sort_network_and_takes_any_length():
   layer = _release_layer("sinkhorn", "listops")
   x = jax.random.normal(jax.random.PRNGKey(0), (2, 101, 16))  # [CLS] + 100: padded to 150
-  variables = layer.init(jax.random.PRNGKey(1), x)
+  variables = jit_init(layer, jax.random.PRNGKey(1), x)
   assert set(nn.meta.unbox(variables["params"])) == {"query", "key", "value", "out"}
-  out = layer.apply(variables, x, key_value_seq_lengths=jnp.array([101, 40]))
+  out = jit_apply(layer, variables, x, key_value_seq_lengths=jnp.array([101, 40]))
   assert out.shape == x.shape and bool(jnp.all(jnp.isfinite(out)))
 
 

@@ -8,7 +8,7 @@ import pytest
 import attention_jax
 from attention_jax.models import Block, ModelConfig
 from attention_jax.variants import heads as heads_lib
-from attention_testing import as_float64, assert_close, perturbed
+from attention_testing import as_float64, assert_close, jit_apply, jit_init, perturbed
 
 B, T, H, D, N, C = 2, 5, 4, 3, 3, 2
 
@@ -90,9 +90,9 @@ def test_route_heads_rejects_bad_arguments(arguments, message):
 def test_module_is_dot_product_heads_then_routing():
   module = heads_lib.RoutingAggregation(num_heads=2, iterations=2)
   x = jax.random.normal(jax.random.PRNGKey(0), (2, 6, 8))
-  params = perturbed(module.init(jax.random.PRNGKey(1), x)["params"])
+  params = perturbed(jit_init(module, jax.random.PRNGKey(1), x)["params"])
   lengths = jnp.array([4, 6])
-  out = module.apply({"params": params}, x, is_causal=True, key_value_seq_lengths=lengths)
+  out = jit_apply(module, {"params": params}, x, is_causal=True, key_value_seq_lengths=lengths)
   project = lambda name: jnp.einsum("bte,ehd->bthd", x, params[name]["kernel"]) + \
       params[name]["bias"]
   heads = attention_jax.dot_product_attention(project("query"), project("key"),
@@ -110,7 +110,7 @@ def test_runs_in_a_causal_block_under_jit():
                        embed_dim=16, num_heads=2, mlp_dim=32, max_length=8, dropout_rate=0.0)
   block = Block(config)
   x = jax.random.normal(jax.random.PRNGKey(2), (2, 8, 16))
-  variables = block.init(jax.random.PRNGKey(0), x, {})
+  variables = jit_init(block, jax.random.PRNGKey(0), x, {})
   assert variables["params"]["attention"]["vote_kernels"].shape == (2, 4, 8, 4)
   run = jax.jit(lambda v, x: block.apply(v, x, {}, is_causal=True)[0])
   y = run(variables, x)
