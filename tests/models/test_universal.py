@@ -11,7 +11,8 @@ from attention_jax import positional
 from attention_jax.models import Block, LayerStack, ModelConfig, build_model
 from attention_jax.models.universal import adaptive_computation
 from attention_jax.train.steps import sown_losses
-from attention_testing import assert_causal_language_model, jit_apply, jit_init, perturbed, small_stack_config
+from attention_testing import (assert_causal_language_model, jit_apply, jit_init, perturbed,
+                               small_stack_config)
 
 B, T, E = 2, 8, 16
 

@@ -10,8 +10,9 @@ import attention_jax
 from attention_jax.layers.attention import MultiHeadAttention
 from attention_jax.variants.prior.biases import (conditional_adapter_attention,
                                                  conditional_block_bias)
-from attention_testing import (as_float64, assert_close, assert_same_outputs_and_grads, B, H,
-                               jit_apply, jit_init, loop_mask, random_qkv, VARIANT_MASK_CASES)
+from attention_testing import (B, H, VARIANT_MASK_CASES, as_float64, assert_close,
+                               assert_same_outputs_and_grads, jit_apply, jit_init, loop_mask,
+                               random_qkv)
 from test_priors import np_masked_attention
 
 T, BLOCK, NUM_BLOCKS, TASKS, TASK_DIM = 9, 3, 3, 3, 5  # T = TK of the mask grid

@@ -14,7 +14,7 @@ from attention_jax.layers.attention import MultiHeadAttention
 from attention_jax.variants import heads
 from attention_jax.variants.dense import dot_product_attention
 from attention_jax.variants.sparse.windows import local_attention
-from attention_testing import (as_float64, assert_close, B, H, jit_apply, jit_init, KV_LENGTHS,
+from attention_testing import (B, H, KV_LENGTHS, as_float64, assert_close, jit_apply, jit_init,
                                largest_intermediate, random_qkv)
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent.parent / "train"))

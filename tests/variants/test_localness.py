@@ -8,8 +8,8 @@ import pytest
 
 from attention_jax.layers.attention import MultiHeadAttention
 from attention_jax.variants.prior.biases import gaussian_local_attention
-from attention_testing import (as_float64, assert_close, B, H, jit_apply, jit_init, KV_LENGTHS,
-                               loop_mask, random_qkv, TK, TQ, VARIANT_MASK_CASES)
+from attention_testing import (B, H, KV_LENGTHS, TK, TQ, VARIANT_MASK_CASES, as_float64,
+                               assert_close, jit_init, loop_mask, random_qkv)
 from test_priors import np_masked_attention
 
 HEAD_DIM = 8
@@ -116,5 +116,6 @@ def test_gaussian_local_layer_learns_its_predictor():
   x = jax.random.normal(jax.random.PRNGKey(0), (2, 6, 16))
   params = jit_init(layer, jax.random.PRNGKey(1), x)["params"]
   assert params["variant"]["position_kernel"].shape == (2, 8, 8)
-  grads = jax.grad(lambda p: jnp.sum(jit_apply(layer, {"params": p}, x, is_causal=True) ** 2))(params)
+  loss = lambda p: jnp.sum(layer.apply({"params": p}, x, is_causal=True) ** 2)
+  grads = jax.jit(jax.grad(loss))(params)
   assert all(np.abs(np.asarray(g)).max() > 0 for g in jax.tree.leaves(grads["variant"]))

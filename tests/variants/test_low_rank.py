@@ -10,7 +10,8 @@ import pytest
 import attention_jax
 from attention_jax.core import reference_attention
 from attention_jax.variants import low_rank
-from attention_testing import assert_close, assert_same_outputs_and_grads, jit_apply, jit_init, loop_mask, random_qkv
+from attention_testing import (assert_close, assert_same_outputs_and_grads, jit_apply, jit_init,
+                               loop_mask, random_qkv)
 
 # This file's tolerance: float32 sums over whole sequences in a different order.
 _assert_same = functools.partial(assert_same_outputs_and_grads, rtol=2e-5, atol=2e-5)
