@@ -1,5 +1,6 @@
 """Results name the machine that made them: on CPU the processor and its vector ISA."""
 
+import pathlib
 import subprocess
 
 import jax
@@ -46,7 +47,7 @@ def test_readme_provenance_reads_the_compare_header_with_the_processor():
 
 def test_git_revision_is_the_checkout_head_or_the_revision_the_sender_names(monkeypatch):
   monkeypatch.delenv("ATTENTION_JAX_GIT_REVISION", raising=False)
-  head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=provenance.pathlib.Path(__file__).parent,
+  head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=pathlib.Path(__file__).parent,
                         capture_output=True, text=True, check=True).stdout.strip()
   assert provenance.git_revision() in (head, head + "+dirty")
   # A tree sent to a lent GPU carries a stale .git: the sender names the commit.
