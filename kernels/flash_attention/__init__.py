@@ -22,8 +22,8 @@ from typing import Optional, Tuple, Union
 import jax
 
 from attention_jax import registry
-from attention_jax.variants.dense import (AttentionInputs, prepare_inputs,
-                                          register_implementation, returned_outputs)
+from attention_jax.core.implementations import register_implementation
+from attention_jax.core.inputs import AttentionInputs, prepare_inputs, returned_outputs
 
 from . import pallas_gpu, pallas_mgpu, pallas_tpu, ring
 from .blockwise import blockwise_attention, blockwise_dot_product_attention, default_block_sizes

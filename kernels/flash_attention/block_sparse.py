@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from attention_jax.core import patterns
-from attention_jax.variants.dense import AttentionInputs
+from attention_jax.core.inputs import AttentionInputs
 
 from . import blockwise, common, pallas_gpu, pallas_tpu
 

@@ -26,8 +26,8 @@ import jax
 import jax.numpy as jnp
 
 from attention_jax.core import patterns
-from attention_jax.variants.dense import (AttentionInputs, attention_of_empty_sequence,
-                                          prepare_inputs, returned_outputs)
+from attention_jax.core.inputs import (AttentionInputs, attention_of_empty_sequence,
+                                       prepare_inputs, returned_outputs)
 
 from . import common
 

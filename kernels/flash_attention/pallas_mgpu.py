@@ -46,8 +46,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from attention_jax.core import masks as mask_lib
-from attention_jax.variants.dense import (AttentionInputs, attention_of_empty_sequence,
-                                          prepare_inputs, returned_outputs)
+from attention_jax.core.inputs import (AttentionInputs, attention_of_empty_sequence,
+                                       prepare_inputs, returned_outputs)
 
 from . import common, pallas_gpu
 

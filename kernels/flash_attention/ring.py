@@ -37,8 +37,8 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from attention_jax import axes
-from attention_jax.variants.dense import (AttentionInputs, attention_of_empty_sequence,
-                                          prepare_inputs, returned_outputs)
+from attention_jax.core.inputs import (AttentionInputs, attention_of_empty_sequence,
+                                       prepare_inputs, returned_outputs)
 
 from . import blockwise, common
 

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 import attention_jax
+from attention_jax.core import implementations
 from attention_jax.variants import dense
 from attention_jax.variants.dense import prepare_inputs, select_implementation
 from attention_testing import random_qkv
@@ -41,8 +42,8 @@ def test_explicit_names_are_checked():
 @pytest.fixture
 def picky_implementation(monkeypatch):
   """A top-priority implementation that declines head dims above 8."""
-  implementations = dict(dense._IMPLEMENTATIONS)
-  monkeypatch.setattr(dense, "_IMPLEMENTATIONS", implementations)
+  # The table is core's (dense re-exports it): a copy there keeps "picky" out of other tests.
+  monkeypatch.setattr(implementations, "_IMPLEMENTATIONS", dict(implementations._IMPLEMENTATIONS))
   dense.register_implementation(
       "picky", lambda inputs: dense._xla_attention(inputs) * 0.0, priority=100,
       rejects=lambda inputs: (None if inputs.query.shape[-1] <= 8 else
