@@ -1,6 +1,8 @@
 """attention_jax: attention variants as pure JAX functions and Flax modules.
 
   attention_jax.dot_product_attention   exact attention, drop-in for jax.nn's
+  attention_jax.flex_attention          your score_mod and mask_mod compiled into the kernels
+                                        (create_block_mask, and_masks, or_masks, mods)
   attention_jax.MultiHeadAttention      the Flax token mixer around any Q/K/V variant
   attention_jax.registry                every variant by name
   attention_jax.variant_options(name)   what a variant's config may set
@@ -20,6 +22,10 @@ from attention_jax.registry import get_variant, list_variants, preset_options, v
 from attention_jax import kernels  # registers the blockwise and Pallas implementations
 from attention_jax.variants import (available_implementations, dot_product_attention,
                                     multi_head_attention, select_implementation)
+from attention_jax.core import mods, patterns
+from attention_jax.core.block_mask import BlockMask, create_block_mask
+from attention_jax.core.patterns import and_masks, or_masks
+from attention_jax.flex import flex_attention
 
 __version__ = "0.1.0"
 

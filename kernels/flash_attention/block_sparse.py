@@ -73,8 +73,8 @@ def block_sparse_attention(inputs: AttentionInputs, pattern: patterns.Pattern, *
   cfg, operands, masks = blockwise.blocked_layout(inputs, block_sizes)
   layout = layout_of(inputs, pattern, cfg.block_q, cfg.block_k, extra_blocks)
   check_layout(layout, inputs.query.shape[2], cfg.q_len // cfg.block_q, cfg.kv_len // cfg.block_k)
-  cfg = dataclasses.replace(cfg, pattern=pattern)
-  masks = dataclasses.replace(masks, block_layout=layout)
+  cfg = dataclasses.replace(cfg, mask_mod=pattern)
+  masks = dataclasses.replace(masks, block_layout=layout[None])  # [1, H|1, nq, nk]
   out, lse = blockwise.attend(cfg, operands, masks)
   out, lse = blockwise.from_blocked_layout(out, lse, inputs)
   return common.attention_outputs(out, lse, None, return_residual)

@@ -25,7 +25,7 @@ from typing import Optional, Tuple, Union
 import jax
 import jax.numpy as jnp
 
-from attention_jax.core import patterns
+from attention_jax.core import mods, patterns
 from attention_jax.core.inputs import (AttentionInputs, attention_of_empty_sequence,
                                        prepare_inputs, returned_outputs)
 
@@ -47,9 +47,38 @@ class _Static:
   true_kv_len: int
   scale: float
   reach: common.Reach
-  # A block-sparse pattern (`attention_jax.core.patterns`), applied inside the
-  # blocks that `_Masks.block_layout` marks PARTIAL; None: no pattern.
-  pattern: Optional[patterns.Pattern] = None
+  # A mask mod (`attention_jax.core.patterns`: a static pattern, called as it
+  # is, or a `mods.LiftedMod` evaluated with `_Masks.mask_mod_consts`),
+  # applied inside the blocks that `_Masks.block_layout` marks PARTIAL.
+  mask_mod: Union[None, patterns.Pattern, mods.LiftedMod] = None
+  # What the logits go through before the mask (flex_attention): `softcap *
+  # tanh(logits / softcap)`, then the lifted score_mod.
+  softcap: Optional[float] = None
+  score_mod: Optional[mods.LiftedMod] = None
+  # "softmax", or "sigmoid": each pair weighted by sigmoid(logit +
+  # sigmoid_bias), no normalisation over keys (Ramapuram et al. 2024).
+  normaliser: str = "softmax"
+  sigmoid_bias: float = 0.0
+
+  @property
+  def modifies_scores(self) -> bool:
+    return self.softcap is not None or self.score_mod is not None
+
+
+@dataclasses.dataclass
+class Extras:
+  """Differentiated inputs of flex attention beside q, k, v and the bias.
+
+  sinks: `[Hkv, G]` float32 per-head sink logits (a key with no value that
+    every query sees), or None.
+  score_consts: the floating arrays the score_mod closes over (`mods.lift`).
+  """
+
+  sinks: Optional[Array] = None
+  score_consts: Tuple[Array, ...] = ()
+
+
+jax.tree_util.register_dataclass(Extras, data_fields=["sinks", "score_consts"], meta_fields=[])
 
 
 @dataclasses.dataclass
@@ -68,11 +97,16 @@ class _Masks:
   # (`lax.cond`) when no pair in it is within reach.
   q_positions: Optional[Array] = None
   kv_positions: Optional[Array] = None
-  # Block-sparse attention (block_sparse.py): `[H|1, nq, nk]` int8, SKIP,
-  # PARTIAL or FULL per head and (query block, key block) of the forward's
-  # blocks (which the backward then uses too). The loops visit the blocks some
-  # head does not skip, in order; None: every block in reach.
+  # Block-sparse attention (block_sparse.py, flex_attention): `[B|1, H|1, nq,
+  # nk]` int8, SKIP, PARTIAL or FULL per batch row, head and (query block, key
+  # block) of the forward's blocks (which the backward then uses too). The
+  # loops visit the blocks some row and head does not skip, in order; None:
+  # every block in reach.
   block_layout: Optional[Array] = None
+  # The arrays a lifted mask mod closes over, and those of the score_mod that
+  # are not differentiated (integer ids, say): see `mods.LiftedMod.split`.
+  mask_mod_consts: Tuple[Array, ...] = ()
+  score_mod_consts: Tuple[Array, ...] = ()
 
   @property
   def has_positions(self) -> bool:
@@ -81,7 +115,8 @@ class _Masks:
 
 jax.tree_util.register_dataclass(
     _Masks, data_fields=["mask", "q_lengths", "kv_lengths", "q_segment_ids", "kv_segment_ids",
-                         "q_positions", "kv_positions", "block_layout"],
+                         "q_positions", "kv_positions", "block_layout", "mask_mod_consts",
+                         "score_mod_consts"],
     meta_fields=[])
 
 
@@ -92,8 +127,8 @@ def _visit_lists(masks: _Masks, transpose: bool) -> Optional[Tuple[Array, Array]
   many they are (`[n]`)."""
   if masks.block_layout is None:
     return None
-  layout = masks.block_layout.swapaxes(1, 2) if transpose else masks.block_layout
-  visited = jnp.any(layout != patterns.SKIP, axis=0)
+  layout = masks.block_layout.swapaxes(-1, -2) if transpose else masks.block_layout
+  visited = jnp.any(layout != patterns.SKIP, axis=(0, 1))
   order = jnp.argsort(~visited, axis=-1, stable=True).astype(jnp.int32)
   return order, visited.sum(-1).astype(jnp.int32)
 
@@ -145,8 +180,10 @@ def _block_range(cfg: "_Static", masks: _Masks, block_range, block, block_a: int
   return block_range(block, block_a, block_b, num_blocks, cfg.reach)
 
 
-def _block_logits(cfg: _Static, masks: _Masks, q_blk, k_blk_t, bias, q_start, k_start, bq, bk):
-  """Scaled, biased and masked logits of one block: `[B, Hkv, G, bq, bk]` float32.
+def _block_scores(cfg: _Static, masks: _Masks, q_blk, k_blk_t, bias, q_start, k_start, bq, bk):
+  """One block's scaled and biased logits `[B, Hkv, G, bq, bk]` float32, before any
+  score mod, the pairs that may attend (`[.., bq|1, bk]` bool, or None for all)
+  and the block's indices (`_Indices`).
 
   k_blk_t: the key block transposed, `[B, Hkv, D, bk]`: the product's right
   operand as XLA's CPU matmuls take it (given `[bk, D]`, XLA copies it
@@ -157,6 +194,7 @@ def _block_logits(cfg: _Static, masks: _Masks, q_blk, k_blk_t, bias, q_start, k_
     logits += _block_of(bias, q_start, k_start, bq, bk).astype(jnp.float32)
   q_pos = _positions(masks.q_positions, q_start, bq)
   k_pos = _positions(masks.kv_positions, k_start, bk)
+  index = _Indices(q_pos, k_pos, logits.shape[0], logits.shape[1:3])
   slice_ids = lambda ids, start, size: None if ids is None else jax.lax.dynamic_slice_in_dim(
       ids, start, size, axis=1)
   # No padding, nothing to mask: the where (a pass over the block) is skipped.
@@ -172,26 +210,100 @@ def _block_logits(cfg: _Static, masks: _Masks, q_blk, k_blk_t, bias, q_start, k_
     block = _block_of(masks.mask, q_start, k_start, bq, bk)
     allowed = block if allowed is None else allowed & block
   if masks.block_layout is not None:
-    in_pattern = _pattern_block(cfg, masks.block_layout, q_pos, k_pos, q_start // bq,
-                                k_start // bk, logits.shape[1:3])
+    in_pattern = _pattern_block(cfg, masks, index, q_start // bq, k_start // bk)
     allowed = in_pattern if allowed is None else allowed & in_pattern
+  return logits, allowed, index
+
+
+@dataclasses.dataclass(frozen=True)
+class _Indices:
+  """A block's (batch, head, query, key) indices in the layout `[B, Hkv, G, bq, bk]`."""
+
+  q_pos: Array  # [bq]
+  k_pos: Array  # [bk]
+  batch: int
+  kv_heads_and_group: Tuple[int, int]
+
+  def grid(self) -> Tuple[Array, Array, Array, Array]:
+    """Head `[1, Hkv, G, 1, 1]`, query `[1, 1, 1, bq, 1]` and key `[1, 1, 1, 1, bk]` int32
+    indices (the batch index depends on the rows evaluated: `_batch_index`)."""
+    num_kv_heads, group = self.kv_heads_and_group
+    head = (jnp.arange(num_kv_heads)[:, None] * group + jnp.arange(group)[None, :])
+    return (head[None, :, :, None, None].astype(jnp.int32),
+            self.q_pos[None, None, None, :, None].astype(jnp.int32),
+            self.k_pos[None, None, None, None, :].astype(jnp.int32))
+
+
+def _batch_index(batch: int) -> Array:
+  return jnp.arange(batch, dtype=jnp.int32)[:, None, None, None, None]
+
+
+def _modified_scores(cfg: _Static, masks: _Masks, score_consts, logits: Array,
+                     index: _Indices) -> Array:
+  """The logits after soft-capping and the score_mod (`cfg`), `score_consts`
+  being the score_mod's differentiated arrays."""
+  if cfg.softcap is not None:
+    logits = cfg.softcap * jnp.tanh(logits / cfg.softcap)
+  if cfg.score_mod is not None:
+    consts = cfg.score_mod.merge(score_consts, masks.score_mod_consts)
+    head, q_idx, k_idx = index.grid()
+    logits = mods.apply(cfg.score_mod, consts, logits, _batch_index(logits.shape[0]), head,
+                        q_idx, k_idx)
+  return logits
+
+
+def _block_logits(cfg: _Static, masks: _Masks, extras: Optional[Extras], q_blk, k_blk_t, bias,
+                  q_start, k_start, bq, bk):
+  """One block's final logits `[B, Hkv, G, bq, bk]` float32: scaled, biased,
+  modified (`_modified_scores`) and masked (-inf)."""
+  logits, allowed, index = _block_scores(cfg, masks, q_blk, k_blk_t, bias, q_start, k_start,
+                                         bq, bk)
+  if cfg.modifies_scores:
+    logits = _modified_scores(cfg, masks, () if extras is None else extras.score_consts, logits,
+                              index)
   return logits if allowed is None else jnp.where(allowed, logits, -jnp.inf)
 
 
-def _pattern_block(cfg: _Static, layout: Array, q_pos: Array, k_pos: Array, q_block, k_block,
-                   kv_heads_and_group: Tuple[int, int]) -> Array:
-  """`[1, Hkv|1, G|1, bq, bk]` bool: the pairs of the block that its heads'
-  patterns allow. A head that skips the block (another head visits it) sees
-  none of it; a FULL block is allowed whole; a PARTIAL one as the pattern says."""
-  entry = layout[:, q_block, k_block]  # [H|1]
-  heads = entry.shape[0]
-  head = jnp.arange(heads)[:, None, None]
-  in_pattern = (False if cfg.pattern is None else
-                cfg.pattern(head, q_pos[None, :, None], k_pos[None, None, :]))
-  allowed = (entry != patterns.SKIP)[:, None, None] & (
-      (entry == patterns.FULL)[:, None, None] | in_pattern)  # [H|1, bq, bk]
-  grouped = kv_heads_and_group if heads > 1 else (1, 1)
-  return allowed.reshape((1,) + grouped + allowed.shape[1:])
+def _pattern_block(cfg: _Static, masks: _Masks, index: _Indices, q_block, k_block) -> Array:
+  """`[B|1, Hkv|1, G|1, bq, bk]` bool: the pairs of the block that the layout's
+  mask allows. A (batch row, head) that skips the block (another visits it)
+  sees none of it; a FULL block is allowed whole; a PARTIAL one as the mask
+  mod says, which is evaluated only when some entry of the block is PARTIAL."""
+  entry = masks.block_layout[:, :, q_block, k_block]  # [B|1, H|1]
+  rows, heads = entry.shape
+  grouped = index.kv_heads_and_group if heads > 1 else (1, 1)
+  entry = entry.reshape((rows,) + grouped + (1, 1))
+  if cfg.mask_mod is None:
+    return (entry != patterns.SKIP) & (entry == patterns.FULL)
+  # Evaluated over the batch rows and heads the mask depends on, not the layout's.
+  mask_shape = (index.batch if _mask_uses(cfg.mask_mod, 0) else 1,) + (
+      index.kv_heads_and_group if _mask_uses(cfg.mask_mod, 1) else (1, 1)) + (
+          index.q_pos.shape[0], index.k_pos.shape[0])
+  in_mask = jax.lax.cond(jnp.any(entry == patterns.PARTIAL),
+                         lambda: _evaluate_mask_mod(cfg, masks, index, mask_shape),
+                         lambda: jnp.zeros(mask_shape, bool))
+  return (entry != patterns.SKIP) & ((entry == patterns.FULL) | in_mask)
+
+
+def _mask_uses(mask_mod, arg: int) -> bool:
+  """Whether the mask depends on its batch (`arg` 0) or head (1) index."""
+  if isinstance(mask_mod, mods.LiftedMod):
+    return mask_mod.uses(arg)
+  return arg == 1 and patterns.num_heads_of(mask_mod) > 1
+
+
+def _evaluate_mask_mod(cfg: _Static, masks: _Masks, index: _Indices, mask_shape) -> Array:
+  """The mask mod on the block's indices, `mask_shape` bool (index 0 on the
+  batch and head axes of size 1)."""
+  head, q_idx, k_idx = index.grid()
+  if mask_shape[1:3] == (1, 1):
+    head = jnp.zeros((1, 1, 1, 1, 1), jnp.int32)
+  batch = _batch_index(mask_shape[0])
+  if isinstance(cfg.mask_mod, mods.LiftedMod):
+    allowed = mods.apply(cfg.mask_mod, masks.mask_mod_consts, batch, head, q_idx, k_idx)
+  else:
+    allowed = cfg.mask_mod(batch, head, q_idx, k_idx)
+  return jnp.broadcast_to(allowed, mask_shape)
 
 
 def _block_of(x, q_start, k_start, bq, bk):
@@ -199,18 +311,24 @@ def _block_of(x, q_start, k_start, bq, bk):
   return common.slice_axis(common.slice_axis(x, 3, q_start, bq), 4, k_start, bk)
 
 
-def _forward(cfg: _Static, q, k, v, bias, masks: _Masks):
-  """Returns out `[B, Hkv, G, Tq, Dv]` (query dtype) and lse `[B, Hkv, G, Tq]` float32."""
+def _forward(cfg: _Static, q, k, v, bias, masks: _Masks, extras: Optional[Extras] = None):
+  """Returns out `[B, Hkv, G, Tq, Dv]` (query dtype) and lse `[B, Hkv, G, Tq]` float32
+  (zeros with the sigmoid normaliser, which has none)."""
   bq, bk = cfg.block_q, cfg.block_k
   num_kv_blocks = cfg.kv_len // bk
   visit_lists = _visit_lists(masks, transpose=False)
-  k_t = k.swapaxes(-1, -2)  # once, not once per block (see _block_logits)
+  k_t = k.swapaxes(-1, -2)  # once, not once per block (see _block_scores)
+  sinks = None if extras is None else extras.sinks
 
   def one_query_block(i):
     q_blk = jax.lax.dynamic_slice_in_dim(q, i * bq, bq, axis=3)
     stats_shape = q_blk.shape[:-1]
-    init = (jnp.full(stats_shape, -jnp.inf), jnp.zeros(stats_shape),
-            jnp.zeros(stats_shape + (v.shape[-1],), jnp.float32))
+    acc = jnp.zeros(stats_shape + (v.shape[-1],), jnp.float32)
+    if sinks is None:
+      init = (jnp.full(stats_shape, -jnp.inf), jnp.zeros(stats_shape), acc)
+    else:  # the sink is a key seen first: running max its logit, running sum 1
+      sink = jnp.broadcast_to(sinks[None, :, :, None].astype(jnp.float32), stats_shape)
+      init = (sink, jnp.ones(stats_shape), acc)
 
     def visit_key_block(j, carry):
       return _visit_in_reach(cfg, masks, i * bq, j * bk, bq, bk,
@@ -220,7 +338,11 @@ def _forward(cfg: _Static, q, k, v, bias, masks: _Masks):
       row_max, row_sum, acc = carry
       k_blk_t = jax.lax.dynamic_slice_in_dim(k_t, j * bk, bk, axis=3)
       v_blk = jax.lax.dynamic_slice_in_dim(v, j * bk, bk, axis=2)
-      logits = _block_logits(cfg, masks, q_blk, k_blk_t, bias, i * bq, j * bk, bq, bk)
+      logits = _block_logits(cfg, masks, extras, q_blk, k_blk_t, bias, i * bq, j * bk, bq, bk)
+      if cfg.normaliser == "sigmoid":  # no normaliser: the weights add up as they are
+        weights = jax.nn.sigmoid(logits + cfg.sigmoid_bias)
+        return row_max, row_sum, acc + common.einsum_float32(
+            "bhgqk,bhkd->bhgqd", weights.astype(v.dtype), v_blk)
       new_max = jnp.maximum(row_max, logits.max(-1))
       # A row with nothing allowed so far keeps max -inf; exponentiate against 0 then.
       safe_max = jnp.where(jnp.isfinite(new_max), new_max, 0.0)
@@ -233,6 +355,8 @@ def _forward(cfg: _Static, q, k, v, bias, masks: _Masks):
 
     lo, hi = _block_range(cfg, masks, common.kv_block_range, i, bq, bk, num_kv_blocks)
     row_max, row_sum, acc = _visit_blocks(visit_lists, lo, hi, i, visit_key_block, init)
+    if cfg.normaliser == "sigmoid":
+      return acc.astype(q.dtype), jnp.zeros(stats_shape)
     empty = row_sum == 0.0  # nothing to attend: output 0, lse finite (see EMPTY_ROW_LSE)
     out = acc / jnp.where(empty, 1.0, row_sum)[..., None]
     lse = jnp.where(empty, common.EMPTY_ROW_LSE,
@@ -246,8 +370,10 @@ def _forward(cfg: _Static, q, k, v, bias, masks: _Masks):
   return out, lse
 
 
-def _backward(cfg: _Static, q, k, v, bias, masks: _Masks, lse, d_out, delta):
-  """Gradients of q, k, v and bias, recomputing block probabilities from lse.
+def _backward(cfg: _Static, q, k, v, bias, masks: _Masks, lse, d_out, delta,
+              extras: Optional[Extras] = None):
+  """Gradients of q, k, v and bias (and of `extras`, when given), recomputing
+  block probabilities from lse.
 
   One sweep: for each key block, over the query blocks that see it, dk and dv
   accumulate in the loop and dq is added into a whole `[.., Tq', D]` float32
@@ -260,6 +386,11 @@ def _backward(cfg: _Static, q, k, v, bias, masks: _Masks, lse, d_out, delta):
   array is copied transposed and dS is computed once: 1149 -> 682 ms, one A/B
   run (docs/ARCHITECTURE.md).
 
+  A score modification (softcap, score_mod) is differentiated on the block
+  by `jax.vjp`: dS of the modified logits becomes dS of the raw ones (what dq,
+  dk and the bias take) and the gradients of the arrays the score_mod closes
+  over, summed over the blocks.
+
   lse, delta: `[B, Hkv, G, Tq']` float32 (delta as `common.flash_attention_vjp`
   gives it).
   """
@@ -269,6 +400,7 @@ def _backward(cfg: _Static, q, k, v, bias, masks: _Masks, lse, d_out, delta):
   # once here rather than copied at every step of the loops.
   k_t, v_t = k.swapaxes(-1, -2), v.swapaxes(-1, -2)
   q_t, d_out_t = q.swapaxes(-1, -2), d_out.swapaxes(-1, -2)
+  score_consts = () if extras is None else extras.score_consts
 
   def dkv_of_key_block(carry, j):
     k_blk = jax.lax.dynamic_slice_in_dim(k, j * bk, bk, axis=2)
@@ -280,16 +412,29 @@ def _backward(cfg: _Static, q, k, v, bias, masks: _Masks, lse, d_out, delta):
                              inner)
 
     def update(i, inner):
-      dk, dv, dq, d_bias = inner
+      dk, dv, dq, d_bias, d_consts = inner
       q_blk = jax.lax.dynamic_slice_in_dim(q, i * bq, bq, axis=3)
       q_blk_t = jax.lax.dynamic_slice_in_dim(q_t, i * bq, bq, axis=4)
       do_blk = jax.lax.dynamic_slice_in_dim(d_out, i * bq, bq, axis=3)
       do_blk_t = jax.lax.dynamic_slice_in_dim(d_out_t, i * bq, bq, axis=4)
-      logits = _block_logits(cfg, masks, q_blk, k_blk_t, bias, i * bq, j * bk, bq, bk)
-      probs = jnp.exp(logits - jax.lax.dynamic_slice_in_dim(lse, i * bq, bq, axis=3)[..., None])
+      scores, allowed, index = _block_scores(cfg, masks, q_blk, k_blk_t, bias, i * bq, j * bk,
+                                             bq, bk)
+      if cfg.modifies_scores:
+        scores, modify_vjp = jax.vjp(
+            lambda s, c: _modified_scores(cfg, masks, c, s, index), scores, score_consts)
+      logits = scores if allowed is None else jnp.where(allowed, scores, -jnp.inf)
       d_probs = common.einsum_float32("bhgqd,bhdk->bhgqk", do_blk, v_blk_t)
-      d_logits = probs * (d_probs - jax.lax.dynamic_slice_in_dim(delta, i * bq, bq,
-                                                                 axis=3)[..., None])
+      if cfg.normaliser == "sigmoid":
+        probs = jax.nn.sigmoid(logits + cfg.sigmoid_bias)  # the weights
+        d_logits = d_probs * probs * (1.0 - probs)
+      else:
+        probs = jnp.exp(logits - jax.lax.dynamic_slice_in_dim(lse, i * bq, bq,
+                                                               axis=3)[..., None])
+        d_logits = probs * (d_probs - jax.lax.dynamic_slice_in_dim(delta, i * bq, bq,
+                                                                   axis=3)[..., None])
+      if cfg.modifies_scores:
+        d_logits, d_consts_blk = modify_vjp(d_logits)
+        d_consts = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), d_consts, d_consts_blk)
       # dk and dv accumulate transposed, [.., D, bk]: the block's probabilities
       # and dS are then the products' right operands as they are laid out, so
       # XLA neither copies them transposed nor computes dS twice.
@@ -300,23 +445,34 @@ def _backward(cfg: _Static, q, k, v, bias, masks: _Masks, lse, d_out, delta):
       dq = jax.lax.dynamic_update_slice_in_dim(dq, dq_blk, i * bq, axis=3)
       if d_bias is not None:
         d_bias = _add_block(d_bias, common.sum_to_shape(d_logits, bias.shape), i * bq, j * bk)
-      return dk, dv, dq, d_bias
+      return dk, dv, dq, d_bias, d_consts
 
-    dq, d_bias = carry
+    dq, d_bias, d_consts = carry
     lo, hi = _block_range(cfg, masks, common.q_block_range, j, bq, bk, cfg.q_len // bq)
     init = (jnp.zeros(k.shape[:2] + (k.shape[-1], bk), jnp.float32),
-            jnp.zeros(v.shape[:2] + (v.shape[-1], bk), jnp.float32), dq, d_bias)
-    dk, dv, dq, d_bias = _visit_blocks(visit_lists, lo, hi, j, visit, init)
-    return (dq, d_bias), (dk.swapaxes(-1, -2) * cfg.scale, dv.swapaxes(-1, -2))
+            jnp.zeros(v.shape[:2] + (v.shape[-1], bk), jnp.float32), dq, d_bias, d_consts)
+    dk, dv, dq, d_bias, d_consts = _visit_blocks(visit_lists, lo, hi, j, visit, init)
+    return (dq, d_bias, d_consts), (dk.swapaxes(-1, -2) * cfg.scale, dv.swapaxes(-1, -2))
 
   d_bias = None if bias is None else jnp.zeros(bias.shape, jnp.float32)
   dq = jnp.zeros(q.shape, jnp.float32)
-  (dq, d_bias), (dk, dv) = jax.lax.scan(dkv_of_key_block, (dq, d_bias),
-                                        jnp.arange(cfg.kv_len // bk))
+  d_consts = tuple(jnp.zeros(c.shape, jnp.float32) for c in score_consts)
+  (dq, d_bias, d_consts), (dk, dv) = jax.lax.scan(dkv_of_key_block, (dq, d_bias, d_consts),
+                                                  jnp.arange(cfg.kv_len // bk))
   dq = (dq * cfg.scale).astype(q.dtype)
   dk = jnp.moveaxis(dk, 0, 2).reshape(k.shape).astype(k.dtype)
   dv = jnp.moveaxis(dv, 0, 2).reshape(v.shape).astype(v.dtype)
-  return dq, dk, dv, None if bias is None else d_bias.astype(bias.dtype)
+  grads = (dq, dk, dv, None if bias is None else d_bias.astype(bias.dtype))
+  if extras is None:
+    return grads
+  d_sinks = None
+  if extras.sinks is not None:
+    # The sink's probability exp(sink - lse) meets dP = 0 (it has no value):
+    # dS = p_sink (0 - delta), summed over the rows each head's sink serves.
+    p_sink = jnp.exp(extras.sinks[None, :, :, None].astype(jnp.float32) - lse)
+    d_sinks = -jnp.sum(p_sink * delta, axis=(0, 3)).astype(extras.sinks.dtype)
+  d_consts = tuple(d.astype(c.dtype) for d, c in zip(d_consts, score_consts))
+  return grads + (Extras(d_sinks, d_consts),)
 
 
 def _add_block(total, block, q_start, k_start):
@@ -328,6 +484,11 @@ def _add_block(total, block, q_start, k_start):
 
 # (q, k, v, bias) are differentiated, _Masks is not.
 _attention = common.flash_attention_vjp(_forward, _backward)
+# flex_attention's: (q, k, v, bias, Extras) are differentiated.
+_flex_attention = common.flash_attention_vjp(
+    lambda cfg, q, k, v, bias, extras, masks: _forward(cfg, q, k, v, bias, masks, extras),
+    lambda cfg, q, k, v, bias, extras, masks, lse, d_out, delta: _backward(
+        cfg, q, k, v, bias, masks, lse, d_out, delta, extras))
 
 
 def blockwise_attention(inputs: AttentionInputs,
@@ -401,6 +562,7 @@ def from_blocked_layout(out: Array, lse: Array, inputs: AttentionInputs) -> Tupl
 
 # For ring attention's loops (ring.py) and block-sparse attention (block_sparse.py).
 forward, backward, attend = _forward, _backward, _attention
+flex_attend = _flex_attention  # flex.py
 
 
 def _grouped_pairwise(x: Optional[Array], num_kv_heads: int, group: int, q_multiple: int,

@@ -150,7 +150,7 @@ def _in_pattern(cfg: _Config, m: _MaskArrays, block, head):
   if m.layout is None:
     return None
   full = m.layout[block] == patterns.FULL
-  return lambda q_pos, k_pos: full | cfg.pattern(head, q_pos, k_pos)
+  return lambda q_pos, k_pos: full | cfg.pattern(0, head, q_pos, k_pos)
 
 
 # ---------------------------------------------------------------------------

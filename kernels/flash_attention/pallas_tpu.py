@@ -327,7 +327,7 @@ def _in_pattern(cfg: _Static, c: _Coords, sparse_refs, by_query: bool):
   else:
     index = (head * num_kv_blocks + c.kv_block) * num_q_blocks + c.q_block
   full = layout_ref[index] == patterns.FULL
-  return lambda q_pos, k_pos: full | cfg.pattern(c.head, q_pos, k_pos)
+  return lambda q_pos, k_pos: full | cfg.pattern(0, c.head, q_pos, k_pos)
 
 
 def _probs_and_dlogits(cfg: _Static, refs: Dict[str, Any], c: _Coords, block_q: int,

@@ -456,7 +456,7 @@ def test_block_sparse_kernel_visits_exactly_the_blocks_with_an_allowed_pair(
   layouts = []
   attend = blockwise.attend
   def recording_attend(cfg, operands, masks):
-    layouts.append(np.asarray(masks.block_layout))
+    layouts.append(np.asarray(masks.block_layout[0]))  # [1, H|1, nq, nk]: one layout
     return attend(cfg, operands, masks)
   monkeypatch.setattr(blockwise, "attend", recording_attend)
   query, key, value = random_qkv(batch=1, q_len=T, num_heads=H)
@@ -474,7 +474,7 @@ def test_block_sparse_kernel_visits_exactly_the_blocks_with_an_allowed_pair(
   np.testing.assert_array_equal(np.broadcast_to(visited, expected.shape), expected)
   # The loops visit each block some head needs, once.
   order, count = blockwise._visit_lists(blockwise._Masks(  # pylint: disable=protected-access
-      None, None, None, None, None, block_layout=jnp.asarray(layout)), transpose=False)
+      None, None, None, None, None, block_layout=jnp.asarray(layout)[None]), transpose=False)
   assert int(count.sum()) == int(expected.any(0).sum())
   assert all(set(np.asarray(order[i, :count[i]])) == set(np.flatnonzero(expected.any(0)[i]))
              for i in range(expected.shape[1]))

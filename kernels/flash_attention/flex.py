@@ -1,0 +1,97 @@
+"""Flex attention on the blockwise loops: score and mask mods compiled into the kernel.
+
+`flex_blockwise(inputs, flex)` runs `blockwise.py`'s forward and backward
+with what `FlexInputs` adds: the score_mod applied to each tile's logits
+(after the scale, the bias and the soft cap), the mask_mod evaluated only
+inside the tiles that the block layout marks PARTIAL, the tiles it marks
+SKIP never visited, sinks in the normaliser, or the sigmoid normaliser.
+
+The layout: the block mask's when one is given; a static mask_mod's from
+NumPy at trace time; a data-dependent mask_mod without a block mask is
+evaluated in every tile (make a block mask, once, to skip tiles).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Tuple, Union
+
+import jax
+import jax.numpy as jnp
+
+from attention_jax.core import patterns
+from attention_jax.core.flex_inputs import FlexInputs
+from attention_jax.core.inputs import AttentionInputs, attention_of_empty_sequence
+
+from . import blockwise, common
+
+Array = jax.Array
+
+
+def default_block_sizes() -> common.BlockSizes:
+  """128 x 128, as the block-sparse kernels: a mask's layout is only as fine as its blocks."""
+  return common.BlockSizes(block_q=128, block_k=128)
+
+
+def flex_blockwise(inputs: AttentionInputs, flex: FlexInputs,
+                   block_sizes: Optional[common.BlockSizes] = None, *,
+                   return_residual: bool = False) -> Union[Array, Tuple[Array, Array]]:
+  """`[B, Tq, H, Dv]` (and the log-sum-exp `[B, Tq, H]` with `return_residual`)."""
+  empty = attention_of_empty_sequence(inputs, return_residual)  # Tq = 0 or Tk = 0
+  if empty is not None:
+    return empty
+  block_sizes = _block_sizes(flex, block_sizes)
+  cfg, (q, k, v, bias), masks = blockwise.blocked_layout(inputs, block_sizes)
+  num_kv_heads, group = q.shape[1], q.shape[2]
+  layout = _layout(inputs, flex, cfg)
+  if layout is not None:
+    expected = (cfg.q_len // cfg.block_q, cfg.kv_len // cfg.block_k)
+    if tuple(layout.shape[2:]) != expected:
+      raise ValueError(f"block_mask has {tuple(layout.shape[2:])} (query, key) blocks, the "
+                       f"kernel's blocks make {expected}; make the mask with the kernel's "
+                       "block sizes.")
+  score_consts, score_other = ((), ()) if flex.lifted_score_mod is None else (
+      flex.lifted_score_mod.split(flex.score_consts))
+  cfg = dataclasses.replace(
+      cfg, mask_mod=flex.lifted_mask_mod if flex.lifted_mask_mod is not None else flex.mask_mod,
+      softcap=flex.softcap, score_mod=flex.lifted_score_mod, normaliser=flex.normaliser,
+      sigmoid_bias=flex.sigmoid_bias)
+  masks = dataclasses.replace(masks, block_layout=layout, mask_mod_consts=tuple(flex.mask_consts),
+                              score_mod_consts=tuple(score_other))
+  sinks = None if flex.sinks is None else flex.sinks.reshape(num_kv_heads, group)
+  extras = blockwise.Extras(sinks, tuple(score_consts))
+  out, lse = blockwise.flex_attend(cfg, (q, k, v, bias, extras), masks)
+  out, lse = blockwise.from_blocked_layout(out, lse, inputs)
+  return common.attention_outputs(out, lse, None, return_residual)
+
+
+def _block_sizes(flex: FlexInputs, block_sizes: Optional[common.BlockSizes]) -> common.BlockSizes:
+  """The kernel's blocks: as asked, else the block mask's, else the default; one
+  size for both passes (the layout is made for it)."""
+  mask = flex.block_mask
+  if block_sizes is None:
+    block_sizes = (default_block_sizes() if mask is None
+                   else common.BlockSizes(mask.block_q, mask.block_k))
+  if block_sizes.dkv != (block_sizes.block_q, block_sizes.block_k):
+    raise ValueError("flex attention uses one block size for both passes (the layout is made "
+                     f"for it), got block_sizes={block_sizes}.")
+  if mask is not None and (mask.block_q, mask.block_k) != (block_sizes.block_q,
+                                                           block_sizes.block_k):
+    raise ValueError(f"block_mask has blocks ({mask.block_q}, {mask.block_k}), but "
+                     f"block_sizes={block_sizes}; make the mask with the kernel's blocks.")
+  return block_sizes
+
+
+def _layout(inputs: AttentionInputs, flex: FlexInputs, cfg) -> Optional[Array]:
+  """`[B|1, H|1, nq, nk]` int8 in the kernel's blocks, or None (no mask_mod)."""
+  if flex.block_mask is not None:
+    return flex.block_mask.layout
+  if flex.mask_mod is None:
+    return None
+  num_q_blocks, num_kv_blocks = cfg.q_len // cfg.block_q, cfg.kv_len // cfg.block_k
+  if flex.static_mask_mod:
+    layout = patterns.block_layout(flex.mask_mod, inputs.query.shape[1], inputs.key.shape[1],
+                                   cfg.block_q, cfg.block_k, num_heads=inputs.query.shape[2])
+    return jnp.asarray(layout[None])
+  # A data-dependent mask without a block mask: every tile partial.
+  return jnp.full((1, 1, num_q_blocks, num_kv_blocks), patterns.PARTIAL, jnp.int8)
