@@ -62,7 +62,8 @@ def flex_blockwise(inputs: AttentionInputs, flex: FlexInputs,
   extras = blockwise.Extras(sinks, tuple(score_consts))
   out, lse = blockwise.flex_attend(cfg, (q, k, v, bias, extras), masks)
   out, lse = blockwise.from_blocked_layout(out, lse, inputs)
-  return common.attention_outputs(out, lse, None, return_residual)
+  # Queries past their lengths attend nothing, sinks neither: lse as if empty.
+  return common.attention_outputs(out, lse, inputs.query_seq_lengths, return_residual)
 
 
 def _block_sizes(flex: FlexInputs, block_sizes: Optional[common.BlockSizes]) -> common.BlockSizes:
