@@ -20,16 +20,17 @@ blocks (in units of the kernel's blocks, which must then be BigBird's).
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Optional, Tuple, Union
 
 import jax
 import jax.numpy as jnp
 
 from attention_jax.core import patterns
+from attention_jax.core.block_mask import BlockMask
+from attention_jax.core.flex_inputs import FlexInputs
 from attention_jax.core.inputs import AttentionInputs
 
-from . import blockwise, common, pallas_gpu, pallas_tpu
+from . import blockwise, common, flex, pallas_gpu, pallas_tpu
 
 Array = jnp.ndarray
 
@@ -70,14 +71,17 @@ def block_sparse_attention(inputs: AttentionInputs, pattern: patterns.Pattern, *
     return _pallas_gpu(inputs, pattern, block_sizes, extra_blocks, return_residual)
   if implementation == "pallas_tpu":
     return _pallas_tpu(inputs, pattern, block_sizes, extra_blocks, return_residual)
-  cfg, operands, masks = blockwise.blocked_layout(inputs, block_sizes)
-  layout = layout_of(inputs, pattern, cfg.block_q, cfg.block_k, extra_blocks)
-  check_layout(layout, inputs.query.shape[2], cfg.q_len // cfg.block_q, cfg.kv_len // cfg.block_k)
-  cfg = dataclasses.replace(cfg, mask_mod=pattern)
-  masks = dataclasses.replace(masks, block_layout=layout[None])  # [1, H|1, nq, nk]
-  out, lse = blockwise.attend(cfg, operands, masks)
-  out, lse = blockwise.from_blocked_layout(out, lse, inputs)
-  return common.attention_outputs(out, lse, None, return_residual)
+  # The flex engine's loops with the pattern as a static mask mod, and its
+  # layout (BigBird's draws included) as the block mask.
+  q_len, kv_len = inputs.query.shape[1], inputs.key.shape[1]
+  block_sizes = blockwise.fitted_block_sizes(block_sizes, q_len, kv_len)
+  layout = layout_of(inputs, pattern, block_sizes.block_q, block_sizes.block_k, extra_blocks)
+  check_layout(layout, inputs.query.shape[2], common.cdiv(q_len, block_sizes.block_q),
+               common.cdiv(kv_len, block_sizes.block_k))
+  block_mask = BlockMask(layout[None], pattern, (), q_len, kv_len, block_sizes.block_q,
+                         block_sizes.block_k)  # [1, H|1, nq, nk]
+  return flex.flex_blockwise(inputs, FlexInputs(mask_mod=pattern, block_mask=block_mask),
+                             block_sizes, return_residual=return_residual)
 
 
 def layout_of(inputs: AttentionInputs, pattern: patterns.Pattern, block_q: int, block_k: int,

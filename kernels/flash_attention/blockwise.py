@@ -525,11 +525,9 @@ def blocked_layout(inputs: AttentionInputs, block_sizes: Optional[common.BlockSi
   group = num_heads // num_kv_heads
   if block_sizes is None:
     block_sizes = default_block_sizes(q_len, kv_len)
+  block_sizes = fitted_block_sizes(block_sizes, q_len, kv_len)
+  bq, bk = block_sizes.block_q, block_sizes.block_k
   bq_dkv, bk_dkv = block_sizes.dkv
-  # Clip blocks to the (rounded-up) sequence so that short inputs are not over-padded.
-  fit = lambda block, length: min(block, _round_up(length, 8))
-  bq, bk = fit(block_sizes.block_q, q_len), fit(block_sizes.block_k, kv_len)
-  bq_dkv, bk_dkv = fit(bq_dkv, q_len), fit(bk_dkv, kv_len)
   q_multiple = _lcm(bq, bq_dkv)
   kv_multiple = _lcm(bk, bk_dkv)
   cfg = _Static(block_q=bq, block_k=bk, block_q_dkv=bq_dkv, block_k_dkv=bk_dkv,
@@ -549,6 +547,16 @@ def blocked_layout(inputs: AttentionInputs, block_sizes: Optional[common.BlockSi
       q_segment_ids=pad_ids(inputs.q_segment_ids, q_multiple),
       kv_segment_ids=pad_ids(inputs.kv_segment_ids, kv_multiple))
   return cfg, (q, k, v, bias), masks
+
+
+def fitted_block_sizes(block_sizes: common.BlockSizes, q_len: int,
+                       kv_len: int) -> common.BlockSizes:
+  """The blocks the loops use: each clipped to its (rounded-up) sequence, so
+  that short inputs are not over-padded."""
+  fit = lambda block, length: min(block, _round_up(length, 8))
+  bq_dkv, bk_dkv = block_sizes.dkv
+  return common.BlockSizes(fit(block_sizes.block_q, q_len), fit(block_sizes.block_k, kv_len),
+                           fit(bq_dkv, q_len), fit(bk_dkv, kv_len))
 
 
 def from_blocked_layout(out: Array, lse: Array, inputs: AttentionInputs) -> Tuple[Array, Array]:

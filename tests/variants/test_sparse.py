@@ -454,11 +454,11 @@ def test_block_sparse_kernel_visits_exactly_the_blocks_with_an_allowed_pair(
     name, causal, kernel_blocks_of_4, monkeypatch):
   fn, options, pattern = PADDED_CASES[name]
   layouts = []
-  attend = blockwise.attend
+  attend = blockwise.flex_attend  # the flex engine's loops run every pattern
   def recording_attend(cfg, operands, masks):
     layouts.append(np.asarray(masks.block_layout[0]))  # [1, H|1, nq, nk]: one layout
     return attend(cfg, operands, masks)
-  monkeypatch.setattr(blockwise, "attend", recording_attend)
+  monkeypatch.setattr(blockwise, "flex_attend", recording_attend)
   query, key, value = random_qkv(batch=1, q_len=T, num_heads=H)
   fn(query, key, value, is_causal=causal, implementation="blockwise", **options)
   (layout,) = layouts
