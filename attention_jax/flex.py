@@ -89,6 +89,7 @@ def _dense_flex(inputs: AttentionInputs, flex: FlexInputs, block_sizes=None, *,
 FLEX_IMPLEMENTATIONS: Dict[str, Callable] = {
     "blockwise": flex_kernels.flex_blockwise,
     "xla": _dense_flex,
+    "pallas_gpu": flex_kernels.flex_pallas_gpu,
 }
 
 

@@ -9,6 +9,9 @@ SKIP never visited, sinks in the normaliser, or the sigmoid normaliser.
 The layout: the block mask's when one is given; a static mask_mod's from
 NumPy at trace time; a data-dependent mask_mod without a block mask is
 evaluated in every tile (make a block mask, once, to skip tiles).
+
+`flex_pallas_gpu` runs the same on the Triton kernels (`pallas_gpu.py`,
+interpreted off a GPU), softmax only.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from attention_jax.core import patterns
 from attention_jax.core.flex_inputs import FlexInputs
 from attention_jax.core.inputs import AttentionInputs, attention_of_empty_sequence
 
-from . import blockwise, common
+from . import blockwise, common, pallas_gpu
 
 Array = jax.Array
 
@@ -64,6 +67,61 @@ def flex_blockwise(inputs: AttentionInputs, flex: FlexInputs,
   out, lse = blockwise.from_blocked_layout(out, lse, inputs)
   # Queries past their lengths attend nothing, sinks neither: lse as if empty.
   return common.attention_outputs(out, lse, inputs.query_seq_lengths, return_residual)
+
+
+def flex_pallas_gpu(inputs: AttentionInputs, flex: FlexInputs,
+                    block_sizes: Optional[common.BlockSizes] = None, *,
+                    return_residual: bool = False,
+                    interpret: Optional[bool] = None) -> Union[Array, Tuple[Array, Array]]:
+  """flex_attention on the Triton kernels (`pallas_gpu.py`), interpreted off a GPU.
+
+  The score_mod and the soft cap are applied to each tile's logits inside the
+  three kernels (the dq pass differentiates them per tile with `jax.vjp` and
+  writes one partial gradient of the score_mod's floating arrays per program,
+  summed outside: no atomics); the mask_mod decides in the tiles the layout
+  marks PARTIAL, each program (batch row, head) skipping its own SKIP tiles;
+  sinks enter the normaliser. Blocks: powers of two of at least 16,
+  one size for every pass.
+  """
+  if flex.normaliser != "softmax":
+    raise ValueError(f"implementation='pallas_gpu' takes normaliser='softmax' only, got "
+                     f"normaliser={flex.normaliser!r}; normaliser='sigmoid' runs on "
+                     "implementation='blockwise' or 'xla'.")
+  reason = pallas_gpu.gpu_rejects(inputs)
+  if reason is not None:
+    raise ValueError(reason)
+  empty = attention_of_empty_sequence(inputs, return_residual)  # Tq = 0 or Tk = 0
+  if empty is not None:
+    return empty
+  block_sizes = _block_sizes(flex, block_sizes)
+  q_len, num_heads = inputs.query.shape[1:3]
+  kv_len = inputs.key.shape[1]
+  # Blocks longer than the (power-of-two rounded) sequence would only add
+  # padding; such a block covers the whole sequence, as the mask's did.
+  fit = lambda block, length: min(block, pallas_gpu.shortest_block(length))
+  block_sizes = common.BlockSizes(fit(block_sizes.block_q, q_len),
+                                  fit(block_sizes.block_k, kv_len))
+  pallas_gpu._check_block_sizes(block_sizes)  # pylint: disable=protected-access
+  block_q, block_k = block_sizes.block_q, block_sizes.block_k
+  num_q_blocks, num_kv_blocks = common.cdiv(q_len, block_q), common.cdiv(kv_len, block_k)
+  layout = None
+  if flex.block_mask is not None:
+    layout = flex.block_mask.layout
+  elif flex.static_mask_mod:
+    layout = jnp.asarray(patterns.block_layout(flex.mask_mod, q_len, kv_len, block_q, block_k,
+                                               num_heads=num_heads)[None])
+  elif flex.mask_mod is not None:  # data-dependent, no block mask: every tile partial
+    layout = jnp.full((1, 1, num_q_blocks, num_kv_blocks), patterns.PARTIAL, jnp.int8)
+  if layout is not None and tuple(layout.shape[2:]) != (num_q_blocks, num_kv_blocks):
+    raise ValueError(f"block_mask has {tuple(layout.shape[2:])} (query, key) blocks, the "
+                     f"kernel's blocks make {(num_q_blocks, num_kv_blocks)}; make the mask "
+                     "with the kernel's block sizes.")
+  mask_mod = flex.lifted_mask_mod if flex.lifted_mask_mod is not None else flex.mask_mod
+  return pallas_gpu.flash_attention_gpu(
+      inputs, block_sizes, interpret=interpret, return_residual=return_residual,
+      pattern=mask_mod if layout is not None else None, block_layout=layout,
+      mask_consts=tuple(flex.mask_consts), score_mod=flex.lifted_score_mod,
+      score_consts=tuple(flex.score_consts), softcap=flex.softcap, sinks=flex.sinks)
 
 
 def _block_sizes(flex: FlexInputs, block_sizes: Optional[common.BlockSizes]) -> common.BlockSizes:

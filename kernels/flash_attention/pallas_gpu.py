@@ -30,6 +30,24 @@ boolean mask and a bias are read block by block. `query_seq_lengths` needs no
 kernel support: padded query rows are zeroed after the kernel, which also zeroes
 every gradient they would contribute. A query that may attend to nothing gets
 output 0, lse `common.EMPTY_ROW_LSE` (finite), and zero gradients.
+
+Block-sparse and flex attention (block_sparse.py, flex.py): a layout `[B|1,
+H|1, nq, nk]` of SKIP / PARTIAL / FULL blocks, each program (query block or
+key block, batch row, head) visiting the blocks its own row does not skip; in
+those the mask mod (a static pattern, or a lifted mod over arrays passed
+whole) decides, except where the block is FULL (the mod is computed there
+too: no branch). flex_attention's score changes run on each tile after the
+scale and bias: `softcap`, then the lifted score_mod, whose arrays are kernel
+inputs read whole; the backward passes differentiate them on the tile with
+`jax.vjp`, and the dq pass writes each program's part of the floating
+arrays' gradients to its own slot of a `[B, H, nq, ...]` output, summed
+outside (no atomics). Sinks (`[H]`, one logit per head) start the forward's
+running max at the sink and its running sum at 1; their gradient,
+`-sum(exp(sink - lse) * delta)` over rows, needs no kernel. The mods have run
+in the Pallas interpreter only: a mod that indexes its arrays (ALiBi's
+`slopes[h]`) is a gather, its VJP a scatter, which the Triton lowering may
+refuse, and Triton loads only power-of-two shapes, which a mod's array (an
+`[H, 9]` bias table) need not have. No sigmoid normaliser (flex.py refuses it).
 """
 
 from __future__ import annotations
@@ -45,7 +63,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from attention_jax.core import masks as mask_lib
-from attention_jax.core import patterns
+from attention_jax.core import mods, patterns
 from attention_jax.core.inputs import (AttentionInputs, attention_of_empty_sequence,
                                        prepare_inputs, returned_outputs)
 
@@ -75,9 +93,22 @@ class _Config:
   interpret: bool
   num_warps: Optional[int]
   num_stages: Optional[int]
-  # Block-sparse attention (block_sparse.py): the pattern evaluated inside the
-  # PARTIAL blocks of `_MaskArrays.layout`; None without one.
-  pattern: Optional[patterns.Pattern] = None
+  # Block-sparse attention (block_sparse.py, flex_attention): the mask mod
+  # evaluated inside the PARTIAL blocks of `_MaskArrays.layout` (a static
+  # pattern, or a `mods.LiftedMod` over `_MaskArrays.mask_consts`); None
+  # without one.
+  pattern: Union[None, patterns.Pattern, mods.LiftedMod] = None
+  # flex_attention: the logits go through `softcap * tanh(logits / softcap)`,
+  # then the lifted score_mod (its floating arrays in `_FlexArrays`, the others
+  # in `_MaskArrays.score_consts`), before the mask; `has_sinks`: a sink logit
+  # per head in the normaliser (`_FlexArrays.sinks`).
+  softcap: Optional[float] = None
+  score_mod: Optional[mods.LiftedMod] = None
+  has_sinks: bool = False
+
+  @property
+  def modifies_scores(self) -> bool:
+    return self.softcap is not None or self.score_mod is not None
 
   @property
   def dkv_blocks(self) -> Tuple[int, int]:
@@ -92,11 +123,12 @@ class _MaskArrays:
   q_segment_ids: Optional[Array]  # [B, Tq'] int32
   kv_segment_ids: Optional[Array]  # [B, Tk'] int32
   kv_lengths: Optional[Array]  # [B] int32
-  # Block-sparse attention, per head (each program follows its own head's
-  # blocks): the layout `[H|1, n, m']` int32 (SKIP, PARTIAL, FULL), the blocks
-  # to visit in order `[H|1, n, m']` int32 and how many `[H|1, n]` int32, rows
-  # by query block (the forward and dq passes) or, transposed, by key block
-  # (the dk/dv pass); m' is m padded to a power of two (Triton loads).
+  # Block-sparse attention, per batch row and head (each program follows its
+  # own (b, h) blocks): the layout `[B|1, H|1, n, m']` int32 (SKIP, PARTIAL,
+  # FULL), the blocks to visit in order `[B|1, H|1, n, m']` int32 and how many
+  # `[B|1, H|1, n]` int32, rows by query block (the forward and dq passes) or,
+  # transposed, by key block (the dk/dv pass); m' is m padded to a power of
+  # two (Triton loads).
   layout: Optional[Array] = None
   visits: Optional[Array] = None
   visit_counts: Optional[Array] = None
@@ -104,13 +136,59 @@ class _MaskArrays:
   layout_by_key: Optional[Array] = None
   visits_by_key: Optional[Array] = None
   visit_counts_by_key: Optional[Array] = None
+  # flex_attention: the arrays a lifted mask mod closes over and the score
+  # mod's arrays that are not differentiated, whole (`_kernel_const`).
+  mask_consts: Tuple[Array, ...] = ()
+  score_consts: Tuple[Array, ...] = ()
 
 
 jax.tree_util.register_dataclass(
     _MaskArrays, data_fields=["mask", "q_segment_ids", "kv_segment_ids", "kv_lengths",
                               "layout", "visits", "visit_counts", "layout_by_key",
-                              "visits_by_key", "visit_counts_by_key"],
+                              "visits_by_key", "visit_counts_by_key", "mask_consts",
+                              "score_consts"],
     meta_fields=[])
+
+
+@dataclasses.dataclass
+class _FlexArrays:
+  """The differentiated inputs of flex attention beside q, k, v and the bias.
+
+  sinks: `[H]` float32 sink logits (a key with no value that every query
+    sees), or None.
+  score_consts: the floating arrays the score_mod closes over, whole
+    (`_kernel_const`).
+  """
+
+  sinks: Optional[Array] = None
+  score_consts: Tuple[Array, ...] = ()
+
+
+jax.tree_util.register_dataclass(_FlexArrays, data_fields=["sinks", "score_consts"],
+                                 meta_fields=[])
+
+
+def _kernel_const(x: Array) -> Array:
+  """A mod's array as a kernel input: bool as int8, a scalar as `[1]`
+  (`_restored` undoes both inside the kernel)."""
+  x = jnp.asarray(x)
+  if x.dtype == jnp.bool_:
+    x = x.astype(jnp.int8)
+  return x.reshape((1,)) if x.ndim == 0 else x
+
+
+def _restored(lifted: mods.LiftedMod, values) -> Tuple[Array, ...]:
+  """The mod's constants as its jaxpr takes them, from `_kernel_const`'s."""
+  restored = []
+  for value, var in zip(values, lifted.jaxpr.constvars):
+    aval = var.aval
+    value = value.reshape(aval.shape)
+    restored.append(value != 0 if aval.dtype == jnp.bool_ else value.astype(aval.dtype))
+  return tuple(restored)
+
+
+def _read(refs) -> Tuple[Array, ...]:
+  return tuple(ref[...] for ref in refs)
 
 
 def _for_pass(m: _MaskArrays, along_q: bool) -> _MaskArrays:
@@ -125,10 +203,10 @@ def _for_pass(m: _MaskArrays, along_q: bool) -> _MaskArrays:
 
 
 def _visit_lists(layout: Array) -> Tuple[Array, Array, Array]:
-  """`[H|1, n, m]` layout -> (layout, visits, counts) of `_MaskArrays`, per head,
-  the rows padded to a power of two with SKIP."""
+  """`[B|1, H|1, n, m]` layout -> (layout, visits, counts) of `_MaskArrays`, per
+  batch row and head, the rows padded to a power of two with SKIP."""
   width = _next_power_of_two(layout.shape[-1])
-  layout = _pad_to(layout.astype(jnp.int32), 2, width)
+  layout = _pad_to(layout.astype(jnp.int32), 3, width)
   visited = layout != patterns.SKIP
   visits = jnp.argsort(~visited, axis=-1, stable=True).astype(jnp.int32)
   return layout, visits, visited.sum(-1).astype(jnp.int32)
@@ -142,15 +220,45 @@ def _loop(lo, hi, m: _MaskArrays, body, init):
   return lax.fori_loop(0, m.visit_counts[()], lambda n, c: body(m.visits[n], c), init)
 
 
-def _in_pattern(cfg: _Config, m: _MaskArrays, block, head):
-  """Block-sparse: `(q_pos, k_pos) -> allowed` for `block` of this program's
-  layout row (all of a FULL block, the predicate's pairs in a PARTIAL one), or
-  None without a pattern. `head`: the program's query head (read at the
-  kernel's top level, where the interpreter gives program ids)."""
+def _mask_of(cfg: _Config, m: _MaskArrays, batch, head):
+  """Block-sparse: `block -> (q_pos, k_pos) -> allowed` for a block of this
+  program's layout row (all of a FULL block, the mask mod's pairs in a PARTIAL
+  one), or None without a layout. `batch`, `head`: the program's batch row
+  and query head (read at the kernel's top level, where the interpreter gives
+  program ids)."""
   if m.layout is None:
     return None
-  full = m.layout[block] == patterns.FULL
-  return lambda q_pos, k_pos: full | cfg.pattern(0, head, q_pos, k_pos)
+  if isinstance(cfg.pattern, mods.LiftedMod):
+    consts = _restored(cfg.pattern, _read(m.mask_consts))
+    mask = lambda q_pos, k_pos: mods.apply(cfg.pattern, consts, batch, head, q_pos, k_pos)
+  elif cfg.pattern is not None:
+    mask = lambda q_pos, k_pos: cfg.pattern(0, head, q_pos, k_pos)
+  else:  # a layout alone: its FULL blocks
+    mask = lambda q_pos, k_pos: jnp.zeros(jnp.broadcast_shapes(q_pos.shape, k_pos.shape), bool)
+
+  def of_block(block):
+    full = m.layout[block] == patterns.FULL
+    return lambda q_pos, k_pos: full | mask(q_pos, k_pos)
+
+  return of_block
+
+
+def _score_modifier(cfg: _Config, m: _MaskArrays, batch, head):
+  """flex_attention: `(scores, float_consts, q_pos, k_pos) -> logits` (soft cap,
+  then the score_mod), or None when nothing modifies the scores."""
+  if not cfg.modifies_scores:
+    return None
+  other = () if cfg.score_mod is None else _read(m.score_consts)
+
+  def modify(scores, float_consts, q_pos, k_pos):
+    if cfg.softcap is not None:
+      scores = cfg.softcap * jnp.tanh(scores / cfg.softcap)
+    if cfg.score_mod is not None:
+      consts = _restored(cfg.score_mod, cfg.score_mod.merge(float_consts, other))
+      scores = mods.apply(cfg.score_mod, consts, scores, batch, head, q_pos, k_pos)
+    return scores
+
+  return modify
 
 
 # ---------------------------------------------------------------------------
@@ -159,8 +267,9 @@ def _in_pattern(cfg: _Config, m: _MaskArrays, block, head):
 
 
 def _masked_logits(cfg: _Config, q, k, q_start, k_start, bias_blk, mask_blk, q_ids, kv_ids,
-                   kv_limit, in_pattern=None):
-  """Scaled, biased and masked logits of one block: `[bq, bk]` float32.
+                   kv_limit, in_pattern=None, modify=None, float_consts=(),
+                   differentiate: bool = False):
+  """Scaled, biased, modified and masked logits of one block: `[bq, bk]` float32.
 
   Args:
     q: `[bq, D]`; k: `[bk, D]`; q_start, k_start: absolute first positions.
@@ -168,6 +277,10 @@ def _masked_logits(cfg: _Config, q, k, q_start, k_start, bias_blk, mask_blk, q_i
     q_ids: `[bq]`, kv_ids: `[bk]` segment ids or None.
     kv_limit: keys at or past it are padding (true Tk, or the batch's length).
     in_pattern: `(q_pos, k_pos) -> allowed` of a block-sparse pattern, or None.
+    modify: `_score_modifier`'s function (soft cap and score_mod), applied to
+      the scaled and biased logits with `float_consts`, or None.
+    differentiate: also return the modification's VJP, `d_logits ->
+      (d_scores, d_float_consts)` (None without a modification).
   """
   logits = plgpu.dot(q, k, trans_b=True) * cfg.scale
   if bias_blk is not None:
@@ -180,7 +293,17 @@ def _masked_logits(cfg: _Config, q, k, q_start, k_start, bias_blk, mask_blk, q_i
       None if q_ids is None else mask_lib.segment_predicate(q_ids[:, None], kv_ids[None, :]),
       None if mask_blk is None else mask_blk != 0,
       None if in_pattern is None else in_pattern(q_pos, k_pos))
-  return jnp.where(allowed, logits, -jnp.inf)
+  modify_vjp = None
+  if modify is not None:
+    q_idx, k_idx = q_pos.astype(jnp.int32), k_pos.astype(jnp.int32)
+    if differentiate:
+      logits, modify_vjp = jax.vjp(lambda s, c: modify(s, c, q_idx, k_idx), logits,
+                                   tuple(float_consts))
+    else:
+      logits = modify(logits, tuple(float_consts), q_idx, k_idx)
+  if allowed is not None:
+    logits = jnp.where(allowed, logits, -jnp.inf)
+  return (logits, modify_vjp) if differentiate else logits
 
 
 def _kv_limit(cfg: _Config, kv_lengths_ref):
@@ -229,20 +352,24 @@ def _pairwise_block(ref, rows, cols):
 # ---------------------------------------------------------------------------
 
 
-def _forward_kernel(q_ref, k_ref, v_ref, bias_ref, m: _MaskArrays, out_ref, lse_ref, *,
-                    cfg: _Config):
+def _forward_kernel(q_ref, k_ref, v_ref, bias_ref, m: _MaskArrays, x: _FlexArrays, out_ref,
+                    lse_ref, *, cfg: _Config):
   """One query block of one head: out `[bq, Dv]`, lse `[bq]`.
 
   Refs: q `[bq, D]`, k `[Tk', D]`, v `[Tk', Dv]`, bias and mask `[bq, Tk']`,
-  q segment ids `[bq]`, kv segment ids `[Tk']`, kv length `[]`.
+  q segment ids `[bq]`, kv segment ids `[Tk']`, kv length `[]`; flex: the
+  head's sink `[]` and the mods' arrays whole.
   """
   bq, bk = cfg.block_q, cfg.block_k
-  i, head = pl.program_id(0), pl.program_id(2)
+  i, batch, head = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   q = q_ref[...]
   q_ids = None if m.q_segment_ids is None else m.q_segment_ids[...]
   kv_ids_of = lambda j: m.kv_segment_ids[pl.ds(j * bk, bk)]
   kv_limit = _kv_limit(cfg, m.kv_lengths)
   rows = slice(None)
+  in_pattern = _mask_of(cfg, m, batch, head)
+  modify = _score_modifier(cfg, m, batch, head)
+  float_consts = _read(x.score_consts)
 
   def visit(j, carry):
     row_max, row_sum, acc = carry
@@ -251,7 +378,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, bias_ref, m: _MaskArrays, out_ref, lse_
                             _pairwise_block(bias_ref, rows, keys),
                             _pairwise_block(m.mask, rows, keys), q_ids,
                             None if q_ids is None else kv_ids_of(j), kv_limit,
-                            _in_pattern(cfg, m, j, head))
+                            None if in_pattern is None else in_pattern(j), modify, float_consts)
     new_max = jnp.maximum(row_max, jnp.max(logits, axis=1))
     # A row with nothing allowed so far keeps max -inf; exponentiate against 0 then.
     safe_max = jnp.where(new_max == -jnp.inf, 0.0, new_max)
@@ -264,8 +391,11 @@ def _forward_kernel(q_ref, k_ref, v_ref, bias_ref, m: _MaskArrays, out_ref, lse_
 
   overlap = None if q_ids is None else lambda j: _segments_overlap(q_ids, kv_ids_of(j))
   body = _loop_skipping_disjoint(visit, lambda j, carry: carry, overlap)
-  init = (jnp.full((bq,), -jnp.inf, jnp.float32), jnp.zeros((bq,), jnp.float32),
-          jnp.zeros((bq, v_ref.shape[-1]), jnp.float32))
+  acc = jnp.zeros((bq, v_ref.shape[-1]), jnp.float32)
+  if cfg.has_sinks:  # the sink is a key seen first: running max its logit, running sum 1
+    init = (jnp.full((bq,), x.sinks[()], jnp.float32), jnp.ones((bq,), jnp.float32), acc)
+  else:
+    init = (jnp.full((bq,), -jnp.inf, jnp.float32), jnp.zeros((bq,), jnp.float32), acc)
   lo, hi = _kv_blocks(cfg, i, bq, bk, kv_limit)
   row_max, row_sum, acc = _loop(lo, hi, m, body, init)
 
@@ -275,36 +405,45 @@ def _forward_kernel(q_ref, k_ref, v_ref, bias_ref, m: _MaskArrays, out_ref, lse_
   lse_ref[...] = jnp.where(empty, common.EMPTY_ROW_LSE, row_max + jnp.log(safe_sum))
 
 
-def _dq_kernel(q_ref, k_ref, v_ref, bias_ref, m: _MaskArrays, do_ref, lse_ref, delta_ref,
-               dq_ref, dbias_ref, *, cfg: _Config):
-  """dq `[bq, D]` of one query block of one head, and its row of bias gradients.
+def _dq_kernel(q_ref, k_ref, v_ref, bias_ref, m: _MaskArrays, x: _FlexArrays, do_ref, lse_ref,
+               delta_ref, dq_ref, dbias_ref, dconst_refs, *, cfg: _Config):
+  """dq `[bq, D]` of one query block of one head, its row of bias gradients, and
+  this program's part of the gradients of the score_mod's floating arrays.
 
   Refs as in `_forward_kernel`, plus d_out `[bq, Dv]`, lse and delta `[bq]`;
-  dbias `[bq, Tk']` float32 or None.
+  dbias `[bq, Tk']` float32 or None; dconst_refs: per floating array of the
+  score_mod, float32 of its (kernel) shape, summed over programs outside.
   """
   bq, bk = cfg.block_q, cfg.block_k
-  i, head = pl.program_id(0), pl.program_id(2)
+  i, batch, head = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   q, d_out = q_ref[...], do_ref[...]
   lse, delta = lse_ref[...], delta_ref[...]
   q_ids = None if m.q_segment_ids is None else m.q_segment_ids[...]
   kv_ids_of = lambda j: m.kv_segment_ids[pl.ds(j * bk, bk)]
   kv_limit = _kv_limit(cfg, m.kv_lengths)
   rows = slice(None)
+  in_pattern = _mask_of(cfg, m, batch, head)
+  modify = _score_modifier(cfg, m, batch, head)
+  float_consts = _read(x.score_consts)
 
-  def visit(j, dq):
+  def visit(j, carry):
+    dq, d_consts = carry
     keys = pl.ds(j * bk, bk)
     k = k_ref[keys, :]
-    logits = _masked_logits(cfg, q, k, i * bq, j * bk,
-                            _pairwise_block(bias_ref, rows, keys),
-                            _pairwise_block(m.mask, rows, keys), q_ids,
-                            None if q_ids is None else kv_ids_of(j), kv_limit,
-                            _in_pattern(cfg, m, j, head))
+    logits, modify_vjp = _masked_logits(
+        cfg, q, k, i * bq, j * bk, _pairwise_block(bias_ref, rows, keys),
+        _pairwise_block(m.mask, rows, keys), q_ids, None if q_ids is None else kv_ids_of(j),
+        kv_limit, None if in_pattern is None else in_pattern(j), modify, float_consts,
+        differentiate=True)
     probs = jnp.exp(logits - lse[:, None])
     d_probs = plgpu.dot(d_out, v_ref[keys, :], trans_b=True)
     d_logits = probs * (d_probs - delta[:, None])
+    if modify_vjp is not None:  # dS of the modified logits -> of the raw ones
+      d_logits, d_consts_blk = modify_vjp(d_logits)
+      d_consts = tuple(a + b.astype(jnp.float32) for a, b in zip(d_consts, d_consts_blk))
     if dbias_ref is not None:
       dbias_ref[:, keys] = d_logits
-    return dq + plgpu.dot(d_logits.astype(k.dtype), k)
+    return dq + plgpu.dot(d_logits.astype(k.dtype), k), d_consts
 
   def clear_bias_grad(j, carry):
     """Bias gradients of a block that is not visited are zero (written once)."""
@@ -312,18 +451,25 @@ def _dq_kernel(q_ref, k_ref, v_ref, bias_ref, m: _MaskArrays, do_ref, lse_ref, d
       dbias_ref[:, pl.ds(j * bk, bk)] = jnp.zeros((bq, bk), jnp.float32)
     return carry
 
+  if dbias_ref is not None and m.visits is not None:
+    # Block-sparse: the visited blocks are not a range; clear the row first.
+    dbias_ref[...] = jnp.zeros(dbias_ref.shape, jnp.float32)
   overlap = None if q_ids is None else lambda j: _segments_overlap(q_ids, kv_ids_of(j))
   body = _loop_skipping_disjoint(visit, clear_bias_grad, overlap)
   lo, hi = _kv_blocks(cfg, i, bq, bk, kv_limit)
-  dq = _loop(lo, hi, m, body, jnp.zeros((bq, q_ref.shape[-1]), jnp.float32))
+  init = (jnp.zeros((bq, q_ref.shape[-1]), jnp.float32),
+          tuple(jnp.zeros(c.shape, jnp.float32) for c in float_consts))
+  dq, d_consts = _loop(lo, hi, m, body, init)
   dq_ref[...] = (dq * cfg.scale).astype(dq_ref.dtype)
-  if dbias_ref is not None:
+  for ref, d in zip(dconst_refs, d_consts):
+    ref[...] = d
+  if dbias_ref is not None and m.visits is None:
     lax.fori_loop(0, lo, clear_bias_grad, 0)
     lax.fori_loop(hi, cfg.kv_len // bk, clear_bias_grad, 0)
 
 
-def _dkv_kernel(q_ref, k_ref, v_ref, bias_ref, m: _MaskArrays, do_ref, lse_ref, delta_ref,
-                dk_ref, dv_ref, *, cfg: _Config):
+def _dkv_kernel(q_ref, k_ref, v_ref, bias_ref, m: _MaskArrays, x: _FlexArrays, do_ref, lse_ref,
+                delta_ref, dk_ref, dv_ref, *, cfg: _Config):
   """dk `[bk, D]` and dv `[bk, Dv]` of one key block, as seen by one query head.
 
   Refs: q `[Tq', D]`, k `[bk, D]`, v `[bk, Dv]`, bias and mask `[Tq', bk]`,
@@ -331,26 +477,31 @@ def _dkv_kernel(q_ref, k_ref, v_ref, bias_ref, m: _MaskArrays, do_ref, lse_ref, 
   delta `[Tq']`.
   """
   bq, bk = cfg.block_q_dkv, cfg.block_k_dkv
-  j, head = pl.program_id(0), pl.program_id(2)
+  j, batch, head = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   k, v = k_ref[...], v_ref[...]
   kv_ids = None if m.kv_segment_ids is None else m.kv_segment_ids[...]
   q_ids_of = lambda i: m.q_segment_ids[pl.ds(i * bq, bq)]
   kv_limit = _kv_limit(cfg, m.kv_lengths)
   cols = slice(None)
+  in_pattern = _mask_of(cfg, m, batch, head)
+  modify = _score_modifier(cfg, m, batch, head)
+  float_consts = _read(x.score_consts)
 
   def visit(i, carry):
     dk, dv = carry
     queries = pl.ds(i * bq, bq)
     q, d_out = q_ref[queries, :], do_ref[queries, :]
-    logits = _masked_logits(cfg, q, k, i * bq, j * bk,
-                            _pairwise_block(bias_ref, queries, cols),
-                            _pairwise_block(m.mask, queries, cols),
-                            None if kv_ids is None else q_ids_of(i), kv_ids, kv_limit,
-                            _in_pattern(cfg, m, i, head))
+    logits, modify_vjp = _masked_logits(
+        cfg, q, k, i * bq, j * bk, _pairwise_block(bias_ref, queries, cols),
+        _pairwise_block(m.mask, queries, cols), None if kv_ids is None else q_ids_of(i), kv_ids,
+        kv_limit, None if in_pattern is None else in_pattern(i), modify, float_consts,
+        differentiate=True)
     probs = jnp.exp(logits - lse_ref[queries][:, None])
     dv += plgpu.dot(probs.astype(d_out.dtype), d_out, trans_a=True)
     d_probs = plgpu.dot(d_out, v, trans_b=True)
     d_logits = probs * (d_probs - delta_ref[queries][:, None])
+    if modify_vjp is not None:  # the arrays' gradients are the dq pass's
+      d_logits, _ = modify_vjp(d_logits)
     dk += plgpu.dot(d_logits.astype(q.dtype), q, trans_a=True)
     return dk, dv
 
@@ -405,17 +556,34 @@ def _mask_specs(cfg: _Config, m: _MaskArrays, bq: int, bk: int, along_q: bool) -
       kv_segment_ids=_ids_spec(m.kv_segment_ids, k_block, not along_q),
       kv_lengths=None if m.kv_lengths is None else pl.BlockSpec((None,), lambda t, b, h: (b,)),
       layout=_row_spec(m.layout), visits=_row_spec(m.visits),
-      visit_counts=_row_spec(m.visit_counts))
+      visit_counts=_row_spec(m.visit_counts),
+      mask_consts=tuple(_whole_spec(c) for c in m.mask_consts),
+      score_consts=tuple(_whole_spec(c) for c in m.score_consts))
+
+
+def _flex_specs(x: _FlexArrays) -> _FlexArrays:
+  """The program's head's sink `[]`; the score_mod's arrays whole."""
+  return _FlexArrays(
+      sinks=None if x.sinks is None else pl.BlockSpec((None,), lambda t, b, h: (h,)),
+      score_consts=tuple(_whole_spec(c) for c in x.score_consts))
+
+
+def _whole_spec(x: Array):
+  """The whole array, for every program."""
+  return pl.BlockSpec(x.shape, lambda t, b, h: (0,) * x.ndim)
 
 
 def _row_spec(x: Optional[Array]):
-  """`[H|1, n, m']` -> this program's row `[m']`; `[H|1, n]` -> its entry `[]`."""
+  """`[B|1, H|1, n, m']` -> this program's row `[m']`; `[B|1, H|1, n]` -> its
+  entry `[]`."""
   if x is None:
     return None
-  head_of = (lambda h: h) if x.shape[0] > 1 else (lambda h: 0)
-  if x.ndim == 2:
-    return pl.BlockSpec((None, None), lambda t, b, h: (head_of(h), t))
-  return pl.BlockSpec((None, None, x.shape[2]), lambda t, b, h: (head_of(h), t, 0))
+  batch_of = (lambda b: b) if x.shape[0] > 1 else (lambda b: 0)
+  head_of = (lambda h: h) if x.shape[1] > 1 else (lambda h: 0)
+  if x.ndim == 3:
+    return pl.BlockSpec((None, None, None), lambda t, b, h: (batch_of(b), head_of(h), t))
+  return pl.BlockSpec((None, None, None, x.shape[3]),
+                      lambda t, b, h: (batch_of(b), head_of(h), t, 0))
 
 
 def _row_stats_spec(block_len: int, blocked: bool):
@@ -436,7 +604,7 @@ def _compiler_params(cfg: _Config, head_dim: int):
 # ---------------------------------------------------------------------------
 
 
-def _forward(cfg: _Config, q, k, v, bias, m: _MaskArrays):
+def _forward(cfg: _Config, q, k, v, bias, x: _FlexArrays, m: _MaskArrays):
   """out `[B, Tq', H, Dv']` (query dtype) and lse `[B, Tq', H]` float32."""
   batch, _, num_heads, head_dim = q.shape
   value_dim = v.shape[-1]
@@ -447,6 +615,7 @@ def _forward(cfg: _Config, q, k, v, bias, m: _MaskArrays):
       _head_spec(cfg.kv_len, value_dim, True, cfg.group, blocked=False),
       _pairwise_spec(bias, bq, cfg.kv_len, along_q=True),
       _mask_specs(cfg, _for_pass(m, along_q=True), bq, cfg.block_k, along_q=True),
+      _flex_specs(x),
   ]
   out_shape = [jax.ShapeDtypeStruct(q.shape[:3] + (value_dim,), q.dtype),
                jax.ShapeDtypeStruct((batch, num_heads, cfg.q_len), jnp.float32)]
@@ -458,14 +627,15 @@ def _forward(cfg: _Config, q, k, v, bias, m: _MaskArrays):
       in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
       compiler_params=_compiler_params(cfg, max(head_dim, value_dim)),
       interpret=cfg.interpret, name="flash_attention_forward",
-  )(q, k, v, bias, _for_pass(m, along_q=True))
+  )(q, k, v, bias, _for_pass(m, along_q=True), x)
   # The kernels keep a query block's statistics contiguous ([B, H, Tq']); the
   # custom VJP wants them row by row, like out.
   return out, lse.transpose(0, 2, 1)
 
 
-def _backward(cfg: _Config, q, k, v, bias, m: _MaskArrays, lse, d_out, delta):
-  """Gradients of q, k, v and bias (shapes and dtypes of the padded inputs).
+def _backward(cfg: _Config, q, k, v, bias, x: _FlexArrays, m: _MaskArrays, lse, d_out, delta):
+  """Gradients of q, k, v, bias (shapes and dtypes of the padded inputs) and of
+  `x` (the sinks and the score_mod's floating arrays).
 
   lse, delta: `[B, Tq', H]` float32 (delta as `common.flash_attention_vjp` gives it).
   """
@@ -482,22 +652,31 @@ def _backward(cfg: _Config, q, k, v, bias, m: _MaskArrays, lse, d_out, delta):
       _head_spec(cfg.kv_len, value_dim, True, cfg.group, blocked=False),
       _pairwise_spec(bias, bq, cfg.kv_len, along_q=True),
       _mask_specs(cfg, _for_pass(m, along_q=True), bq, bk, along_q=True),
+      _flex_specs(x),
       _head_spec(bq, value_dim, False, cfg.group, blocked=True),
       _row_stats_spec(bq, blocked=True),
       _row_stats_spec(bq, blocked=True),
   ]
-  out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype), None]
-  out_specs = [_head_spec(bq, head_dim, False, cfg.group, blocked=True), None]
+  num_q_blocks = cfg.q_len // bq
+  # The score_mod's floating arrays: one partial gradient per program, summed below.
+  d_const_shapes = tuple(jax.ShapeDtypeStruct((batch, num_heads, num_q_blocks) + c.shape,
+                                              jnp.float32) for c in x.score_consts)
+  d_const_specs = tuple(
+      pl.BlockSpec((None, None, None) + c.shape,
+                   functools.partial(lambda ndim, t, b, h: (b, h, t) + (0,) * ndim, c.ndim))
+      for c in x.score_consts)
+  out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype), None, d_const_shapes]
+  out_specs = [_head_spec(bq, head_dim, False, cfg.group, blocked=True), None, d_const_specs]
   if bias is not None:
     # One [Tq', Tk'] gradient per (batch, head), summed over broadcast axes below.
     out_shape[1] = jax.ShapeDtypeStruct((batch, num_heads, cfg.q_len, cfg.kv_len), jnp.float32)
     out_specs[1] = pl.BlockSpec((None, None, bq, cfg.kv_len), lambda t, b, h: (b, h, t, 0))
-  dq, d_bias = pl.pallas_call(
+  dq, d_bias, d_consts = pl.pallas_call(
       functools.partial(_dq_kernel, cfg=cfg),
-      grid=(cfg.q_len // bq, batch, num_heads),
+      grid=(num_q_blocks, batch, num_heads),
       in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
       compiler_params=params, interpret=cfg.interpret, name="flash_attention_dq",
-  )(q, k, v, bias, _for_pass(m, along_q=True), d_out, lse, delta)
+  )(q, k, v, bias, _for_pass(m, along_q=True), x, d_out, lse, delta)
 
   # dk and dv per query head: grid over key blocks; grouped heads are summed after.
   bq, bk = cfg.block_q_dkv, cfg.block_k_dkv
@@ -507,6 +686,7 @@ def _backward(cfg: _Config, q, k, v, bias, m: _MaskArrays, lse, d_out, delta):
       _head_spec(bk, value_dim, True, cfg.group, blocked=True),
       _pairwise_spec(bias, cfg.q_len, bk, along_q=False),
       _mask_specs(cfg, _for_pass(m, along_q=False), bq, bk, along_q=False),
+      _flex_specs(x),
       _head_spec(cfg.q_len, value_dim, False, cfg.group, blocked=False),
       _row_stats_spec(cfg.q_len, blocked=False),
       _row_stats_spec(cfg.q_len, blocked=False),
@@ -522,12 +702,20 @@ def _backward(cfg: _Config, q, k, v, bias, m: _MaskArrays, lse, d_out, delta):
       grid=(cfg.kv_len // bk, batch, num_heads),
       in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
       compiler_params=params, interpret=cfg.interpret, name="flash_attention_dkv",
-  )(q, k, v, bias, _for_pass(m, along_q=False), d_out, lse, delta)
+  )(q, k, v, bias, _for_pass(m, along_q=False), x, d_out, lse, delta)
 
   dk, dv = _sum_groups(dk, cfg.group, k.dtype), _sum_groups(dv, cfg.group, v.dtype)
   if bias is not None:
     d_bias = common.sum_to_shape(d_bias, bias.shape).astype(bias.dtype)
-  return dq, dk, dv, d_bias
+  d_sinks = None
+  if x.sinks is not None:
+    # The sink's probability exp(sink - lse) meets dP = 0 (it has no value):
+    # dS = p_sink (0 - delta), summed over the rows each head's sink serves.
+    p_sink = jnp.exp(x.sinks[None, :, None].astype(jnp.float32) - lse)  # [B, H, Tq']
+    d_sinks = -jnp.sum(p_sink * delta, axis=(0, 2)).astype(x.sinks.dtype)
+  d_consts = tuple(d.sum(axis=(0, 1, 2)).astype(c.dtype)
+                   for d, c in zip(d_consts, x.score_consts))
+  return dq, dk, dv, d_bias, _FlexArrays(d_sinks, d_consts)
 
 
 def _sum_groups(grad, group: int, dtype):
@@ -539,7 +727,7 @@ def _sum_groups(grad, group: int, dtype):
   return grad.sum(axis=3).astype(dtype)
 
 
-# (q, k, v, bias) are differentiated, _MaskArrays is not.
+# (q, k, v, bias, _FlexArrays) are differentiated, _MaskArrays is not.
 _attention = common.flash_attention_vjp(_forward, _backward)
 
 
@@ -577,8 +765,13 @@ def default_block_sizes_gpu(head_dim: int, dtype) -> common.BlockSizes:
 def flash_attention_gpu(inputs: AttentionInputs, block_sizes: Optional[common.BlockSizes] = None,
                         *, interpret: Optional[bool] = None, num_warps: Optional[int] = None,
                         num_stages: Optional[int] = None, return_residual: bool = False,
-                        pattern: Optional[patterns.Pattern] = None,
-                        block_layout: Optional[Array] = None
+                        pattern: Union[None, patterns.Pattern, mods.LiftedMod] = None,
+                        block_layout: Optional[Array] = None,
+                        mask_consts: Tuple[Array, ...] = (),
+                        score_mod: Optional[mods.LiftedMod] = None,
+                        score_consts: Tuple[Array, ...] = (),
+                        softcap: Optional[float] = None,
+                        sinks: Optional[Array] = None
                         ) -> Union[Array, Tuple[Array, Array]]:
   """Exact attention over `inputs` with Pallas GPU kernels; `[B, Tq, H, Dv]`.
 
@@ -592,10 +785,16 @@ def flash_attention_gpu(inputs: AttentionInputs, block_sizes: Optional[common.Bl
       stages when None). Ignored by the interpreter.
     return_residual: also return the log-sum-exp `[B, Tq, H]` float32
       (differentiable; `common.EMPTY_ROW_LSE` where a query attends nothing).
-    pattern, block_layout: block-sparse attention (block_sparse.py): the
-      pattern and its `[H|1, nq, nk]` layout for `block_sizes` (one size for
-      every pass, which must fit the sequences as given); each program visits
-      its own head's blocks. No bias then.
+    pattern, block_layout: block-sparse attention (block_sparse.py,
+      flex_attention): the mask mod evaluated in PARTIAL blocks (a static
+      pattern, or a `mods.LiftedMod` closing over `mask_consts`) and its
+      `[H|1, nq, nk]` or `[B|1, H|1, nq, nk]` layout for `block_sizes` (one
+      size for every pass, which must fit the sequences as given); each
+      program visits its own (batch row, head)'s blocks.
+    score_mod, score_consts, softcap, sinks: flex_attention (kernels/
+      flash_attention/flex.py): the logits soft-capped, then the lifted
+      score_mod over its arrays (differentiated where floating), applied on
+      each tile inside the kernels; `[H]` sink logits in the normaliser.
 
   Raises:
     ValueError: for a dtype other than float32/bfloat16/float16, a head dim
@@ -617,13 +816,15 @@ def flash_attention_gpu(inputs: AttentionInputs, block_sizes: Optional[common.Bl
   sparse = {}
   if block_layout is not None:
     if (cfg.block_q, cfg.block_k) != (block_sizes.block_q, block_sizes.block_k) or \
-        cfg.dkv_blocks != (cfg.block_q, cfg.block_k) or inputs.bias is not None:
+        cfg.dkv_blocks != (cfg.block_q, cfg.block_k):
       raise ValueError(f"block-sparse attention needs one block size for every pass, no "
-                       f"longer than the sequences, and no bias; got {block_sizes} for "
+                       f"longer than the sequences; got {block_sizes} for "
                        f"Tq={inputs.query.shape[1]}, Tk={inputs.key.shape[1]}.")
+    if block_layout.ndim == 3:  # [H|1, nq, nk]: the same for every batch row
+      block_layout = block_layout[None]
     cfg = dataclasses.replace(cfg, pattern=pattern)
     by_query = _visit_lists(block_layout)
-    by_key = _visit_lists(block_layout.swapaxes(1, 2))
+    by_key = _visit_lists(block_layout.swapaxes(2, 3))
     sparse = dict(zip(("layout", "visits", "visit_counts"), by_query))
     sparse.update(zip(("layout_by_key", "visits_by_key", "visit_counts_by_key"), by_key))
 
@@ -642,8 +843,20 @@ def flash_attention_gpu(inputs: AttentionInputs, block_sizes: Optional[common.Bl
       kv_lengths=(None if inputs.key_value_seq_lengths is None
                   else jnp.asarray(inputs.key_value_seq_lengths, jnp.int32)), **sparse)
 
+  # flex_attention: the mods' arrays whole, floating score_mod arrays differentiated.
+  float_consts, other_consts = (), ()
+  if score_mod is not None:
+    float_consts, other_consts = score_mod.split(score_consts)
+  cfg = dataclasses.replace(cfg, softcap=None if softcap is None else float(softcap),
+                            score_mod=score_mod, has_sinks=sinks is not None)
+  m = dataclasses.replace(
+      m, mask_consts=tuple(map(_kernel_const, mask_consts)) if block_layout is not None else (),
+      score_consts=tuple(map(_kernel_const, other_consts)))
+  x = _FlexArrays(sinks=None if sinks is None else jnp.asarray(sinks, jnp.float32),
+                  score_consts=tuple(map(_kernel_const, float_consts)))
+
   q_len = query.shape[1]
-  out, lse = _attention(cfg, (q, k, v, bias), m)
+  out, lse = _attention(cfg, (q, k, v, bias, x), m)
   return common.attention_outputs(out[:, :q_len, :, :value.shape[-1]], lse[:, :q_len],
                                   inputs.query_seq_lengths, return_residual)
 
