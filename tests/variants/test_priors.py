@@ -298,3 +298,45 @@ def test_average_rejects_bad_arguments():
     jit_apply(layer, {"params": params}, x, segment_ids=jnp.zeros((1, 5), jnp.int32))
   with pytest.raises(ValueError, match="x_t"):
     average_attention_step(initial_average_state(1, 8), jnp.zeros((1, 4)), **params)
+
+
+# ----------------------------------------------------------------------------------
+# The Gaussian priors on the flex engine: the prior as a score_mod, against the
+# dense form (the reference), outputs and gradients of every array, the learned
+# ones included (they reach the kernel as arrays its score_mod closes over).
+
+
+@pytest.mark.property("gaussian_transformer")
+@pytest.mark.property("gaussian_local")
+@pytest.mark.parametrize("implementation", ["blockwise", "xla"])
+def test_gaussian_priors_on_flex_equal_their_dense_form(implementation):
+  from attention_jax.variants.prior.biases import gaussian_local_attention
+  query, key, value = random_qkv(batch=2, q_len=21, num_heads=4, num_kv_heads=2, head_dim=8)
+  masks = dict(is_causal=True, key_value_seq_lengths=jnp.asarray([21, 13]),
+               segment_ids=jnp.asarray(np.arange(21)[None].repeat(2, 0) // 15))
+  weight, offset = jnp.asarray([0.1, 0.2, 0.05, 0.3]), jnp.asarray([0.0, -1.0, 0.5, 0.0])
+  transformer = lambda impl: lambda q, k, v, w, b: gaussian_transformer_attention(
+      q, k, v, distance_weight=w, distance_bias=b, query_positions=jnp.arange(21) + 3,
+      implementation=impl, **masks)
+  assert_same_outputs_and_grads(transformer(implementation), transformer(None), query, key,
+                                value, weight, offset, rtol=1e-4, atol=1e-5)
+  keys = jax.random.split(jax.random.PRNGKey(5), 3)
+  # Windows of a few positions: a window far below one position makes the
+  # softmax one-hot and the gradients 1/sigma^2 times float32 rounding, in
+  # either form (flash's delta = rowsum(dO * O) is not exactly the dense one).
+  predictor = (0.3 * jax.random.normal(keys[0], (4, 8, 8)),
+               0.3 * jax.random.normal(keys[1], (4, 8)), 0.3 * jax.random.normal(keys[2], (4, 8)))
+  local = lambda impl: lambda q, k, v, p, c, w: gaussian_local_attention(
+      q, k, v, position_kernel=p, center_vector=c, window_vector=w, implementation=impl,
+      **masks)
+  assert_same_outputs_and_grads(local(implementation), local(None), query, key, value,
+                                *predictor, rtol=1e-4, atol=1e-4)
+
+
+def test_gaussian_priors_on_flex_refuse_dropout_by_name():
+  query, key, value = random_qkv(q_len=9)
+  with pytest.raises(ValueError, match=r"gaussian_transformer: dropout on the attention weights "
+                                       r"runs on implementation=None"):
+    gaussian_transformer_attention(query, key, value, distance_weight=jnp.ones(4),
+                                   distance_bias=jnp.zeros(4), implementation="blockwise",
+                                   dropout_rate=0.1, dropout_rng=jax.random.PRNGKey(0))

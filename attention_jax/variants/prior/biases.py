@@ -25,11 +25,14 @@ import numpy as np
 
 from attention_jax import registry
 from attention_jax.variants import common
+from attention_jax.flex import flex_attention
 from attention_jax.variants.dense import dot_product_attention
 from attention_jax.variants.prior.synthesizer import PER_HEAD_KERNEL
 
 Array = jnp.ndarray
 Dtype = Any
+_FLEX_OPTION = ("None: the dense form (the reference); 'blockwise' or 'xla': flex_attention "
+                "with the prior as its score_mod, never a [B, H, Tq, Tk] prior")
 
 
 # --------------------------------------------------------------------------------------
@@ -46,6 +49,22 @@ def _prior_attention(query: Array, key: Array, value: Array, prior: Array,
   return dot_product_attention(query, key, value, prior, mask, scale=scale, **kwargs)
 
 
+def _prior_on_flex(variant: str, query: Array, key: Array, value: Array, prior_mod,
+                   bias: Optional[Array], mask: Optional[Array], *, scale: Optional[float],
+                   implementation: str, dropout_rate: float = 0.0, dropout_rng=None,
+                   **kwargs) -> Array:
+  """The prior as a score_mod of `flex_attention` (`implementation` one of its
+  kernels): the `[B, H, Tq, Tk]` prior is never built; the arrays `prior_mod`
+  closes over get their gradients from the kernel."""
+  del dropout_rng
+  if dropout_rate:
+    raise ValueError(f"{variant}: dropout on the attention weights runs on implementation=None "
+                     f"(the dense form), got dropout_rate={dropout_rate} with "
+                     f"implementation={implementation!r}.")
+  return flex_attention(query, key, value, score_mod=prior_mod, bias=bias, mask=mask,
+                        scale=scale, implementation=implementation, **kwargs)
+
+
 # --------------------------------------------------------------------------------------
 # Gaussian Transformer: a learned prior on the distance i - j.
 
@@ -54,7 +73,8 @@ def gaussian_transformer_attention(query: Array, key: Array, value: Array,
                                    bias: Optional[Array] = None, mask: Optional[Array] = None, *,
                                    distance_weight: Array, distance_bias: Array,
                                    query_positions: Optional[Array] = None,
-                                   scale: Optional[float] = None, **kwargs) -> Array:
+                                   scale: Optional[float] = None,
+                                   implementation: Optional[str] = None, **kwargs) -> Array:
   """The Gaussian Transformer's attention (Guo et al. 2019):
 
       out = softmax(q k^T * scale - |w_h (i - j)^2 + b_h| + bias, masked) v,
@@ -73,6 +93,8 @@ def gaussian_transformer_attention(query: Array, key: Array, value: Array,
       (`arange(Tq)` when None; `MultiHeadAttention` passes its positions,
       offset while decoding); key j is at position j.
     scale: logit scale, 1/sqrt(D) when None.
+    implementation: None, the dense form above (the reference); or a kernel
+      of `flex_attention` ("blockwise", ...), the prior its score_mod.
     **kwargs: the masks of `dot_product_attention` (is_causal,
       query_seq_lengths, key_value_seq_lengths, segment_ids) and dropout.
 
@@ -83,6 +105,16 @@ def gaussian_transformer_attention(query: Array, key: Array, value: Array,
   common.check_per_head("distance_weight", distance_weight, (num_heads,))
   common.check_per_head("distance_bias", distance_bias, (num_heads,))
   positions = common.query_positions(query_positions, batch, q_len)
+  if implementation is not None:
+    weight = jnp.asarray(distance_weight, jnp.float32)
+    offset = jnp.asarray(distance_bias, jnp.float32)
+
+    def distance_prior(score, b, h, q_idx, kv_idx):
+      squared = jnp.square(positions[b, q_idx] - kv_idx.astype(jnp.float32))
+      return score - jnp.abs(weight[h] * squared + offset[h])
+
+    return _prior_on_flex("gaussian_transformer", query, key, value, distance_prior, bias, mask,
+                          scale=scale, implementation=implementation, **kwargs)
   squared = jnp.square(positions[:, :, None] - jnp.arange(key.shape[1], dtype=jnp.float32))
   weight = jnp.asarray(distance_weight, jnp.float32)[None, :, None, None]
   offset = jnp.asarray(distance_bias, jnp.float32)[None, :, None, None]
@@ -123,7 +155,8 @@ registry.register(registry.VariantSpec(
     paper="Guo et al. 2019", extras=GaussianDistancePrior,
     options=dict(initial_weight="w at initialisation, per head (the prior -|w (i-j)^2 + b|)",
                  initial_bias="b at initialisation, per head",
-                 scale="multiplies the q . k logits; 1/sqrt(D) when None")))
+                 scale="multiplies the q . k logits; 1/sqrt(D) when None",
+                 implementation=_FLEX_OPTION)))
 
 
 # --------------------------------------------------------------------------------------
@@ -134,7 +167,8 @@ def gaussian_local_attention(query: Array, key: Array, value: Array,
                              bias: Optional[Array] = None, mask: Optional[Array] = None, *,
                              position_kernel: Array, center_vector: Array, window_vector: Array,
                              key_value_seq_lengths: Optional[Array] = None,
-                             scale: Optional[float] = None, **kwargs) -> Array:
+                             scale: Optional[float] = None,
+                             implementation: Optional[str] = None, **kwargs) -> Array:
   """Localness modelling (Yang et al. 2018, eqs. 5-9), per head h and query i:
 
       P_i = T sigmoid(U_p^T tanh(W_p q_i)),   D_i = T sigmoid(U_d^T tanh(W_p q_i)),
@@ -158,6 +192,9 @@ def gaussian_local_attention(query: Array, key: Array, value: Array,
     window_vector: U_d `[H, D]`.
     key_value_seq_lengths: `[B]` valid keys, T of each row (Tk when None).
     scale: the q . k logits' scale, 1/sqrt(D) when None.
+    implementation: None, the dense form above (the reference); or a kernel
+      of `flex_attention` ("blockwise", ...), G its score_mod (closing over
+      the centres and variances `[B, H, Tq]`, which the kernel differentiates).
     **kwargs: the other masks of `dot_product_attention` (is_causal,
       query_seq_lengths, segment_ids) and dropout.
 
@@ -182,6 +219,14 @@ def gaussian_local_attention(query: Array, key: Array, value: Array,
   # sigmoid underflows to 0 below about -88 in float32; a floor keeps 1 / sigma^2
   # finite there (such a window is far narrower than one position anyway).
   variance = 2.0 * jnp.square(jnp.maximum(window, 1e-3) / 2.0)
+  if implementation is not None:
+    def localness(score, b, h, q_idx, kv_idx):
+      return score - jnp.square(kv_idx.astype(jnp.float32) - center[b, h, q_idx]) / (
+          variance[b, h, q_idx])
+
+    return _prior_on_flex("gaussian_local", query, key, value, localness, bias, mask,
+                          scale=scale, implementation=implementation,
+                          key_value_seq_lengths=key_value_seq_lengths, **kwargs)
   distance = jnp.arange(kv_len, dtype=jnp.float32) - center[..., None]
   local_bias = -jnp.square(distance) / variance[..., None]  # [B, H, Tq, Tk]
   return _prior_attention(query, key, value, local_bias, bias, mask, scale=scale,
@@ -216,7 +261,8 @@ registry.register(registry.VariantSpec(
     takes=("dropout",),
     subquadratic=False, exact=False, causal=True, cross=True, paper="Yang et al. 2018",
     extras=LocalnessPredictor,
-    options=dict(scale="multiplies the q . k logits; 1/sqrt(D) when None")))
+    options=dict(scale="multiplies the q . k logits; 1/sqrt(D) when None",
+                 implementation=_FLEX_OPTION)))
 
 
 # --------------------------------------------------------------------------------------
