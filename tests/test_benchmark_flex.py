@@ -1,0 +1,63 @@
+"""experiments.benchmark_flex at tiny sizes: every case x length x pass is
+recorded with finite positive times, the forms that cannot express a case say
+so, and flex computes the same function as the plain kernel and jax.nn (no
+timing or ratio is asserted)."""
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from experiments import benchmark_flex
+
+
+def test_a_tiny_run_records_every_case_length_and_pass(tmp_path):
+  out = tmp_path / "flex.json"
+  # Blocks of 16 over T = 32, 48: 2 x 2 and 3 x 3 tiles, so that the masks skip
+  # some. The cap passes T = 32 (float32 logits of 4 KiB, their gradient 4 more,
+  # ALiBi's bias 4 more) and stops jax.nn's fwd_bwd at T = 48.
+  cap = 13000
+  benchmark_flex.main(["--lengths=32,48", "--heads=1", "--head_dim=16", "--repeats=1",
+                       "--block_size=16", "--window=8", f"--max_dense_bytes={cap}",
+                       f"--out={out}"])
+  payload = json.loads(out.read_text())
+  assert payload["environment"]["git_revision"] is not None
+  assert payload["environment"]["cpu_model"] is not None
+  assert payload["command"].startswith("python -m experiments.benchmark_flex ")
+  records = {(r["case"], r["length"], r["mode"]): r for r in payload["records"]}
+  assert set(records) == {(case, length, mode) for case in benchmark_flex.CASES
+                          for length in (32, 48) for mode in benchmark_flex.PASSES}
+  for (case, length, mode), record in records.items():
+    assert 0 < record["density"] <= 1
+    for form in benchmark_flex.FORMS:
+      result = record[form]
+      if case == "softcap" and form != "flex":
+        assert result["status"].startswith("n/a"), (case, form)
+        continue
+      if result["materialised_bytes"] > cap:
+        assert result["status"].startswith("skipped: would materialise"), (case, form)
+        continue
+      assert result["status"] == "ok", (case, length, mode, form, result)
+      assert math.isfinite(result["ms"]) and result["ms"] > 0
+      if form != "flex":
+        # The same function on both sides (outputs, or gradients in fwd_bwd).
+        assert result["max_abs_diff_from_flex"] < 1e-4, (case, length, mode, form)
+    ratio = record["flex_over_blockwise"]
+    assert (ratio is None) == (record["blockwise"]["status"] != "ok")
+    assert ratio is None or (math.isfinite(ratio) and ratio > 0)
+  assert records[("causal", 32, "fwd_bwd")]["jax_nn"]["status"] == "ok"
+  assert records[("causal", 48, "fwd_bwd")]["jax_nn"]["status"].startswith("skipped")
+  assert records[("causal", 48, "fwd_bwd")]["blockwise"]["status"] == "ok"
+  # The masks skip tiles where they should: the causal mask over 3 x 3 tiles
+  # visits 6, the sliding window of 8 (keys i - 7 .. i) in tiles of 16 visits 5.
+  np.testing.assert_allclose(records[("causal", 48, "fwd")]["density"], 6 / 9)
+  np.testing.assert_allclose(records[("sliding_window", 48, "fwd")]["density"], 5 / 9)
+
+
+@pytest.mark.parametrize("length", [1000, 4096])
+def test_document_ids_cut_each_row_into_documents(length):
+  ids = benchmark_flex.document_ids(2, length)
+  assert ids.shape == (2, length) and ids[:, 0].tolist() == [0, 0]
+  assert np.all(np.diff(ids, axis=1) >= 0)
+  assert ids[:, -1].tolist() == [max(2, length // 1024) - 1] * 2
