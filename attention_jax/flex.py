@@ -41,6 +41,7 @@ from attention_jax.kernels.flash_attention import common, flex as flex_kernels
 
 Array = jax.Array
 QK_NORMS = ("rms", "l2")
+DROPOUT_IMPLEMENTATIONS = ("blockwise", "xla")
 
 
 def _dense_flex(inputs: AttentionInputs, flex: FlexInputs, block_sizes=None, *,
@@ -81,6 +82,9 @@ def _dense_flex(inputs: AttentionInputs, flex: FlexInputs, block_sizes=None, *,
     weights = weights[..., :-1]
   else:
     weights, lse = masked_softmax_and_logsumexp(logits, mask)
+  if flex.dropout_rate > 0.0:  # its own draws: the kernels draw theirs per tile
+    keep = jax.random.bernoulli(flex.dropout_rng, 1.0 - flex.dropout_rate, weights.shape)
+    weights = jnp.where(keep, weights / (1.0 - flex.dropout_rate), 0.0)
   out = jnp.einsum("bhqk,bkhd->bqhd", weights, value, precision=jax.lax.Precision.HIGHEST)
   return common.attention_outputs(out.astype(inputs.query.dtype), lse.transpose(0, 2, 1),
                                   inputs.query_seq_lengths, return_residual)
@@ -105,6 +109,8 @@ def flex_attention(query: Array, key: Array, value: Array, *,
                    qk_norm_scales: Optional[Tuple[Array, Array]] = None,
                    normaliser: str = "softmax",
                    sigmoid_bias: Optional[float] = None,
+                   dropout_rate: float = 0.0,
+                   dropout_rng: Optional[Array] = None,
                    bias: Optional[Array] = None,
                    mask: Optional[Array] = None,
                    is_causal: bool = False,
@@ -141,6 +147,10 @@ def flex_attention(query: Array, key: Array, value: Array, *,
     normaliser: "softmax", or "sigmoid" (each pair weighted by
       `sigmoid(logit + sigmoid_bias)`, no normalisation over keys;
       `sigmoid_bias` defaults to -log(Tk)).
+    dropout_rate, dropout_rng: dropout on the weights. The blockwise kernel
+      draws each tile's keep mask from the rng folded with the tile's
+      indices (the backward redraws it); "xla" draws its own, so the two
+      drop different weights.
     bias, mask, is_causal, query_seq_lengths, key_value_seq_lengths,
       local_window_size, segment_ids: as in `dot_product_attention`; applied
       with the mods (causal and the window also skip blocks).
@@ -172,7 +182,11 @@ def flex_attention(query: Array, key: Array, value: Array, *,
   flex = prepare_flex_inputs(inputs, score_mod=score_mod, mask_mod=mask_mod,
                              block_mask=block_mask, softcap=softcap, sinks=sinks,
                              normaliser=normaliser, sigmoid_bias=sigmoid_bias,
+                             dropout_rate=dropout_rate, dropout_rng=dropout_rng,
                              return_residual=return_residual)
+  if flex.dropout_rate > 0.0 and implementation not in DROPOUT_IMPLEMENTATIONS:
+    raise ValueError(f"dropout on the weights runs on implementation in "
+                     f"{DROPOUT_IMPLEMENTATIONS}, got implementation={implementation!r}.")
   result = FLEX_IMPLEMENTATIONS[implementation](inputs, flex, block_sizes,
                                                 return_residual=return_residual)
   return returned_outputs(result, unbatched)

@@ -39,6 +39,7 @@ class FlexInputs:
     sinks: `[H]` float sink logits, or None.
     normaliser: "softmax" or "sigmoid".
     sigmoid_bias: the sigmoid normaliser's bias (a float).
+    dropout_rate, dropout_rng: dropout on the weights (rate 0: none).
   """
 
   score_mod: Optional[Callable] = None
@@ -52,6 +53,8 @@ class FlexInputs:
   sinks: Optional[Array] = None
   normaliser: str = "softmax"
   sigmoid_bias: float = 0.0
+  dropout_rate: float = 0.0
+  dropout_rng: Optional[Array] = None
 
   @property
   def static_mask_mod(self) -> bool:
@@ -61,7 +64,8 @@ class FlexInputs:
 def prepare_flex_inputs(inputs: AttentionInputs, *, score_mod=None, mask_mod=None,
                         block_mask: Optional[block_masks.BlockMask] = None, softcap=None,
                         sinks=None, normaliser: str = "softmax",
-                        sigmoid_bias: Optional[float] = None,
+                        sigmoid_bias: Optional[float] = None, dropout_rate: float = 0.0,
+                        dropout_rng: Optional[Array] = None,
                         return_residual: bool = False) -> FlexInputs:
   """Checks the flex options against `inputs` and lifts the mods (trace time).
 
@@ -115,8 +119,15 @@ def prepare_flex_inputs(inputs: AttentionInputs, *, score_mod=None, mask_mod=Non
     sigmoid_bias = -math.log(max(kv_len, 1)) if sigmoid_bias is None else float(sigmoid_bias)
   elif sigmoid_bias is not None:
     raise ValueError(f"sigmoid_bias is for normaliser='sigmoid', got normaliser={normaliser!r}.")
+  if isinstance(dropout_rate, bool) or not isinstance(dropout_rate, (int, float)) or not (
+      0.0 <= dropout_rate < 1.0):
+    raise ValueError(f"dropout_rate must be a float in [0, 1), got {dropout_rate!r}.")
+  if dropout_rate > 0.0 and dropout_rng is None:
+    raise ValueError(f"dropout_rate={dropout_rate} needs a dropout_rng (a PRNG key), got None.")
   return FlexInputs(score_mod=score_mod, mask_mod=mask_mod, lifted_score_mod=lifted_score_mod,
                     score_consts=score_consts, lifted_mask_mod=lifted_mask_mod,
                     mask_consts=mask_consts, block_mask=block_mask,
                     softcap=None if softcap is None else float(softcap), sinks=sinks,
-                    normaliser=normaliser, sigmoid_bias=sigmoid_bias or 0.0)
+                    normaliser=normaliser, sigmoid_bias=sigmoid_bias or 0.0,
+                    dropout_rate=float(dropout_rate),
+                    dropout_rng=dropout_rng if dropout_rate > 0.0 else None)

@@ -45,7 +45,8 @@ def composed_attention(query: Array, key: Array, value: Array, bias: Optional[Ar
                        relative_bias_table: Optional[Array] = None,
                        relative_bias_max_distance: int = 128,
                        prefix_lengths: Optional[Array] = None,
-                       implementation: Optional[str] = None, is_causal: bool = False,
+                       implementation: Optional[str] = None, dropout_rate: float = 0.0,
+                       dropout_rng: Optional[Array] = None, is_causal: bool = False,
                        query_seq_lengths=None, key_value_seq_lengths=None,
                        segment_ids=None) -> Array:
   """`flex_attention` with named mods: `[B, Tq, H, Dv]`.
@@ -60,6 +61,7 @@ def composed_attention(query: Array, key: Array, value: Array, bias: Optional[Ar
     relative_bias_table: `[H, num_buckets]` for "relative_bias", bucketed as
       T5 does up to `relative_bias_max_distance`.
     prefix_lengths: `[B]` for "prefix_lm".
+    dropout_rate, dropout_rng: dropout on the weights (blockwise draws it per tile).
   """
   mods = tuple(mods)
   unknown = [m for m in mods if m not in NAMED_MODS]
@@ -92,7 +94,8 @@ def composed_attention(query: Array, key: Array, value: Array, bias: Optional[Ar
       qk_norm_scales=qk_norm_scales, normaliser=normaliser, sigmoid_bias=sigmoid_bias,
       bias=bias, mask=mask, is_causal=is_causal, query_seq_lengths=query_seq_lengths,
       key_value_seq_lengths=key_value_seq_lengths, local_window_size=local_window_size,
-      segment_ids=segment_ids, implementation=implementation)
+      segment_ids=segment_ids, implementation=implementation, dropout_rate=dropout_rate,
+      dropout_rng=dropout_rng)
 
 
 def _required(array, argument: str, mod: str):
@@ -150,7 +153,7 @@ registry.register(registry.VariantSpec(
     name="flex", fn=composed_attention, family="composed",
     paper="Dehghani et al. 2023; Gemma Team 2024; Xiao et al. 2024; Ramapuram et al. 2024",
     complexity="O(T^2); O(T w) with a window", subquadratic=False, exact=True, causal=True,
-    cross=True, extras=ComposedParameters,
+    cross=True, extras=ComposedParameters, takes=("dropout",),
     not_decodable=("its mods see token indices, which a KV cache does not carry yet; decode "
                    "with dot_product"),
     options=dict(

@@ -59,6 +59,10 @@ class _Static:
   # sigmoid_bias), no normalisation over keys (Ramapuram et al. 2024).
   normaliser: str = "softmax"
   sigmoid_bias: float = 0.0
+  # Dropout on the weights (flex_attention; `_Masks.dropout_rng`): each tile's
+  # keep mask is drawn from the rng folded with its (query block, key block),
+  # so the backward redraws it; one block size for both passes.
+  dropout_rate: float = 0.0
 
   @property
   def modifies_scores(self) -> bool:
@@ -107,6 +111,7 @@ class _Masks:
   # are not differentiated (integer ids, say): see `mods.LiftedMod.split`.
   mask_mod_consts: Tuple[Array, ...] = ()
   score_mod_consts: Tuple[Array, ...] = ()
+  dropout_rng: Optional[Array] = None
 
   @property
   def has_positions(self) -> bool:
@@ -116,7 +121,7 @@ class _Masks:
 jax.tree_util.register_dataclass(
     _Masks, data_fields=["mask", "q_lengths", "kv_lengths", "q_segment_ids", "kv_segment_ids",
                          "q_positions", "kv_positions", "block_layout", "mask_mod_consts",
-                         "score_mod_consts"],
+                         "score_mod_consts", "dropout_rng"],
     meta_fields=[])
 
 
@@ -306,6 +311,23 @@ def _evaluate_mask_mod(cfg: _Static, masks: _Masks, index: _Indices, mask_shape)
   return jnp.broadcast_to(allowed, mask_shape)
 
 
+def dropout_keep(rng: Array, q_block, k_block, shape, rate: float) -> Array:
+  """The tile's inverted-dropout multipliers, `shape` float32: 0, or 1 / (1 -
+  rate) with probability 1 - rate; drawn from `rng` folded with the tile's
+  (query block, key block), the same in the forward and backward passes."""
+  tile_rng = jax.random.fold_in(jax.random.fold_in(rng, q_block), k_block)
+  keep = jax.random.bernoulli(tile_rng, 1.0 - rate, shape)
+  return jnp.where(keep, 1.0 / (1.0 - rate), 0.0).astype(jnp.float32)
+
+
+def _dropped(cfg: _Static, masks: _Masks, weights: Array, q_block, k_block) -> Array:
+  """`weights` with the tile's dropout applied (unchanged without dropout)."""
+  if cfg.dropout_rate == 0.0:
+    return weights
+  return weights * dropout_keep(masks.dropout_rng, q_block, k_block, weights.shape,
+                                cfg.dropout_rate)
+
+
 def _block_of(x, q_start, k_start, bq, bk):
   """The `[.., bq|1, bk|1]` block of a bias or mask laid out `[.., Tq|1, Tk|1]`."""
   return common.slice_axis(common.slice_axis(x, 3, q_start, bq), 4, k_start, bk)
@@ -340,7 +362,7 @@ def _forward(cfg: _Static, q, k, v, bias, masks: _Masks, extras: Optional[Extras
       v_blk = jax.lax.dynamic_slice_in_dim(v, j * bk, bk, axis=2)
       logits = _block_logits(cfg, masks, extras, q_blk, k_blk_t, bias, i * bq, j * bk, bq, bk)
       if cfg.normaliser == "sigmoid":  # no normaliser: the weights add up as they are
-        weights = jax.nn.sigmoid(logits + cfg.sigmoid_bias)
+        weights = _dropped(cfg, masks, jax.nn.sigmoid(logits + cfg.sigmoid_bias), i, j)
         return row_max, row_sum, acc + common.einsum_float32(
             "bhgqk,bhkd->bhgqd", weights.astype(v.dtype), v_blk)
       new_max = jnp.maximum(row_max, logits.max(-1))
@@ -348,9 +370,9 @@ def _forward(cfg: _Static, q, k, v, bias, masks: _Masks, extras: Optional[Extras
       safe_max = jnp.where(jnp.isfinite(new_max), new_max, 0.0)
       probs = jnp.exp(logits - safe_max[..., None])
       correction = jnp.exp(row_max - safe_max)
-      row_sum = correction * row_sum + probs.sum(-1)
+      row_sum = correction * row_sum + probs.sum(-1)  # the normaliser sees every weight
       acc = correction[..., None] * acc + common.einsum_float32(
-          "bhgqk,bhkd->bhgqd", probs.astype(v.dtype), v_blk)
+          "bhgqk,bhkd->bhgqd", _dropped(cfg, masks, probs, i, j).astype(v.dtype), v_blk)
       return new_max, row_sum, acc
 
     lo, hi = _block_range(cfg, masks, common.kv_block_range, i, bq, bk, num_kv_blocks)
@@ -423,7 +445,10 @@ def _backward(cfg: _Static, q, k, v, bias, masks: _Masks, lse, d_out, delta,
         scores, modify_vjp = jax.vjp(
             lambda s, c: _modified_scores(cfg, masks, c, s, index), scores, score_consts)
       logits = scores if allowed is None else jnp.where(allowed, scores, -jnp.inf)
-      d_probs = common.einsum_float32("bhgqd,bhdk->bhgqk", do_blk, v_blk_t)
+      # With dropout, out = (Z p) v: dv takes Z p, and dP of the weights before
+      # dropout is Z dP (delta = rowsum(dO out) is unchanged).
+      d_probs = _dropped(cfg, masks, common.einsum_float32("bhgqd,bhdk->bhgqk", do_blk, v_blk_t),
+                         i, j)
       if cfg.normaliser == "sigmoid":
         probs = jax.nn.sigmoid(logits + cfg.sigmoid_bias)  # the weights
         d_logits = d_probs * probs * (1.0 - probs)
@@ -438,7 +463,8 @@ def _backward(cfg: _Static, q, k, v, bias, masks: _Masks, lse, d_out, delta,
       # dk and dv accumulate transposed, [.., D, bk]: the block's probabilities
       # and dS are then the products' right operands as they are laid out, so
       # XLA neither copies them transposed nor computes dS twice.
-      dv += common.einsum_float32("bhgdq,bhgqk->bhdk", do_blk_t, probs.astype(d_out.dtype))
+      dv += common.einsum_float32("bhgdq,bhgqk->bhdk", do_blk_t,
+                                  _dropped(cfg, masks, probs, i, j).astype(d_out.dtype))
       dk += common.einsum_float32("bhgdq,bhgqk->bhdk", q_blk_t, d_logits.astype(q.dtype))
       dq_blk = jax.lax.dynamic_slice_in_dim(dq, i * bq, bq, axis=3) + common.einsum_float32(
           "bhgqk,bhkd->bhgqd", d_logits.astype(k.dtype), k_blk)

@@ -58,9 +58,9 @@ def flex_blockwise(inputs: AttentionInputs, flex: FlexInputs,
   cfg = dataclasses.replace(
       cfg, mask_mod=flex.lifted_mask_mod if flex.lifted_mask_mod is not None else flex.mask_mod,
       softcap=flex.softcap, score_mod=flex.lifted_score_mod, normaliser=flex.normaliser,
-      sigmoid_bias=flex.sigmoid_bias)
+      sigmoid_bias=flex.sigmoid_bias, dropout_rate=flex.dropout_rate)
   masks = dataclasses.replace(masks, block_layout=layout, mask_mod_consts=tuple(flex.mask_consts),
-                              score_mod_consts=tuple(score_other))
+                              score_mod_consts=tuple(score_other), dropout_rng=flex.dropout_rng)
   sinks = None if flex.sinks is None else flex.sinks.reshape(num_kv_heads, group)
   extras = blockwise.Extras(sinks, tuple(score_consts))
   out, lse = blockwise.flex_attend(cfg, (q, k, v, bias, extras), masks)

@@ -353,3 +353,55 @@ def test_a_block_mask_for_other_lengths_or_blocks_is_refused():
     aj.create_block_mask(mods.document_mask(jnp.asarray(DOCS)), None, None, T, T)
   with pytest.raises(ValueError, match=r"block_sizes must be \(block_q, block_k\)"):
     aj.create_block_mask(mods.causal_mask, None, None, T, T, (8, 0))
+
+
+# Dropout on the weights: the kernel draws each tile's mask from the rng and
+# the tile's indices; the dense form below assembles the same masks tile by
+# tile, so the two compute the same function, outputs and gradients.
+
+def _tile_dropout_mask(rng, rate, shape_bhqk, block):
+  batch, heads, q_len, kv_len = shape_bhqk
+  nq, nk = -(-q_len // block), -(-kv_len // block)
+  tiles = [[blockwise.dropout_keep(rng, i, j, (batch, HKV, heads // HKV, block, block), rate)
+            for j in range(nk)] for i in range(nq)]
+  keep = jnp.concatenate([jnp.concatenate(row, -1) for row in tiles], -2)
+  return keep.reshape(batch, heads, nq * block, nk * block)[:, :, :q_len, :kv_len]
+
+
+@pytest.mark.parametrize("normaliser", ["softmax", "sigmoid"])
+def test_dropout_in_the_kernel_is_dense_attention_with_the_same_tile_masks(normaliser):
+  rng, rate = jax.random.PRNGKey(11), 0.3
+  keep = _tile_dropout_mask(rng, rate, (B, H, T, T), 8)
+  assert 0.55 < float(jnp.mean(keep > 0)) < 0.85  # about 1 - rate kept
+  options = dict(mask_mod=mods.causal_mask, score_mod=mods.alibi(SLOPES), normaliser=normaliser)
+
+  def dense(q, k, v):
+    group = H // HKV
+    k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
+    logits = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(D) - (
+        SLOPES[:, None, None] * np.abs(_Q - _K))
+    if normaliser == "sigmoid":
+      weights = jnp.where(_K <= _Q, jax.nn.sigmoid(logits - np.log(T)), 0.0)
+    else:
+      weights = jax.nn.softmax(jnp.where(_K <= _Q, logits, -jnp.inf), axis=-1)
+    return jnp.einsum("bhqk,bkhd->bqhd", weights * keep, v)
+
+  arrays = _qkv(seed=12)
+  out, grads = outputs_and_grads(
+      _flex("blockwise", dropout_rate=rate, dropout_rng=rng, **options), *arrays)
+  want, want_grads = outputs_and_grads(dense, *arrays)
+  assert_close(out, want, rtol=1e-4, atol=1e-5)
+  for got, expected in zip(grads, want_grads):
+    assert_close(got, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_dropout_needs_an_rng_and_a_kernel_that_draws_it():
+  query, key, value = _qkv()
+  with pytest.raises(ValueError, match=r"dropout_rate=0.1 needs a dropout_rng"):
+    aj.flex_attention(query, key, value, dropout_rate=0.1)
+  with pytest.raises(ValueError, match=r"dropout_rate must be a float in \[0, 1\), got 1.0"):
+    aj.flex_attention(query, key, value, dropout_rate=1.0, dropout_rng=jax.random.PRNGKey(0))
+  with pytest.raises(ValueError, match=r"dropout on the weights runs on implementation in "
+                                       r"\('blockwise', 'xla'\), got implementation='pallas_gpu'"):
+    aj.flex_attention(query, key, value, dropout_rate=0.1, dropout_rng=jax.random.PRNGKey(0),
+                      implementation="pallas_gpu")
