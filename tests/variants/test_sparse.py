@@ -267,6 +267,17 @@ def test_random_matches_dense_under_the_drawn_keys(causal, window):
                  length=T, is_causal=causal, rng=rng, num_random=5, window_size=window)
 
 
+@pytest.mark.parity("random")
+@pytest.mark.parametrize("causal,window", [(False, None), (True, 2)])
+def test_random_on_flex_matches_dense_under_the_drawn_keys(causal, window):
+  rng = jax.random.PRNGKey(4)
+  indices = random_indices(rng, H, T, 5, causal)
+  _assert_parity(random_attention,
+                 _per_head_mask(T, _random_pattern(indices, window, causal)),
+                 length=T, is_causal=causal, rng=rng, num_random=5, window_size=window,
+                 implementation="blockwise")
+
+
 def test_random_draws_are_in_range_causal_and_vary_by_head():
   for causal in (False, True):
     indices = np.asarray(random_indices(jax.random.PRNGKey(0), 2, 64, 8, causal))

@@ -20,6 +20,7 @@ import numpy as np
 
 from attention_jax import registry
 from attention_jax.core import patterns
+from attention_jax.flex import flex_attention
 from attention_jax.variants import common
 from attention_jax.variants.sparse import engine, kernel
 
@@ -110,7 +111,8 @@ def random_attention(query: Array, key: Array, value: Array, bias=None, mask=Non
                      is_causal: bool = False, query_seq_lengths=None,
                      key_value_seq_lengths=None, segment_ids=None, rng: jax.Array = None,
                      num_random: int = 16, window_size: Optional[int] = None,
-                     scale: Optional[float] = None) -> Array:
+                     scale: Optional[float] = None,
+                     implementation: Optional[str] = None) -> Array:
   """Random attention (Zaheer et al. 2020), `query [B, T, H, D]`, `key/value
   [B, T, Hkv, D|Dv]` -> `[B, T, H, Dv]`: query i of head h attends to the keys
   `random_indices(rng, H, T, num_random, is_causal)[h, i]`, plus its window of
@@ -118,12 +120,27 @@ def random_attention(query: Array, key: Array, value: Array, bias=None, mask=Non
   window count once). Each head gathers its random keys, `[B, T, H, r, D]`:
   O(T (w + r)). In a model the key `rng` is its layer's (`LayerPattern`): a
   pattern per layer and head, fixed for the run.
+
+  `implementation`: None, the gathered form above (the reference); or a kernel
+  of `flex_attention` ("blockwise", ...), the drawn keys and the window its
+  mask_mod (a draw is a set member, so draws inside the window count once
+  there too). The drawn keys are spread over every tile, so no tile is
+  skipped: O(T^2) work, O(T) memory; exact.
   """
   length = engine.self_attention_length("random", query, key)
   rng = _require_rng("random", rng)
   common.check_size("num_random", num_random, length=length)
   if window_size is not None:
     common.check_size("window_size", window_size, length=length)
+  if implementation is not None:
+    indices = random_indices(rng, query.shape[2], length, num_random, is_causal)
+    drawn = lambda b, h, q_idx, kv_idx: jnp.any(indices[h, q_idx] == kv_idx)
+    mask_mod = drawn if window_size is None else patterns.or_masks(
+        drawn, patterns.Band(window_size, window_size))
+    return flex_attention(query, key, value, mask_mod=mask_mod, bias=bias, mask=mask,
+                          is_causal=is_causal, query_seq_lengths=query_seq_lengths,
+                          key_value_seq_lengths=key_value_seq_lengths, segment_ids=segment_ids,
+                          scale=scale, implementation=implementation)
   inputs = engine.prepare("random", query, key, value, bias, mask, is_causal=is_causal,
                           key_value_seq_lengths=key_value_seq_lengths, segment_ids=segment_ids,
                           scale=scale, multiple=window_size or 1)
@@ -338,6 +355,8 @@ registry.register(registry.VariantSpec(
     extras=LayerPattern,
     options=dict(num_random="random keys per query, drawn per layer and head",
                  window_size="also attend to this many keys each side; None for none",
+                 implementation="None: the gathered form (the reference); 'blockwise', 'xla', "
+                                "...: flex_attention with the draws as its mask_mod (O(T^2))",
                  **engine.SCALE_OPTION), **engine.SPARSE_SPEC))
 
 
