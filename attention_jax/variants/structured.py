@@ -31,8 +31,10 @@ import numpy as np
 
 from attention_jax import registry
 from attention_jax.core import masks as mask_lib
+from attention_jax.core.block_mask import create_block_mask
 from attention_jax.core.softmax import MASKED_LOGSUMEXP, masked_softmax
 from attention_jax.variants import common, scoring
+from attention_jax.flex import flex_attention
 from attention_jax.variants.dense import prepare_inputs
 
 Array = jnp.ndarray
@@ -298,7 +300,8 @@ def graph_attention(query: Array, key: Array, value: Array, bias: Optional[Array
                     query_seq_lengths: Optional[Array] = None,
                     key_value_seq_lengths: Optional[Array] = None, segment_ids=None,
                     dropout_rate: float = 0.0,
-                    dropout_rng: Optional[jax.Array] = None) -> Array:
+                    dropout_rng: Optional[jax.Array] = None,
+                    implementation: Optional[str] = None) -> Array:
   """Attention along the edges of a graph: node i attends to its neighbours j,
   out_i = sum_{j in N(i)} softmax_j(q_i . k_j * scale + bias) v_j.
 
@@ -331,6 +334,11 @@ def graph_attention(query: Array, key: Array, value: Array, bias: Optional[Array
     query: `[B, Tq, H, D]`; key: `[B, Tk, Hkv, D]`; value: `[B, Tk, Hkv, Dv]`.
     adjacency, senders, receivers: the graph, as above (not both forms).
     scale: logit scale; 1/sqrt(D) when None.
+    implementation: None, the forms above (the reference); or a kernel of
+      `flex_attention` ("blockwise", ...), with the adjacency closed over by
+      its mask_mod; "blockwise" also skips the tiles with no edge (a block
+      mask made from the adjacency), and neither builds the logits. Takes an
+      adjacency (or none), not edge lists (already O(E)).
     The rest: as `dot_product_attention`.
 
   Returns:
@@ -344,6 +352,19 @@ def graph_attention(query: Array, key: Array, value: Array, bias: Optional[Array
   kv_len = key.shape[1]
   passed_on = dict(is_causal=is_causal, query_seq_lengths=query_seq_lengths,
                    key_value_seq_lengths=key_value_seq_lengths, segment_ids=segment_ids)
+  if implementation is not None:
+    if senders is not None or receivers is not None:
+      raise ValueError(f"graph with implementation={implementation!r} takes an adjacency; edge "
+                       "lists run on implementation=None (O(E) already).")
+    edges = None if adjacency is None else jnp.broadcast_to(
+        _check_adjacency(adjacency, batch, q_len, kv_len)[:, 0], (batch, q_len, kv_len))
+    mask_mod = None if edges is None else (lambda b, h, q_idx, kv_idx: edges[b, q_idx, kv_idx])
+    graph = dict(mask_mod=mask_mod)
+    if mask_mod is not None and implementation == "blockwise":
+      graph = dict(block_mask=create_block_mask(mask_mod, batch, None, q_len, kv_len))
+    return flex_attention(query, key, value, bias=bias, mask=mask, scale=scale,
+                          implementation=implementation, dropout_rate=dropout_rate,
+                          dropout_rng=dropout_rng, **graph, **passed_on)
   if senders is None and receivers is None:
     common.check_query_key_sizes("graph", query, key)
     scale = query.shape[-1] ** -0.5 if scale is None else scale
@@ -373,4 +394,8 @@ registry.register(registry.VariantSpec(
 registry.register(registry.VariantSpec(
     name="graph", takes=("dropout",), fn=graph_attention, paper="Velickovic et al. 2018",
     complexity="O(T^2); O(E) with edge lists", subquadratic=False, exact=True,
-    options=dict(scale="logit scale; 1/sqrt(D) when None"), **_STRUCTURED))
+    options=dict(scale="logit scale; 1/sqrt(D) when None",
+                 implementation="None: the masked softmax or the edge lists (the reference); "
+                                "'blockwise', 'xla', ...: flex_attention with the adjacency as "
+                                "its mask_mod ('blockwise' skips tiles with no edge)"),
+    **_STRUCTURED))

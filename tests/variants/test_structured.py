@@ -257,6 +257,26 @@ def test_graph_as_edges_equals_the_adjacency_and_a_numpy_masked_softmax(kwargs):
 
 
 @pytest.mark.parity("graph")
+@pytest.mark.parametrize("implementation", ["blockwise", "xla"])
+def test_graph_on_flex_equals_the_masked_softmax(implementation):
+  # The adjacency as flex's mask_mod (on blockwise also a block mask; block
+  # masks are checked against brute force in tests/kernels/test_flex.py).
+  query, key, value = random_qkv(seed=5, q_len=19, num_heads=2, head_dim=4)
+  _, _, adjacency = _random_graph(0, 2, 19, 19, num_edges=60)
+  bias = jax.random.normal(jax.random.PRNGKey(3), (1, 2, 19, 19))
+  options = dict(adjacency=adjacency, is_causal=True, key_value_seq_lengths=jnp.array([19, 7]))
+  assert_same_outputs_and_grads(
+      lambda q, k, v, b: structured.graph_attention(q, k, v, b, implementation=implementation,
+                                                    **options),
+      lambda q, k, v, b: structured.graph_attention(q, k, v, b, **options),
+      query, key, value, bias, rtol=1e-5, atol=1e-5)
+  with pytest.raises(ValueError, match=r"graph with implementation='blockwise' takes an "
+                                       r"adjacency; edge lists run on implementation=None"):
+    structured.graph_attention(query, key, value, senders=jnp.zeros(3, jnp.int32),
+                               receivers=jnp.zeros(3, jnp.int32), implementation="blockwise")
+
+
+@pytest.mark.parity("graph")
 @pytest.mark.parametrize("form", ["adjacency", "edges"])
 def test_graph_isolated_nodes_give_zeros_and_finite_gradients(form):
   query, key, value = random_qkv(seed=6, q_len=4, num_heads=2, head_dim=4)
