@@ -340,3 +340,17 @@ def test_gaussian_priors_on_flex_refuse_dropout_by_name():
     gaussian_transformer_attention(query, key, value, distance_weight=jnp.ones(4),
                                    distance_bias=jnp.zeros(4), implementation="blockwise",
                                    dropout_rate=0.1, dropout_rng=jax.random.PRNGKey(0))
+
+
+@pytest.mark.property("hard_coded_gaussian")
+@pytest.mark.parametrize("offset,sigma,window", [(0, 1.0, None), (-1, 1.5, 2), (2, 1.0, 0)])
+def test_hard_coded_gaussian_on_flex_equals_its_reference_form(offset, sigma, window):
+  length = 21
+  _, _, value = random_qkv(seed=4, batch=2, q_len=length, num_heads=4, num_kv_heads=2)
+  shape_only = jax.ShapeDtypeStruct((2, length, 4, 8), jnp.float32)
+  masks = dict(is_causal=True, key_value_seq_lengths=jnp.asarray([21, 9]),
+               segment_ids=jnp.asarray(np.arange(length)[None].repeat(2, 0) // 12))
+  attend = lambda implementation: lambda v: hard_coded_gaussian_attention(
+      shape_only, shape_only, v, offset=offset, sigma=sigma, window=window,
+      implementation=implementation, **masks)
+  assert_same_outputs_and_grads(attend("blockwise"), attend(None), value, rtol=1e-5, atol=1e-6)

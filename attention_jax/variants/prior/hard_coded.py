@@ -12,6 +12,8 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from attention_jax import registry
+from attention_jax.core import patterns
+from attention_jax.flex import flex_attention
 from attention_jax.variants import common
 from attention_jax.variants.prior.synthesizer import synthesizer_attention
 from attention_jax.variants.sparse.windows import positional_band_attention
@@ -33,6 +35,7 @@ def hard_coded_gaussian_attention(
     offset: int = 0,
     sigma: float = 1.0,
     window: Optional[int] = 8,
+    implementation: Optional[str] = None,
 ) -> Array:
   """Hard-coded Gaussian attention (You et al. 2020):
 
@@ -60,6 +63,11 @@ def hard_coded_gaussian_attention(
       the untruncated Gaussian renormalised over the band (w = 8, sigma = 1:
       the mass left out is below 1e-14). None: every key, O(T^2), a
       `[Tq, Tk]` array of logits; Tq may differ from Tk.
+    implementation: None, the forms above (the reference); or a kernel of
+      `flex_attention` ("blockwise", ...): the Gaussian's logits its
+      score_mod over empty queries and keys, the window its (static) mask,
+      so "blockwise" skips the tiles outside the window; cross-attention
+      too.
 
   Returns:
     `[B, Tq, H, Dv]` in the value dtype.
@@ -76,6 +84,22 @@ def hard_coded_gaussian_attention(
     distance = (k_pos - (q_pos + offset)).astype(jnp.float32)
     return -jnp.square(distance) * inverse_variance
 
+  if implementation is not None:
+    # No content: queries and keys of one zero feature give logits 0 (scale 1),
+    # to which the score_mod adds the Gaussian's.
+    batch, q_len, kv_len, num_kv_heads = value.shape[0], query.shape[1], value.shape[1], \
+        value.shape[2]
+    if window is not None:
+      common.check_size("window", window, minimum=0)
+    empty_query = jnp.zeros((batch, q_len, num_heads, 1), value.dtype)
+    empty_key = jnp.zeros((batch, kv_len, num_kv_heads, 1), value.dtype)
+    return flex_attention(
+        empty_query, empty_key, value, scale=1.0, bias=bias, mask=mask,
+        score_mod=lambda score, b, h, q_idx, kv_idx: score + position_logits(q_idx, kv_idx),
+        mask_mod=None if window is None else patterns.Band(window - offset, window + offset),
+        is_causal=is_causal, query_seq_lengths=query_seq_lengths,
+        key_value_seq_lengths=key_value_seq_lengths, segment_ids=segment_ids,
+        implementation=implementation)
   if window is None:
     q_len, kv_len = query.shape[1], value.shape[1]
     logits = position_logits(jnp.arange(q_len)[:, None], jnp.arange(kv_len)[None, :])
@@ -122,4 +146,7 @@ registry.register(registry.VariantSpec(
                         "the previous/next one)",
                  sigma="the Gaussian's standard deviation, in positions",
                  window="w: only keys within w of the centre, O(T w); None: every key, "
-                        "O(T^2) (and cross-attention)")))
+                        "O(T^2) (and cross-attention)",
+                 implementation="None: the band or the dense logits (the reference); "
+                                "'blockwise', 'xla', ...: flex_attention, the Gaussian its "
+                                "score_mod and the window its mask")))
