@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import attention_jax as aj
 from attention_jax.core import mods, patterns
@@ -42,7 +43,7 @@ def mask_trees(draw, depth=0):
 
 
 @st.composite
-def cases(draw):
+def cases(draw, min_block=8):
   batch = draw(st.integers(1, 2))
   q_len = draw(st.sampled_from([1, 5, 16, 23, 40]))
   kv_len = draw(st.sampled_from([q_len, 9, 33]))
@@ -60,7 +61,7 @@ def cases(draw):
       is_causal=draw(st.booleans()),
       q_lengths=lengths(q_len), kv_lengths=lengths(kv_len),
       segments=draw(st.booleans()) and q_len == kv_len,
-      block=draw(st.sampled_from([8, 16])),
+      block=draw(st.sampled_from([b for b in (8, 16, 32) if b >= min_block][:2])),
       block_mask=draw(st.booleans()))
 
 
@@ -96,7 +97,7 @@ def _attention(case, implementation, query, key, value, slopes, table, temperatu
   mask_mod = None if case["mask"] is None else _mask_mod(case["mask"], docs_q, docs_kv, prefix)
   block = (case["block"], case["block"])
   options = dict(mask_mod=mask_mod)
-  if mask_mod is not None and case["block_mask"] and implementation == "blockwise":
+  if mask_mod is not None and case["block_mask"] and implementation != "xla":
     options = dict(block_mask=aj.create_block_mask(mask_mod, batch, num_heads, q_len, kv_len,
                                                    block))
   as_jax = lambda a: None if a is None else jnp.asarray(a)
@@ -107,7 +108,7 @@ def _attention(case, implementation, query, key, value, slopes, table, temperatu
       is_causal=case["is_causal"], query_seq_lengths=as_jax(case["q_lengths"]),
       key_value_seq_lengths=as_jax(case["kv_lengths"]), segment_ids=segments,
       implementation=implementation, return_residual=True,
-      block_sizes=BlockSizes(*block) if implementation == "blockwise" else None, **options)
+      block_sizes=None if implementation == "xla" else BlockSizes(*block), **options)
 
 
 def _outputs_and_grads(case, implementation, arrays):
@@ -122,10 +123,7 @@ def _outputs_and_grads(case, implementation, arrays):
       *arrays)
 
 
-@hypothesis.settings(max_examples=10, deadline=None, derandomize=True, database=None,
-                     suppress_health_check=list(hypothesis.HealthCheck))
-@hypothesis.given(case=cases())
-def test_blockwise_flex_equals_the_dense_path_on_random_compositions(case):
+def _check_against_the_dense_path(case, implementation):
   batch, q_len, kv_len, num_heads, num_kv_heads, head_dim = case["shape"]
   keys = jax.random.split(jax.random.PRNGKey(case["seed"]), 7)
   arrays = (jax.random.normal(keys[0], (batch, q_len, num_heads, head_dim)),
@@ -135,7 +133,7 @@ def test_blockwise_flex_equals_the_dense_path_on_random_compositions(case):
             jax.random.normal(keys[4], (num_heads, 11)),  # bias table
             jax.random.uniform(keys[5], (num_heads,), minval=0.5, maxval=2.0),  # temperature
             jax.random.normal(keys[6], (num_heads,)))  # sinks
-  (out, lse), grads = _outputs_and_grads(case, "blockwise", arrays)
+  (out, lse), grads = _outputs_and_grads(case, implementation, arrays)
   (want, want_lse), want_grads = _outputs_and_grads(case, "xla", arrays)
   assert_close(out, want, rtol=1e-4, atol=1e-5)
   assert_close(lse, want_lse, rtol=1e-5, atol=1e-4)
@@ -143,6 +141,25 @@ def test_blockwise_flex_equals_the_dense_path_on_random_compositions(case):
   for name, got, expected in zip(names, grads, want_grads):
     scale = max(1.0, float(np.abs(np.asarray(expected)).max()))
     assert_close(got, expected, rtol=1e-4, atol=1e-4 * scale, err_msg=f"gradient of {name}")
+
+
+# implementation -> examples: each compiles its own programs; the Triton kernels
+# run in the Pallas interpreter here, so fewer (25 passed once: 48 s).
+EXAMPLES = {"blockwise": 10, "pallas_gpu": 5}
+
+
+def _property_test(implementation):
+  @hypothesis.settings(max_examples=EXAMPLES[implementation], deadline=None, derandomize=True,
+                       database=None, suppress_health_check=list(hypothesis.HealthCheck))
+  @hypothesis.given(case=cases(min_block=16 if implementation == "pallas_gpu" else 8))
+  def test(case):
+    _check_against_the_dense_path(case, implementation)
+  return test
+
+
+@pytest.mark.parametrize("implementation", list(EXAMPLES))
+def test_flex_kernels_equal_the_dense_path_on_random_compositions(implementation):
+  _property_test(implementation)()
 
 
 def test_the_drawn_masks_are_not_all_trivial():
