@@ -95,6 +95,7 @@ FLEX_IMPLEMENTATIONS: Dict[str, Callable] = {
     "blockwise": flex_kernels.flex_blockwise,
     "xla": _dense_flex,
     "pallas_gpu": flex_kernels.flex_pallas_gpu,
+    "pallas_tpu": flex_kernels.flex_pallas_tpu,
 }
 
 

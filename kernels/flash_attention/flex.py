@@ -11,7 +11,8 @@ NumPy at trace time; a data-dependent mask_mod without a block mask is
 evaluated in every tile (make a block mask, once, to skip tiles).
 
 `flex_pallas_gpu` runs the same on the Triton kernels (`pallas_gpu.py`,
-interpreted off a GPU), softmax only.
+interpreted off a GPU), softmax only; `flex_pallas_tpu` on the Mosaic TPU
+kernels (`pallas_tpu.py`, interpreted off a TPU), softmax only.
 """
 
 from __future__ import annotations
@@ -21,12 +22,13 @@ from typing import Optional, Tuple, Union
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from attention_jax.core import patterns
 from attention_jax.core.flex_inputs import FlexInputs
 from attention_jax.core.inputs import AttentionInputs, attention_of_empty_sequence
 
-from . import blockwise, common, pallas_gpu
+from . import blockwise, common, pallas_gpu, pallas_tpu
 
 Array = jax.Array
 
@@ -122,6 +124,78 @@ def flex_pallas_gpu(inputs: AttentionInputs, flex: FlexInputs,
       pattern=mask_mod if layout is not None else None, block_layout=layout,
       mask_consts=tuple(flex.mask_consts), score_mod=flex.lifted_score_mod,
       score_consts=tuple(flex.score_consts), softcap=flex.softcap, sinks=flex.sinks)
+
+
+def flex_pallas_tpu(inputs: AttentionInputs, flex: FlexInputs,
+                    block_sizes: Optional[common.BlockSizes] = None, *,
+                    return_residual: bool = False,
+                    interpret: Optional[bool] = None) -> Union[Array, Tuple[Array, Array]]:
+  """flex_attention on the Mosaic TPU kernels (`pallas_tpu.py`), interpreted off a TPU.
+
+  As `flex_pallas_gpu`: the score_mod and the soft cap on each tile inside the
+  three kernels (the dq pass differentiates them per tile with `jax.vjp` into
+  one partial gradient per program, summed outside), the mask_mod in the tiles
+  the layout marks PARTIAL, each (batch row, head) following its own visit
+  list (scalar-prefetched), sinks in the normaliser. Blocks: query blocks a
+  multiple of 32, key blocks of 128 (`pallas_tpu.QUERY_BLOCK_MULTIPLE`,
+  `KEY_BLOCK_MULTIPLE`), shortened to the rounded-up sequences, one size for
+  every pass. A layout known at trace time sizes the grids by the most blocks
+  a row visits; a traced one (a block mask made under `jit`) by all of them.
+  """
+  if flex.normaliser != "softmax":
+    raise ValueError(f"implementation='pallas_tpu' takes normaliser='softmax' only, got "
+                     f"normaliser={flex.normaliser!r}; normaliser='sigmoid' runs on "
+                     "implementation='blockwise' or 'xla'.")
+  reason = pallas_tpu.tpu_rejects(inputs)
+  if reason is not None:
+    raise ValueError(reason)
+  empty = attention_of_empty_sequence(inputs, return_residual)  # Tq = 0 or Tk = 0
+  if empty is not None:
+    return empty
+  q_len, num_heads = inputs.query.shape[1:3]
+  kv_len = inputs.key.shape[1]
+  round_up = lambda n, multiple: common.cdiv(n, multiple) * multiple
+  # Blocks longer than the rounded-up sequence would only add padding; such a
+  # block covers the whole sequence, as the mask's did.
+  fit = lambda blocks: common.BlockSizes(
+      min(blocks.block_q, round_up(q_len, pallas_tpu.QUERY_BLOCK_MULTIPLE)),
+      min(blocks.block_k, round_up(kv_len, pallas_tpu.KEY_BLOCK_MULTIPLE)))
+  mask = flex.block_mask
+  if block_sizes is None and mask is not None and pallas_tpu.tpu_rejects(
+      inputs, fit(common.BlockSizes(mask.block_q, mask.block_k))) is not None:
+    # A mask made with blocks the TPU kernels cannot take: refused as one made
+    # for other blocks than the kernel's (the default, fitted).
+    _block_sizes(flex, fit(default_block_sizes()))
+  block_sizes = fit(_block_sizes(flex, block_sizes))
+  reason = pallas_tpu.tpu_rejects(inputs, block_sizes)
+  if reason is not None:
+    raise ValueError(reason)
+  block_q, block_k = block_sizes.block_q, block_sizes.block_k
+  num_q_blocks, num_kv_blocks = common.cdiv(q_len, block_q), common.cdiv(kv_len, block_k)
+  layout = None
+  if mask is not None:
+    layout = mask.layout
+  elif flex.static_mask_mod:
+    layout = jnp.asarray(patterns.block_layout(flex.mask_mod, q_len, kv_len, block_q, block_k,
+                                               num_heads=num_heads)[None])
+  elif flex.mask_mod is not None:  # data-dependent, no block mask: every tile partial
+    layout = jnp.full((1, 1, num_q_blocks, num_kv_blocks), patterns.PARTIAL, jnp.int8)
+  max_visits = None
+  if layout is not None:
+    if tuple(layout.shape[2:]) != (num_q_blocks, num_kv_blocks):
+      raise ValueError(f"block_mask has {tuple(layout.shape[2:])} (query, key) blocks, the "
+                       f"kernel's blocks make {(num_q_blocks, num_kv_blocks)}; make the mask "
+                       "with the kernel's block sizes.")
+    if not isinstance(layout, jax.core.Tracer):  # known now: the grids as long as needed
+      visited = np.asarray(layout) != patterns.SKIP
+      max_visits = (int(visited.sum(-1).max()), int(visited.sum(-2).max()))
+  mask_mod = flex.lifted_mask_mod if flex.lifted_mask_mod is not None else flex.mask_mod
+  return pallas_tpu.flash_attention_tpu(
+      inputs, block_sizes, interpret=interpret, return_residual=return_residual,
+      pattern=mask_mod if layout is not None else None, block_layout=layout,
+      max_visits=max_visits, mask_consts=tuple(flex.mask_consts),
+      score_mod=flex.lifted_score_mod, score_consts=tuple(flex.score_consts),
+      softcap=flex.softcap, sinks=flex.sinks)
 
 
 def _block_sizes(flex: FlexInputs, block_sizes: Optional[common.BlockSizes]) -> common.BlockSizes:

@@ -42,6 +42,26 @@ multiples of 32 (one sublane tile of the narrowest dtype loaded along queries,
 the int8 mask); `block_k` and `block_k_dkv` multiples of 128 (the lane width:
 keys are the lane axis of every logits block). Blocks longer than the
 (rounded-up) sequence are shortened to it.
+
+Block-sparse and flex attention (block_sparse.py, flex.py): a layout `[B|1,
+H|1, nq, nk]` (or `[H|1, nq, nk]`) of SKIP / PARTIAL / FULL blocks becomes,
+per (batch row, head) and per query block (key block for the dk/dv pass), the
+list of blocks to visit, scalar-prefetched; the grid's last axis is as long
+as the longest list (`max_visits`: the full number of blocks when the layout
+is traced). In a visited block the mask mod decides (a static pattern, or a
+`mods.LiftedMod` whose arrays are kernel inputs read whole), except where the
+block is FULL. flex_attention's score changes run on each tile after the
+scale and bias: `softcap`, then the lifted score_mod over its arrays (kernel
+inputs, whole); the backward kernels differentiate both on the tile with
+`jax.vjp`, and the dq pass accumulates each program's part of the gradients
+of the score_mod's floating arrays in its own `[B, H, nq, ...]` output block,
+summed outside (no atomics). Sinks (`[H]`, one logit per head, passed
+replicated over a `(8, 128)` tile) start the forward's running max at the
+sink and its running sum at 1; their gradient needs no kernel. The mods have
+run in the interpreter only: on a TPU, Mosaic would want a mod's small arrays
+in SMEM (they are VMEM blocks here, whole, 1-D for ALiBi's slopes), and a mod
+that indexes them by a traced head or position (`slopes[h]`, a bias table)
+is a gather, and its VJP a scatter-add, which Mosaic does not lower.
 """
 
 from __future__ import annotations
@@ -57,7 +77,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from attention_jax.core import masks as mask_lib
-from attention_jax.core import patterns
+from attention_jax.core import mods, patterns
 from attention_jax.core.inputs import (AttentionInputs, attention_of_empty_sequence,
                                        prepare_inputs, returned_outputs)
 
@@ -94,12 +114,26 @@ class _Static:
   scale: float
   reach: common.Reach
   interpret: Any  # False, or pltpu.InterpretParams
-  # Block-sparse attention (block_sparse.py): the pattern inside PARTIAL
-  # blocks, the layout's head count (1 or H), and the grid steps of the
-  # query-major and key-major passes (the most blocks a row visits).
-  pattern: Optional[patterns.Pattern] = None
+  # Block-sparse attention (block_sparse.py, flex_attention): the mask mod
+  # inside PARTIAL blocks (a static pattern, or a `mods.LiftedMod` over
+  # `_MaskArrays.mask_consts`), the layout's batch and head counts (1 or B,
+  # 1 or H), and the grid steps of the query-major and key-major passes (the
+  # most blocks a row visits).
+  pattern: Union[None, patterns.Pattern, mods.LiftedMod] = None
+  pattern_batch: int = 1
   pattern_heads: int = 1
   sparse_steps: Tuple[int, int] = (0, 0)
+  # flex_attention: the logits go through `softcap * tanh(logits / softcap)`,
+  # then the lifted score_mod (its floating arrays in `_FlexArrays`, the others
+  # in `_MaskArrays.score_consts`), before the mask; `has_sinks`: a sink logit
+  # per head in the normaliser (`_FlexArrays.sinks`).
+  softcap: Optional[float] = None
+  score_mod: Optional[mods.LiftedMod] = None
+  has_sinks: bool = False
+
+  @property
+  def modifies_scores(self) -> bool:
+    return self.softcap is not None or self.score_mod is not None
 
 
 @dataclasses.dataclass
@@ -112,21 +146,71 @@ class _MaskArrays:
   q_segment_ids: Optional[Array]  # [B, Tq', 128] int32
   kv_segment_ids: Optional[Array]  # [B, 8, Tk'] int32
   # Block-sparse attention, scalar-prefetched (flat int32, row-major): by query
-  # block (layout [Hl, nq, nk], visits [Hl, nq, nk], counts [Hl, nq]) and by
-  # key block (the transposes), Hl the layout's heads.
+  # block (layout [Bl, Hl, nq, nk], visits [Bl, Hl, nq, nk], counts [Bl, Hl,
+  # nq]) and by key block (the transposes), Bl and Hl the layout's batch rows
+  # and heads.
   by_query: Optional[Tuple[Array, Array, Array]] = None
   by_key: Optional[Tuple[Array, Array, Array]] = None
+  # flex_attention: the arrays a lifted mask mod closes over and the score
+  # mod's arrays that are not differentiated, whole (`_kernel_const`).
+  mask_consts: Tuple[Array, ...] = ()
+  score_consts: Tuple[Array, ...] = ()
 
 
 jax.tree_util.register_dataclass(
     _MaskArrays,
     data_fields=["q_lengths", "kv_lengths", "mask", "q_segment_ids", "kv_segment_ids",
-                 "by_query", "by_key"],
+                 "by_query", "by_key", "mask_consts", "score_consts"],
     meta_fields=[])
 
 
+@dataclasses.dataclass
+class _FlexArrays:
+  """The differentiated inputs of flex attention beside q, k, v and the bias.
+
+  sinks: `[H]` float32 sink logits (a key with no value that every query
+    sees), or None.
+  score_consts: the floating arrays the score_mod closes over, whole
+    (`_kernel_const`).
+  """
+
+  sinks: Optional[Array] = None
+  score_consts: Tuple[Array, ...] = ()
+
+
+jax.tree_util.register_dataclass(_FlexArrays, data_fields=["sinks", "score_consts"],
+                                 meta_fields=[])
+
+
+def _kernel_const(x: Array) -> Array:
+  """A mod's array as a kernel input: bool as int8, a scalar as `[1]`
+  (`_restored` undoes both inside the kernel)."""
+  x = jnp.asarray(x)
+  if x.dtype == jnp.bool_:
+    x = x.astype(jnp.int8)
+  return x.reshape((1,)) if x.ndim == 0 else x
+
+
+def _restored(lifted: mods.LiftedMod, values) -> Tuple[Array, ...]:
+  """The mod's constants as its jaxpr takes them, from `_kernel_const`'s."""
+  restored = []
+  for value, var in zip(values, lifted.jaxpr.constvars):
+    aval = var.aval
+    value = value.reshape(aval.shape)
+    restored.append(value != 0 if aval.dtype == jnp.bool_ else value.astype(aval.dtype))
+  return tuple(restored)
+
+
+def _named_consts(refs: Dict[str, Any], prefix: str) -> Tuple[Array, ...]:
+  """The values of the operands named `prefix0`, `prefix1`, ... in order."""
+  values = []
+  while f"{prefix}{len(values)}" in refs:
+    values.append(refs[f"{prefix}{len(values)}"][...])
+  return tuple(values)
+
+
 def _flat_visit_lists(layout: Array) -> Tuple[Array, Array, Array]:
-  """`[Hl, n, m]` layout -> flat (layout, visits, counts) for scalar prefetch:
+  """`[Bl, Hl, n, m]` layout -> flat (layout, visits, counts) for scalar prefetch:
   the blocks each row visits in order (padded with skipped ones) and how many."""
   visited = layout != patterns.SKIP
   visits = jnp.argsort(~visited, axis=-1, stable=True).astype(jnp.int32)
@@ -168,13 +252,19 @@ def _visit(lo, hi, step, num_blocks):
   return block, target < hi, jnp.asarray(lo) < hi
 
 
-def _sparse_visit(cfg: _Static, head, row, step, num_rows: int, num_cols: int, live,
+def _layout_row(cfg: _Static, batch, head):
+  """The (batch row, head) of the layout that a program of (batch, head) follows."""
+  return ((batch if cfg.pattern_batch > 1 else 0) * cfg.pattern_heads
+          + (head if cfg.pattern_heads > 1 else 0))
+
+
+def _sparse_visit(cfg: _Static, batch, head, row, step, num_rows: int, num_cols: int, live,
                   sparse_refs):
   """Block-sparse: the block that `step` of `row` visits (held at the last one
   past the row's count, so that no step past it moves a block), whether it is
   fresh, and whether the row visits any. `live`: the row has work at all."""
   _, visits_ref, counts_ref = sparse_refs
-  index = (head if cfg.pattern_heads > 1 else 0) * num_rows + row
+  index = _layout_row(cfg, batch, head) * num_rows + row
   count = jnp.where(live, counts_ref[index], 0)
   n = jnp.maximum(jnp.minimum(step, count - 1), 0)
   return visits_ref[index * num_cols + n], step < count, count > 0
@@ -186,7 +276,8 @@ def _query_major_coords(cfg: _Static, block_q: int, block_k: int, batch, head, q
   num_kv_blocks = cfg.kv_len // block_k
   if sparse_refs:
     live = q_block * block_q < q_lengths_ref[batch]
-    kv_block, fresh, any_visit = _sparse_visit(cfg, head, q_block, step, cfg.q_len // block_q,
+    kv_block, fresh, any_visit = _sparse_visit(cfg, batch, head, q_block, step,
+                                               cfg.q_len // block_q,
                                                num_kv_blocks, live, sparse_refs)
     return _Coords(batch, head, head // cfg.group, q_block, kv_block, fresh, any_visit)
   lo, hi = common.kv_block_range(q_block, block_q, block_k, num_kv_blocks, cfg.reach)
@@ -206,7 +297,8 @@ def _key_major_coords(cfg: _Static, block_q: int, block_k: int, batch, kv_head, 
   if sparse_refs:
     head = kv_head * cfg.group + group_index
     live = kv_block * block_k < kv_lengths_ref[batch]
-    q_block, fresh, any_visit = _sparse_visit(cfg, head, kv_block, step, cfg.kv_len // block_k,
+    q_block, fresh, any_visit = _sparse_visit(cfg, batch, head, kv_block, step,
+                                              cfg.kv_len // block_k,
                                               num_q_blocks, live, sparse_refs)
     return _Coords(batch, head, kv_head, q_block, kv_block, fresh, any_visit)
   lo, hi = common.q_block_range(kv_block, block_q, block_k, num_q_blocks, cfg.reach)
@@ -243,6 +335,14 @@ def _block_spec(kind: str, shape: Tuple[int, ...], block_q: int, block_k: int,
   elif kind == "kv_ids":  # [B, 8, Tk]
     block = (None, SUBLANES, block_k)
     index = lambda c: (c.batch, 0, c.kv_block)
+  elif kind == "whole":  # a mod's array, whole, for every step
+    return pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
+  elif kind == "sink":  # [H, 8, 128]: the head's sink logit, replicated over a tile
+    block = (None, SUBLANES, LANES)
+    index = lambda c: (c.head, 0, 0)
+  elif kind == "d_const":  # [B, H, nq, ...]: a program's part of a score_mod array's gradient
+    block = (None, None, None) + tuple(shape[3:])
+    index = lambda c: (c.batch, c.head, c.q_block) + (0,) * (len(shape) - 3)
   elif kind == "untouched":  # stays in HBM, never copied in: the zeros an output aliases
     return pl.BlockSpec(memory_space=pl.ANY)
   else:
@@ -288,16 +388,49 @@ def _segments_overlap(refs: Dict[str, Any]) -> Array:
   return (jnp.max(q_ids) >= jnp.min(kv_ids)) & (jnp.max(kv_ids) >= jnp.min(q_ids))
 
 
+def _score_modifier(cfg: _Static, refs: Dict[str, Any], c: _Coords):
+  """flex_attention: `(scores, float_consts, q_pos, k_pos) -> logits` (soft cap,
+  then the score_mod) for the block at `c`, or None when nothing modifies the
+  scores."""
+  if not cfg.modifies_scores:
+    return None
+  other = _named_consts(refs, "score_const") if cfg.score_mod is not None else ()
+
+  def modify(scores, float_consts, q_pos, k_pos):
+    if cfg.softcap is not None:
+      scores = cfg.softcap * jnp.tanh(scores / cfg.softcap)
+    if cfg.score_mod is not None:
+      consts = _restored(cfg.score_mod, cfg.score_mod.merge(float_consts, other))
+      scores = mods.apply(cfg.score_mod, consts, scores, c.batch, c.head, q_pos, k_pos)
+    return scores
+
+  return modify
+
+
 def _masked_logits(cfg: _Static, refs: Dict[str, Any], q: Array, k: Array, q_start, k_start,
-                   kv_length, in_pattern=None) -> Array:
-  """scale * q k^T + bias, with disallowed pairs at -inf: `(bq, bk)` float32.
-  `in_pattern`: `(q_pos, k_pos) -> allowed` of a block-sparse pattern, or None."""
+                   kv_length, in_pattern=None, c: Optional[_Coords] = None,
+                   differentiate: bool = False):
+  """scale * q k^T + bias, soft-capped and score-modified (flex_attention), with
+  disallowed pairs at -inf: `(bq, bk)` float32.
+  `in_pattern`: `(q_pos, k_pos) -> allowed` of a block-sparse pattern, or None.
+  `c`: the block's coords (for the score_mod's batch and head).
+  `differentiate`: also return the modification's VJP, `d_logits -> (d_scores,
+  d_float_consts)` (None without a modification)."""
   logits = _dot(q, k, _NT) * cfg.scale
   if "bias" in refs:
     logits += refs["bias"][...].astype(jnp.float32)
   shape = logits.shape
   q_pos = q_start + jax.lax.broadcasted_iota(jnp.int32, shape, 0)
   k_pos = k_start + jax.lax.broadcasted_iota(jnp.int32, shape, 1)
+  modify_vjp = None
+  modify = _score_modifier(cfg, refs, c)
+  if modify is not None:
+    float_consts = _named_consts(refs, "float_const")
+    if differentiate:
+      logits, modify_vjp = jax.vjp(lambda s, fc: modify(s, fc, q_pos, k_pos), logits,
+                                   float_consts)
+    else:
+      logits = modify(logits, float_consts, q_pos, k_pos)
   # The length also masks the padding of Tk up to whole blocks (lengths <= true Tk).
   allowed = mask_lib.and_masks(mask_lib.length_predicate(k_pos, kv_length),
                                mask_lib.reach_predicate(q_pos, k_pos, cfg.reach))
@@ -309,32 +442,42 @@ def _masked_logits(cfg: _Static, refs: Dict[str, Any], q: Array, k: Array, q_sta
     allowed &= refs["mask"][...].astype(jnp.int32) != 0
   if in_pattern is not None:
     allowed &= in_pattern(q_pos, k_pos)
-  return jnp.where(allowed, logits, -jnp.inf)
+  logits = jnp.where(allowed, logits, -jnp.inf)
+  return (logits, modify_vjp) if differentiate else logits
 
 
-def _in_pattern(cfg: _Static, c: _Coords, sparse_refs, by_query: bool):
+def _in_pattern(cfg: _Static, c: _Coords, sparse_refs, by_query: bool, refs: Dict[str, Any]):
   """Block-sparse: `(q_pos, k_pos) -> allowed` for the block at `c` (all of a
-  FULL block, the pattern's pairs in a PARTIAL one), or None without a pattern.
-  `sparse_refs` are the pass's own (by query or by key block)."""
+  FULL block, the mask mod's pairs in a PARTIAL one), or None without a
+  pattern. `sparse_refs` are the pass's own (by query or by key block)."""
   if not sparse_refs:
     return None
   layout_ref = sparse_refs[0]
   num_q_blocks = cfg.q_len // (cfg.block_q if by_query else cfg.block_q_dkv)
   num_kv_blocks = cfg.kv_len // (cfg.block_k if by_query else cfg.block_k_dkv)
-  head = c.head if cfg.pattern_heads > 1 else 0
+  row = _layout_row(cfg, c.batch, c.head)
   if by_query:
-    index = (head * num_q_blocks + c.q_block) * num_kv_blocks + c.kv_block
+    index = (row * num_q_blocks + c.q_block) * num_kv_blocks + c.kv_block
   else:
-    index = (head * num_kv_blocks + c.kv_block) * num_q_blocks + c.q_block
+    index = (row * num_kv_blocks + c.kv_block) * num_q_blocks + c.q_block
   full = layout_ref[index] == patterns.FULL
+  if isinstance(cfg.pattern, mods.LiftedMod):
+    consts = _restored(cfg.pattern, _named_consts(refs, "mask_const"))
+    return lambda q_pos, k_pos: full | mods.apply(cfg.pattern, consts, c.batch, c.head, q_pos,
+                                                  k_pos)
   return lambda q_pos, k_pos: full | cfg.pattern(0, c.head, q_pos, k_pos)
 
 
 def _probs_and_dlogits(cfg: _Static, refs: Dict[str, Any], c: _Coords, block_q: int,
-                       block_k: int, kv_length, in_pattern=None) -> Tuple[Array, Array]:
-  """Recomputed p = exp(logits - lse) and ds = p * (dO v^T - delta): `(bq, bk)` float32."""
-  logits = _masked_logits(cfg, refs, refs["q"][...], refs["k"][...], c.q_block * block_q,
-                          c.kv_block * block_k, kv_length, in_pattern)
+                       block_k: int, kv_length, in_pattern=None
+                       ) -> Tuple[Array, Array, Tuple[Array, ...]]:
+  """Recomputed p = exp(logits - lse) and ds = p * (dO v^T - delta): `(bq, bk)`
+  float32, ds taken back through the score modification (to the scaled and
+  biased logits), and this block's part of the gradients of the score_mod's
+  floating arrays (empty without them)."""
+  logits, modify_vjp = _masked_logits(cfg, refs, refs["q"][...], refs["k"][...],
+                                      c.q_block * block_q, c.kv_block * block_k, kv_length,
+                                      in_pattern, c, differentiate=True)
   # A row the forward pass left empty has lse EMPTY_ROW_LSE, and its logits here
   # are not always all -inf: the forward skips a query block wholly past the
   # valid length (or the padding), and the dk/dv pass, tiled by block_q_dkv (or
@@ -347,7 +490,10 @@ def _probs_and_dlogits(cfg: _Static, refs: Dict[str, Any], c: _Coords, block_q: 
   probs = jnp.exp(logits - _lanes(lse, block_k))
   d_probs = _dot(refs["do"][...], refs["v"][...], _NT)
   d_logits = probs * (d_probs - _lanes(refs["delta"][...], block_k))
-  return probs, d_logits
+  d_consts = ()
+  if modify_vjp is not None:  # dS of the modified logits -> of the raw ones
+    d_logits, d_consts = modify_vjp(d_logits)
+  return probs, d_logits, tuple(d_consts)
 
 
 # ----------------------------------------------------------------------------
@@ -373,8 +519,12 @@ def _forward_kernel(q_lengths_ref, kv_lengths_ref, *refs, cfg: _Static, names: T
 
   @pl.when(step == 0)
   def _init():
-    max_ref[...] = jnp.full(max_ref.shape, -jnp.inf, jnp.float32)
-    sum_ref[...] = jnp.zeros(sum_ref.shape, jnp.float32)
+    if cfg.has_sinks:  # the sink is a key seen first: running max its logit, running sum 1
+      max_ref[...] = jnp.broadcast_to(refs["sink"][0:1, :], max_ref.shape)
+      sum_ref[...] = jnp.ones(sum_ref.shape, jnp.float32)
+    else:
+      max_ref[...] = jnp.full(max_ref.shape, -jnp.inf, jnp.float32)
+      sum_ref[...] = jnp.zeros(sum_ref.shape, jnp.float32)
     acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
   @pl.when(c.fresh & _segments_overlap(refs))
@@ -382,7 +532,7 @@ def _forward_kernel(q_lengths_ref, kv_lengths_ref, *refs, cfg: _Static, names: T
     v = refs["v"][...]
     logits = _masked_logits(cfg, refs, refs["q"][...], refs["k"][...], c.q_block * cfg.block_q,
                             c.kv_block * cfg.block_k, kv_lengths_ref[c.batch],
-                            _in_pattern(cfg, c, sparse_refs, by_query=True))
+                            _in_pattern(cfg, c, sparse_refs, True, refs), c)
     prev_max = max_ref[...]
     new_max = jnp.maximum(prev_max, jnp.max(logits, axis=1)[:, None])
     # A row with nothing allowed so far keeps max -inf; exponentiate against 0 then.
@@ -398,6 +548,11 @@ def _forward_kernel(q_lengths_ref, kv_lengths_ref, *refs, cfg: _Static, names: T
   def _finish():
     row_sum = sum_ref[...]
     empty = row_sum == 0.0  # nothing attended: output 0, lse finite (see EMPTY_ROW_LSE)
+    if cfg.has_sinks:
+      # Rows past the query length (or in the padding) attend nothing, sinks
+      # neither: as if empty, so that the backward passes give them p = 0.
+      q_pos = c.q_block * cfg.block_q + jax.lax.broadcasted_iota(jnp.int32, row_sum.shape, 0)
+      empty |= q_pos >= q_lengths_ref[c.batch]
     safe_sum = jnp.where(empty, 1.0, row_sum)
     out_ref[...] = (acc_ref[...] * _lanes(1.0 / safe_sum, acc_ref.shape[1])).astype(out_ref.dtype)
     lse_ref[...] = jnp.where(empty, common.EMPTY_ROW_LSE, max_ref[...] + jnp.log(safe_sum))
@@ -407,6 +562,7 @@ def _dq_kernel(q_lengths_ref, kv_lengths_ref, *refs, cfg: _Static, names: Tuple[
                num_steps: int):
   sparse_refs, refs = _sparse_and_named(cfg, refs, names)
   dq_ref, dq_acc_ref, ds_ref = refs["dq"], refs["dq_acc"], refs.get("ds")
+  d_const_refs = [refs[n] for n in names if n.startswith("d_float_const")]
   step = pl.program_id(3)
   c = _query_major_coords(cfg, cfg.block_q, cfg.block_k, *(pl.program_id(a) for a in range(3)),
                           step, q_lengths_ref, kv_lengths_ref, *sparse_refs)
@@ -415,14 +571,18 @@ def _dq_kernel(q_lengths_ref, kv_lengths_ref, *refs, cfg: _Static, names: Tuple[
   @pl.when(step == 0)
   def _init():
     dq_acc_ref[...] = jnp.zeros(dq_acc_ref.shape, jnp.float32)
+    for ref in d_const_refs:  # this program's part of a score_mod array's gradient
+      ref[...] = jnp.zeros(ref.shape, jnp.float32)
 
   @pl.when(c.fresh & overlap)
   def _accumulate():
     k = refs["k"][...]
-    _, d_logits = _probs_and_dlogits(cfg, refs, c, cfg.block_q, cfg.block_k,
-                                     kv_lengths_ref[c.batch],
-                                     _in_pattern(cfg, c, sparse_refs, by_query=True))
+    _, d_logits, d_consts = _probs_and_dlogits(cfg, refs, c, cfg.block_q, cfg.block_k,
+                                               kv_lengths_ref[c.batch],
+                                               _in_pattern(cfg, c, sparse_refs, True, refs))
     dq_acc_ref[...] += _dot(d_logits.astype(k.dtype), k, _NN)
+    for ref, d in zip(d_const_refs, d_consts):
+      ref[...] += d.astype(jnp.float32)
     if ds_ref is not None:
       ds_ref[...] = d_logits
 
@@ -457,9 +617,10 @@ def _dkv_kernel(q_lengths_ref, kv_lengths_ref, *refs, cfg: _Static, names: Tuple
   @pl.when(c.fresh & _segments_overlap(refs))
   def _accumulate():
     q, d_out = refs["q"][...], refs["do"][...]
-    probs, d_logits = _probs_and_dlogits(cfg, refs, c, cfg.block_q_dkv, cfg.block_k_dkv,
-                                         kv_lengths_ref[c.batch],
-                                         _in_pattern(cfg, c, sparse_refs, by_query=False))
+    # (The arrays' gradients are the dq pass's.)
+    probs, d_logits, _ = _probs_and_dlogits(cfg, refs, c, cfg.block_q_dkv, cfg.block_k_dkv,
+                                            kv_lengths_ref[c.batch],
+                                            _in_pattern(cfg, c, sparse_refs, False, refs))
     dv_acc_ref[...] += _dot(probs.astype(d_out.dtype), d_out, _TN)
     dk_acc_ref[...] += _dot(d_logits.astype(q.dtype), q, _TN)
 
@@ -488,6 +649,20 @@ def _mask_operands(cfg: _Static, bias: Optional[Array],
   if masks.q_segment_ids is not None:
     operands += [("q_ids", "q_ids", masks.q_segment_ids),
                  ("kv_ids", "kv_ids", masks.kv_segment_ids)]
+  operands += [(f"mask_const{i}", "whole", x) for i, x in enumerate(masks.mask_consts)]
+  operands += [(f"score_const{i}", "whole", x) for i, x in enumerate(masks.score_consts)]
+  return operands
+
+
+def _flex_operands(x: _FlexArrays) -> List[Tuple[str, str, Array]]:
+  """(name, kind, array) of flex_attention's differentiated inputs: the sinks
+  replicated over a `(8, 128)` tile per head, the score_mod's floating arrays whole."""
+  operands = []
+  if x.sinks is not None:
+    sinks = jnp.broadcast_to(x.sinks.astype(jnp.float32)[:, None, None],
+                             (x.sinks.shape[0], SUBLANES, LANES))
+    operands.append(("sink", "sink", sinks))
+  operands += [(f"float_const{i}", "whole", c) for i, c in enumerate(x.score_consts)]
   return operands
 
 
@@ -533,13 +708,14 @@ def _query_major_grid(cfg: _Static, batch: int, num_heads: int, block_q: int, bl
   return grid, ("parallel", "parallel", "parallel", "arbitrary"), coords_of
 
 
-def _forward(cfg: _Static, q, k, v, bias, masks: _MaskArrays):
+def _forward(cfg: _Static, q, k, v, bias, x: _FlexArrays, masks: _MaskArrays):
   """out `[B, H, Tq', Dv]` (query dtype) and lse `[B, H, Tq']` float32."""
   batch, num_heads, _, _ = q.shape
   value_dim = v.shape[-1]
   bq, bk = cfg.block_q, cfg.block_k
   grid, semantics, coords_of = _query_major_grid(cfg, batch, num_heads, bq, bk)
   inputs = [("q", "q", q), ("k", "kv", k), ("v", "kv", v)] + _mask_operands(cfg, bias, masks)
+  inputs += _flex_operands(x)
   outputs = [("out", "q", jax.ShapeDtypeStruct(q.shape[:3] + (value_dim,), q.dtype)),
              ("lse", "row_stat", jax.ShapeDtypeStruct(q.shape[:3] + (LANES,), jnp.float32))]
   scratch = [("row_max", pltpu.VMEM((bq, LANES), jnp.float32)),
@@ -552,8 +728,10 @@ def _forward(cfg: _Static, q, k, v, bias, masks: _MaskArrays):
   return out, lse[..., 0]
 
 
-def _backward(cfg: _Static, q, k, v, bias, masks: _MaskArrays, lse, d_out, delta):
-  """Gradients of q, k, v and bias (None without one).
+def _backward(cfg: _Static, q, k, v, bias, x: _FlexArrays, masks: _MaskArrays, lse, d_out,
+              delta):
+  """Gradients of q, k, v, bias (None without one) and of `x` (the sinks and
+  the score_mod's floating arrays).
 
   lse, delta: `[B, H, Tq']` float32 (delta as `common.flash_attention_vjp` gives it).
   """
@@ -562,7 +740,7 @@ def _backward(cfg: _Static, q, k, v, bias, masks: _MaskArrays, lse, d_out, delta
   lse, delta = _lane_replicated(lse), _lane_replicated(delta)
   common_inputs = [("q", "q", q), ("k", "kv", k), ("v", "kv", v), ("do", "q", d_out),
                    ("lse", "row_stat", lse), ("delta", "row_stat", delta)]
-  common_inputs += _mask_operands(cfg, bias, masks)
+  common_inputs += _mask_operands(cfg, bias, masks) + _flex_operands(x)
 
   # dq (and ds for the bias): query blocks outer, key blocks along the last axis.
   bq, bk = cfg.block_q, cfg.block_k
@@ -575,9 +753,15 @@ def _backward(cfg: _Static, q, k, v, bias, masks: _MaskArrays, lse, d_out, delta
     inputs.append(("ds_zeros", "untouched", jnp.zeros(ds_shape, jnp.float32)))
     outputs.append(("ds", "pairwise", jax.ShapeDtypeStruct(ds_shape, jnp.float32)))
     aliases = {"ds_zeros": "ds"}
+  # The score_mod's floating arrays: one partial gradient per program, summed below.
+  num_q_blocks = cfg.q_len // bq
+  outputs += [(f"d_float_const{i}", "d_const",
+               jax.ShapeDtypeStruct((batch, num_heads, num_q_blocks) + c.shape, jnp.float32))
+              for i, c in enumerate(x.score_consts)]
   scratch = [("dq_acc", pltpu.VMEM((bq, head_dim), jnp.float32))]
-  dq, *ds = _pallas(_dq_kernel, cfg, grid, semantics, coords_of, bq, bk, inputs, outputs,
-                    scratch, masks, aliases, sparse=masks.by_query)
+  dq, *rest = _pallas(_dq_kernel, cfg, grid, semantics, coords_of, bq, bk, inputs, outputs,
+                      scratch, masks, aliases, sparse=masks.by_query)
+  ds, d_consts = rest[:1 if bias is not None else 0], rest[1 if bias is not None else 0:]
 
   # dk, dv: key blocks outer; the query heads of the group, then query blocks, inner.
   bq, bk = cfg.block_q_dkv, cfg.block_k_dkv
@@ -597,7 +781,17 @@ def _backward(cfg: _Static, q, k, v, bias, masks: _MaskArrays, lse, d_out, delta
   d_bias = None
   if bias is not None:
     d_bias = common.sum_to_shape(ds[0], bias.shape).astype(bias.dtype)
-  return dq, dk, dv, d_bias
+  d_sinks = None
+  if x.sinks is not None:
+    # The sink's probability exp(sink - lse) meets dP = 0 (it has no value):
+    # dS = p_sink (0 - delta), summed over the rows each head's sink serves
+    # (rows left empty, past the query length, have none).
+    lse = lse[..., 0]
+    p_sink = jnp.where(lse == common.EMPTY_ROW_LSE, 0.0,
+                       jnp.exp(x.sinks[None, :, None].astype(jnp.float32) - lse))
+    d_sinks = -jnp.sum(p_sink * delta[..., 0], axis=(0, 2)).astype(x.sinks.dtype)
+  d_consts = tuple(d.sum(axis=(0, 1, 2)).astype(c.dtype) for d, c in zip(d_consts, x.score_consts))
+  return dq, dk, dv, d_bias, _FlexArrays(d_sinks, d_consts)
 
 
 def _lane_replicated(x: Array) -> Array:
@@ -605,7 +799,7 @@ def _lane_replicated(x: Array) -> Array:
   return jnp.broadcast_to(x[..., None], x.shape + (LANES,))
 
 
-# (q, k, v, bias) are differentiated, _MaskArrays is not.
+# (q, k, v, bias, _FlexArrays) are differentiated, _MaskArrays is not.
 _attention = common.flash_attention_vjp(_forward, _backward)
 
 
@@ -673,9 +867,14 @@ def _interpret_mode(interpret):
 def flash_attention_tpu(inputs: AttentionInputs,
                         block_sizes: Optional[common.BlockSizes] = None, *,
                         interpret: Optional[bool] = None, return_residual: bool = False,
-                        pattern: Optional[patterns.Pattern] = None,
+                        pattern: Union[None, patterns.Pattern, mods.LiftedMod] = None,
                         block_layout: Optional[Array] = None,
-                        max_visits: Optional[Tuple[int, int]] = None
+                        max_visits: Optional[Tuple[int, int]] = None,
+                        mask_consts: Tuple[Array, ...] = (),
+                        score_mod: Optional[mods.LiftedMod] = None,
+                        score_consts: Tuple[Array, ...] = (),
+                        softcap: Optional[float] = None,
+                        sinks: Optional[Array] = None
                         ) -> Union[Array, Tuple[Array, Array]]:
   """Exact attention over `inputs` with the Pallas TPU kernels: `[B, Tq, H, Dv]`.
 
@@ -688,10 +887,18 @@ def flash_attention_tpu(inputs: AttentionInputs,
       shuffle the parallel grid axes, say).
     return_residual: also return the log-sum-exp `[B, Tq, H]` float32
       (differentiable; `common.EMPTY_ROW_LSE` where a query attends nothing).
-    pattern, block_layout, max_visits: block-sparse attention (block_sparse.py):
-      the pattern, its `[H|1, nq, nk]` layout for `block_sizes` (one size for
-      both passes, fitting the sequences as given), and the most blocks a
-      query block and a key block visit (the grids' last axes). No bias then.
+    pattern, block_layout, max_visits: block-sparse attention (block_sparse.py,
+      flex_attention): the mask mod evaluated in PARTIAL blocks (a static
+      pattern, or a `mods.LiftedMod` closing over `mask_consts`), its
+      `[H|1, nq, nk]` or `[B|1, H|1, nq, nk]` layout for `block_sizes` (one
+      size for both passes, fitting the sequences as given), and the most
+      blocks a query block and a key block visit (the grids' last axes; the
+      full counts for a traced layout). Each program follows its own (batch
+      row, head)'s blocks.
+    score_mod, score_consts, softcap, sinks: flex_attention (kernels/
+      flash_attention/flex.py): the logits soft-capped, then the lifted
+      score_mod over its arrays (differentiated where floating), on each tile
+      inside the kernels; `[H]` sink logits in the normaliser.
   """
   query, key, value = inputs.query, inputs.key, inputs.value
   batch, q_len, num_heads, head_dim = query.shape
@@ -717,15 +924,21 @@ def flash_attention_tpu(inputs: AttentionInputs,
                 interpret=_interpret_mode(interpret))
   sparse = {}
   if block_layout is not None:
-    if (bq, bk) != (block_sizes.block_q, block_sizes.block_k) or (bq_dkv, bk_dkv) != (bq, bk) \
-        or inputs.bias is not None:
+    if (bq, bk) != (block_sizes.block_q, block_sizes.block_k) or (bq_dkv, bk_dkv) != (bq, bk):
       raise ValueError(f"block-sparse attention needs one block size for both passes, no "
-                       f"longer than the sequences, and no bias; got {block_sizes} for "
+                       f"longer than the sequences; got {block_sizes} for "
                        f"Tq={q_len}, Tk={kv_len}.")
-    cfg = dataclasses.replace(cfg, pattern=pattern, pattern_heads=block_layout.shape[0],
+    if block_layout.ndim == 3:  # [H|1, nq, nk]: the same for every batch row
+      block_layout = block_layout[None]
+    if max_visits is None:  # every block of a row: the grids' longest possible axes
+      max_visits = block_layout.shape[3], block_layout.shape[2]
+    cfg = dataclasses.replace(cfg, pattern=pattern, pattern_batch=block_layout.shape[0],
+                              pattern_heads=block_layout.shape[1],
                               sparse_steps=tuple(max(1, int(n)) for n in max_visits))
     sparse = dict(by_query=_flat_visit_lists(block_layout),
-                  by_key=_flat_visit_lists(block_layout.swapaxes(1, 2)))
+                  by_key=_flat_visit_lists(block_layout.swapaxes(2, 3)),
+                  mask_consts=(tuple(map(_kernel_const, mask_consts))
+                               if isinstance(pattern, mods.LiftedMod) else ()))
 
   # [B, T, H, D] -> [B, H, T, D], padded to whole blocks.
   q = common.pad_axis(query.transpose(0, 2, 1, 3), 2, q_multiple)
@@ -736,9 +949,18 @@ def flash_attention_tpu(inputs: AttentionInputs,
     if bias.dtype not in SUPPORTED_DTYPES:
       bias = bias.astype(jnp.float32)
     bias = _pad_pairwise(bias, q_multiple, kv_multiple)
-  masks = dataclasses.replace(_mask_arrays(inputs, q_multiple, kv_multiple), **sparse)
+  # flex_attention: the mods' arrays whole, floating score_mod arrays differentiated.
+  float_consts, other_consts = (), ()
+  if score_mod is not None:
+    float_consts, other_consts = score_mod.split(score_consts)
+  cfg = dataclasses.replace(cfg, softcap=None if softcap is None else float(softcap),
+                            score_mod=score_mod, has_sinks=sinks is not None)
+  masks = dataclasses.replace(_mask_arrays(inputs, q_multiple, kv_multiple), **sparse,
+                              score_consts=tuple(map(_kernel_const, other_consts)))
+  x = _FlexArrays(sinks=None if sinks is None else jnp.asarray(sinks, jnp.float32),
+                  score_consts=tuple(map(_kernel_const, float_consts)))
 
-  out, lse = _attention(cfg, (q, k, v, bias), masks)  # [B, H, Tq', Dv], [B, H, Tq']
+  out, lse = _attention(cfg, (q, k, v, bias, x), masks)  # [B, H, Tq', Dv], [B, H, Tq']
   return common.attention_outputs(out[:, :, :q_len].transpose(0, 2, 1, 3),
                                   lse[:, :, :q_len].transpose(0, 2, 1),
                                   inputs.query_seq_lengths, return_residual)

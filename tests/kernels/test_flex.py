@@ -325,7 +325,7 @@ def test_bad_mods_and_options_raise_a_value_error_naming_them():
       (dict(normaliser="sigmoid", return_residual=True), r"return_residual: the sigmoid"),
       (dict(sigmoid_bias=1.0), r"sigmoid_bias is for normaliser='sigmoid'"),
       (dict(implementation="pallas"),
-       r"implementation must be one of \['blockwise', 'pallas_gpu', 'xla'\]"),
+       r"implementation must be one of \['blockwise', 'pallas_gpu', 'pallas_tpu', 'xla'\]"),
       (dict(qk_norm="layer"), r"qk_norm must be one of \('rms', 'l2'\) or None"),
       (dict(mask_mod=patterns.PerHead(((1, mods.causal_mask), (2, mods.causal_mask)))),
        r"mask_mod is defined for 3 heads, but the query has H=4"),
