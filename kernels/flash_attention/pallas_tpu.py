@@ -54,14 +54,18 @@ block is FULL. flex_attention's score changes run on each tile after the
 scale and bias: `softcap`, then the lifted score_mod over its arrays (kernel
 inputs, whole); the backward kernels differentiate both on the tile with
 `jax.vjp`, and the dq pass accumulates each program's part of the gradients
-of the score_mod's floating arrays in its own `[B, H, nq, ...]` output block,
-summed outside (no atomics). Sinks (`[H]`, one logit per head, passed
+of the score_mod's floating arrays in its own `[B, H, nq, 1, size]` output
+block (flattened: Mosaic wants a block's last two dims whole), summed
+outside (no atomics). Sinks (`[H]`, one logit per head, passed
 replicated over a `(8, 128)` tile) start the forward's running max at the
-sink and its running sum at 1; their gradient needs no kernel. The mods have
-run in the interpreter only: on a TPU, Mosaic would want a mod's small arrays
-in SMEM (they are VMEM blocks here, whole, 1-D for ALiBi's slopes), and a mod
-that indexes them by a traced head or position (`slopes[h]`, a bias table)
-is a gather, and its VJP a scatter-add, which Mosaic does not lower.
+sink and its running sum at 1; their gradient needs no kernel. Checked by
+lowering only (no TPU here): static masks, softcap, sinks and score_mods of
+arithmetic on the indices and on whole closed-over arrays (a scalar
+temperature) lower to Mosaic; a mod that indexes its arrays by a traced head
+or position does not (`slopes[h]` is a dynamic_slice of a VMEM value,
+document ids and bias tables are gathers, their VJPs scatter-adds): those
+would need the arrays in SMEM, read through the ref by the program's head
+(a mod evaluated on refs, not values), and run in interpret mode only.
 """
 
 from __future__ import annotations
@@ -340,9 +344,10 @@ def _block_spec(kind: str, shape: Tuple[int, ...], block_q: int, block_k: int,
   elif kind == "sink":  # [H, 8, 128]: the head's sink logit, replicated over a tile
     block = (None, SUBLANES, LANES)
     index = lambda c: (c.head, 0, 0)
-  elif kind == "d_const":  # [B, H, nq, ...]: a program's part of a score_mod array's gradient
-    block = (None, None, None) + tuple(shape[3:])
-    index = lambda c: (c.batch, c.head, c.q_block) + (0,) * (len(shape) - 3)
+  elif kind == "d_const":  # [B, H, nq, 1, n]: a program's part of a score_mod array's
+    # gradient, flattened, so that the block's last two dims are the array's (Mosaic's rule)
+    block = (None, None, None, 1, shape[-1])
+    index = lambda c: (c.batch, c.head, c.q_block, 0, 0)
   elif kind == "untouched":  # stays in HBM, never copied in: the zeros an output aliases
     return pl.BlockSpec(memory_space=pl.ANY)
   else:
@@ -582,7 +587,7 @@ def _dq_kernel(q_lengths_ref, kv_lengths_ref, *refs, cfg: _Static, names: Tuple[
                                                _in_pattern(cfg, c, sparse_refs, True, refs))
     dq_acc_ref[...] += _dot(d_logits.astype(k.dtype), k, _NN)
     for ref, d in zip(d_const_refs, d_consts):
-      ref[...] += d.astype(jnp.float32)
+      ref[...] += d.astype(jnp.float32).reshape(ref.shape)
     if ds_ref is not None:
       ds_ref[...] = d_logits
 
@@ -756,7 +761,7 @@ def _backward(cfg: _Static, q, k, v, bias, x: _FlexArrays, masks: _MaskArrays, l
   # The score_mod's floating arrays: one partial gradient per program, summed below.
   num_q_blocks = cfg.q_len // bq
   outputs += [(f"d_float_const{i}", "d_const",
-               jax.ShapeDtypeStruct((batch, num_heads, num_q_blocks) + c.shape, jnp.float32))
+               jax.ShapeDtypeStruct((batch, num_heads, num_q_blocks, 1, c.size), jnp.float32))
               for i, c in enumerate(x.score_consts)]
   scratch = [("dq_acc", pltpu.VMEM((bq, head_dim), jnp.float32))]
   dq, *rest = _pallas(_dq_kernel, cfg, grid, semantics, coords_of, bq, bk, inputs, outputs,
@@ -790,7 +795,8 @@ def _backward(cfg: _Static, q, k, v, bias, x: _FlexArrays, masks: _MaskArrays, l
     p_sink = jnp.where(lse == common.EMPTY_ROW_LSE, 0.0,
                        jnp.exp(x.sinks[None, :, None].astype(jnp.float32) - lse))
     d_sinks = -jnp.sum(p_sink * delta[..., 0], axis=(0, 2)).astype(x.sinks.dtype)
-  d_consts = tuple(d.sum(axis=(0, 1, 2)).astype(c.dtype) for d, c in zip(d_consts, x.score_consts))
+  d_consts = tuple(d.sum(axis=(0, 1, 2)).reshape(c.shape).astype(c.dtype)
+                   for d, c in zip(d_consts, x.score_consts))
   return dq, dk, dv, d_bias, _FlexArrays(d_sinks, d_consts)
 
 

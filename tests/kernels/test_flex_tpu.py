@@ -7,19 +7,23 @@ learned slopes under a causal mask; a learned relative-bias table under a
 document block mask made per batch row under `jit`, so a traced layout; a
 sliding window with soft-capping and sinks over grouped heads and Tq != Tk; a
 data-dependent mask without a block mask, with causal, lengths and a bias);
-the options the TPU kernels refuse. Mosaic's blocks are large (queries a
+the options the TPU kernels refuse; a lowering to Mosaic. Mosaic's blocks are large (queries a
 multiple of 32, keys of 128) and TPU interpret mode simulates every grid step
 one after another, so the shapes are small: two key blocks of 128, D = 16.
 """
 
 import jax
+from jax import export
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import attention_jax as aj
 from attention_jax.core import mods
+from attention_jax.core.flex_inputs import prepare_flex_inputs
+from attention_jax.core.inputs import prepare_inputs
 from attention_jax.kernels import BlockSizes
+from attention_jax.kernels.flash_attention import flex
 from tests.attention_testing import assert_close, outputs_and_grads, random_qkv
 
 H, HKV, D = 4, 2, 16
@@ -126,3 +130,26 @@ def test_options_the_mosaic_kernels_refuse_raise_a_value_error():
   with pytest.raises(ValueError, match=r"multiple of 128 for the TPU kernel"):
     aj.flex_attention(query, key, value, mask_mod=mods.causal_mask, implementation="pallas_tpu",
                       block_sizes=BlockSizes(32, 32))
+
+
+def test_mods_without_indexing_lower_to_mosaic_for_tpu():
+  """A static window, softcap, sinks and a score_mod over a closed-over scalar
+  (differentiated) lower to three Mosaic custom calls, forward and backward.
+  (A mod that indexes its arrays by head or position, ALiBi's `slopes[h]`,
+  runs in interpret mode only: see pallas_tpu.py.)"""
+  def loss(query, key, value, temperature, sinks):
+    inputs, _ = prepare_inputs(query, key, value, None, None)
+    options = prepare_flex_inputs(inputs, mask_mod=mods.sliding_window(40, 0), softcap=2.0,
+                                  sinks=sinks, score_mod=lambda s, b, h, q, k: s * temperature)
+    out = flex.flex_pallas_tpu(inputs, options, BlockSizes(128, 128), interpret=False)
+    return jnp.sum(out.astype(jnp.float32))
+
+  qkv = jax.ShapeDtypeStruct((1, 256, H, 128), jnp.bfloat16)
+  args = (qkv, qkv, qkv, jax.ShapeDtypeStruct((), jnp.float32),
+          jax.ShapeDtypeStruct((H,), jnp.float32))
+  device = jax.sharding.AbstractDevice(device_kind="TPU v5e", num_cores=1, platform="tpu")
+  with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",),
+                                                                abstract_device=device)):
+    exported = export.export(jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4))),
+                             platforms=("tpu",))(*args)
+  assert exported.mlir_module().count("tpu_custom_call") == 3
