@@ -20,9 +20,11 @@ and keys, with learned scales), and the `normaliser`, softmax or sigmoid
 (Ramapuram et al. 2024).
 
 Implementations: "blockwise" (the lax loops, every backend, the default),
-"pallas_gpu" (the Triton kernels; interpreted off a GPU), and "xla" (the
-dense reference: every logit and the mask materialised, then jax.nn-style
-softmax; the oracle the kernels are tested against).
+"pallas_gpu" (the Triton kernels; interpreted off a GPU), "pallas_tpu" (the
+Mosaic TPU kernels; interpreted off a TPU; mods that index their arrays do
+not lower to Mosaic yet), and "xla" (the dense reference: every logit and
+the mask materialised, then jax.nn-style softmax; the oracle the kernels are
+tested against).
 """
 
 from __future__ import annotations
@@ -155,8 +157,8 @@ def flex_attention(query: Array, key: Array, value: Array, *,
     bias, mask, is_causal, query_seq_lengths, key_value_seq_lengths,
       local_window_size, segment_ids: as in `dot_product_attention`; applied
       with the mods (causal and the window also skip blocks).
-    implementation: "blockwise" (default), "pallas_gpu" (Triton) or "xla" (the
-      dense reference); `FLEX_IMPLEMENTATIONS` lists them.
+    implementation: "blockwise" (default), "pallas_gpu" (Triton), "pallas_tpu"
+      (Mosaic) or "xla" (the dense reference); `FLEX_IMPLEMENTATIONS` lists them.
     block_sizes: the blockwise kernel's blocks (one size for both passes);
       default the block mask's, else 128 x 128.
     return_residual: also return the log-sum-exp `[B, Tq, H]` float32

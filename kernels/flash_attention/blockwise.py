@@ -70,22 +70,6 @@ class _Static:
 
 
 @dataclasses.dataclass
-class Extras:
-  """Differentiated inputs of flex attention beside q, k, v and the bias.
-
-  sinks: `[Hkv, G]` float32 per-head sink logits (a key with no value that
-    every query sees), or None.
-  score_consts: the floating arrays the score_mod closes over (`mods.lift`).
-  """
-
-  sinks: Optional[Array] = None
-  score_consts: Tuple[Array, ...] = ()
-
-
-jax.tree_util.register_dataclass(Extras, data_fields=["sinks", "score_consts"], meta_fields=[])
-
-
-@dataclasses.dataclass
 class _Masks:
   """The non-differentiable arrays that decide which pairs may attend (padded)."""
 
@@ -257,8 +241,8 @@ def _modified_scores(cfg: _Static, masks: _Masks, score_consts, logits: Array,
   return logits
 
 
-def _block_logits(cfg: _Static, masks: _Masks, extras: Optional[Extras], q_blk, k_blk_t, bias,
-                  q_start, k_start, bq, bk):
+def _block_logits(cfg: _Static, masks: _Masks, extras: Optional[common.FlexArrays], q_blk,
+                  k_blk_t, bias, q_start, k_start, bq, bk):
   """One block's final logits `[B, Hkv, G, bq, bk]` float32: scaled, biased,
   modified (`_modified_scores`) and masked (-inf)."""
   logits, allowed, index = _block_scores(cfg, masks, q_blk, k_blk_t, bias, q_start, k_start,
@@ -333,7 +317,8 @@ def _block_of(x, q_start, k_start, bq, bk):
   return common.slice_axis(common.slice_axis(x, 3, q_start, bq), 4, k_start, bk)
 
 
-def _forward(cfg: _Static, q, k, v, bias, masks: _Masks, extras: Optional[Extras] = None):
+def _forward(cfg: _Static, q, k, v, bias, masks: _Masks,
+             extras: Optional[common.FlexArrays] = None):
   """Returns out `[B, Hkv, G, Tq, Dv]` (query dtype) and lse `[B, Hkv, G, Tq]` float32
   (zeros with the sigmoid normaliser, which has none)."""
   bq, bk = cfg.block_q, cfg.block_k
@@ -393,7 +378,7 @@ def _forward(cfg: _Static, q, k, v, bias, masks: _Masks, extras: Optional[Extras
 
 
 def _backward(cfg: _Static, q, k, v, bias, masks: _Masks, lse, d_out, delta,
-              extras: Optional[Extras] = None):
+              extras: Optional[common.FlexArrays] = None):
   """Gradients of q, k, v and bias (and of `extras`, when given), recomputing
   block probabilities from lse.
 
@@ -498,7 +483,7 @@ def _backward(cfg: _Static, q, k, v, bias, masks: _Masks, lse, d_out, delta,
     p_sink = jnp.exp(extras.sinks[None, :, :, None].astype(jnp.float32) - lse)
     d_sinks = -jnp.sum(p_sink * delta, axis=(0, 3)).astype(extras.sinks.dtype)
   d_consts = tuple(d.astype(c.dtype) for d, c in zip(d_consts, score_consts))
-  return grads + (Extras(d_sinks, d_consts),)
+  return grads + (common.FlexArrays(d_sinks, d_consts),)
 
 
 def _add_block(total, block, q_start, k_start):
@@ -510,7 +495,7 @@ def _add_block(total, block, q_start, k_start):
 
 # (q, k, v, bias) are differentiated, _Masks is not.
 _attention = common.flash_attention_vjp(_forward, _backward)
-# flex_attention's: (q, k, v, bias, Extras) are differentiated.
+# flex_attention's: (q, k, v, bias, FlexArrays) are differentiated.
 _flex_attention = common.flash_attention_vjp(
     lambda cfg, q, k, v, bias, extras, masks: _forward(cfg, q, k, v, bias, masks, extras),
     lambda cfg, q, k, v, bias, extras, masks, lse, d_out, delta: _backward(

@@ -48,23 +48,17 @@ def flex_blockwise(inputs: AttentionInputs, flex: FlexInputs,
   block_sizes = _block_sizes(flex, block_sizes)
   cfg, (q, k, v, bias), masks = blockwise.blocked_layout(inputs, block_sizes)
   num_kv_heads, group = q.shape[1], q.shape[2]
-  layout = _layout(inputs, flex, cfg)
-  if layout is not None:
-    expected = (cfg.q_len // cfg.block_q, cfg.kv_len // cfg.block_k)
-    if tuple(layout.shape[2:]) != expected:
-      raise ValueError(f"block_mask has {tuple(layout.shape[2:])} (query, key) blocks, the "
-                       f"kernel's blocks make {expected}; make the mask with the kernel's "
-                       "block sizes.")
+  layout = _layout(inputs, flex, cfg.block_q, cfg.block_k)
   score_consts, score_other = ((), ()) if flex.lifted_score_mod is None else (
       flex.lifted_score_mod.split(flex.score_consts))
   cfg = dataclasses.replace(
-      cfg, mask_mod=flex.lifted_mask_mod if flex.lifted_mask_mod is not None else flex.mask_mod,
+      cfg, mask_mod=_mask_mod(flex),
       softcap=flex.softcap, score_mod=flex.lifted_score_mod, normaliser=flex.normaliser,
       sigmoid_bias=flex.sigmoid_bias, dropout_rate=flex.dropout_rate)
   masks = dataclasses.replace(masks, block_layout=layout, mask_mod_consts=tuple(flex.mask_consts),
                               score_mod_consts=tuple(score_other), dropout_rng=flex.dropout_rng)
   sinks = None if flex.sinks is None else flex.sinks.reshape(num_kv_heads, group)
-  extras = blockwise.Extras(sinks, tuple(score_consts))
+  extras = common.FlexArrays(sinks, tuple(score_consts))
   out, lse = blockwise.flex_attend(cfg, (q, k, v, bias, extras), masks)
   out, lse = blockwise.from_blocked_layout(out, lse, inputs)
   # Queries past their lengths attend nothing, sinks neither: lse as if empty.
@@ -85,10 +79,7 @@ def flex_pallas_gpu(inputs: AttentionInputs, flex: FlexInputs,
   sinks enter the normaliser. Blocks: powers of two of at least 16,
   one size for every pass.
   """
-  if flex.normaliser != "softmax":
-    raise ValueError(f"implementation='pallas_gpu' takes normaliser='softmax' only, got "
-                     f"normaliser={flex.normaliser!r}; normaliser='sigmoid' runs on "
-                     "implementation='blockwise' or 'xla'.")
+  _softmax_only(flex, "pallas_gpu")
   reason = pallas_gpu.gpu_rejects(inputs)
   if reason is not None:
     raise ValueError(reason)
@@ -96,7 +87,7 @@ def flex_pallas_gpu(inputs: AttentionInputs, flex: FlexInputs,
   if empty is not None:
     return empty
   block_sizes = _block_sizes(flex, block_sizes)
-  q_len, num_heads = inputs.query.shape[1:3]
+  q_len = inputs.query.shape[1]
   kv_len = inputs.key.shape[1]
   # Blocks longer than the (power-of-two rounded) sequence would only add
   # padding; such a block covers the whole sequence, as the mask's did.
@@ -104,24 +95,10 @@ def flex_pallas_gpu(inputs: AttentionInputs, flex: FlexInputs,
   block_sizes = common.BlockSizes(fit(block_sizes.block_q, q_len),
                                   fit(block_sizes.block_k, kv_len))
   pallas_gpu._check_block_sizes(block_sizes)  # pylint: disable=protected-access
-  block_q, block_k = block_sizes.block_q, block_sizes.block_k
-  num_q_blocks, num_kv_blocks = common.cdiv(q_len, block_q), common.cdiv(kv_len, block_k)
-  layout = None
-  if flex.block_mask is not None:
-    layout = flex.block_mask.layout
-  elif flex.static_mask_mod:
-    layout = jnp.asarray(patterns.block_layout(flex.mask_mod, q_len, kv_len, block_q, block_k,
-                                               num_heads=num_heads)[None])
-  elif flex.mask_mod is not None:  # data-dependent, no block mask: every tile partial
-    layout = jnp.full((1, 1, num_q_blocks, num_kv_blocks), patterns.PARTIAL, jnp.int8)
-  if layout is not None and tuple(layout.shape[2:]) != (num_q_blocks, num_kv_blocks):
-    raise ValueError(f"block_mask has {tuple(layout.shape[2:])} (query, key) blocks, the "
-                     f"kernel's blocks make {(num_q_blocks, num_kv_blocks)}; make the mask "
-                     "with the kernel's block sizes.")
-  mask_mod = flex.lifted_mask_mod if flex.lifted_mask_mod is not None else flex.mask_mod
+  layout = _layout(inputs, flex, block_sizes.block_q, block_sizes.block_k)
   return pallas_gpu.flash_attention_gpu(
       inputs, block_sizes, interpret=interpret, return_residual=return_residual,
-      pattern=mask_mod if layout is not None else None, block_layout=layout,
+      pattern=_mask_mod(flex) if layout is not None else None, block_layout=layout,
       mask_consts=tuple(flex.mask_consts), score_mod=flex.lifted_score_mod,
       score_consts=tuple(flex.score_consts), softcap=flex.softcap, sinks=flex.sinks)
 
@@ -142,17 +119,14 @@ def flex_pallas_tpu(inputs: AttentionInputs, flex: FlexInputs,
   every pass. A layout known at trace time sizes the grids by the most blocks
   a row visits; a traced one (a block mask made under `jit`) by all of them.
   """
-  if flex.normaliser != "softmax":
-    raise ValueError(f"implementation='pallas_tpu' takes normaliser='softmax' only, got "
-                     f"normaliser={flex.normaliser!r}; normaliser='sigmoid' runs on "
-                     "implementation='blockwise' or 'xla'.")
+  _softmax_only(flex, "pallas_tpu")
   reason = pallas_tpu.tpu_rejects(inputs)
   if reason is not None:
     raise ValueError(reason)
   empty = attention_of_empty_sequence(inputs, return_residual)  # Tq = 0 or Tk = 0
   if empty is not None:
     return empty
-  q_len, num_heads = inputs.query.shape[1:3]
+  q_len = inputs.query.shape[1]
   kv_len = inputs.key.shape[1]
   round_up = lambda n, multiple: common.cdiv(n, multiple) * multiple
   # Blocks longer than the rounded-up sequence would only add padding; such a
@@ -170,29 +144,15 @@ def flex_pallas_tpu(inputs: AttentionInputs, flex: FlexInputs,
   reason = pallas_tpu.tpu_rejects(inputs, block_sizes)
   if reason is not None:
     raise ValueError(reason)
-  block_q, block_k = block_sizes.block_q, block_sizes.block_k
-  num_q_blocks, num_kv_blocks = common.cdiv(q_len, block_q), common.cdiv(kv_len, block_k)
-  layout = None
-  if mask is not None:
-    layout = mask.layout
-  elif flex.static_mask_mod:
-    layout = jnp.asarray(patterns.block_layout(flex.mask_mod, q_len, kv_len, block_q, block_k,
-                                               num_heads=num_heads)[None])
-  elif flex.mask_mod is not None:  # data-dependent, no block mask: every tile partial
-    layout = jnp.full((1, 1, num_q_blocks, num_kv_blocks), patterns.PARTIAL, jnp.int8)
+  layout = _layout(inputs, flex, block_sizes.block_q, block_sizes.block_k)
   max_visits = None
-  if layout is not None:
-    if tuple(layout.shape[2:]) != (num_q_blocks, num_kv_blocks):
-      raise ValueError(f"block_mask has {tuple(layout.shape[2:])} (query, key) blocks, the "
-                       f"kernel's blocks make {(num_q_blocks, num_kv_blocks)}; make the mask "
-                       "with the kernel's block sizes.")
-    if not isinstance(layout, jax.core.Tracer):  # known now: the grids as long as needed
-      visited = np.asarray(layout) != patterns.SKIP
-      max_visits = (int(visited.sum(-1).max()), int(visited.sum(-2).max()))
-  mask_mod = flex.lifted_mask_mod if flex.lifted_mask_mod is not None else flex.mask_mod
+  if layout is not None and not isinstance(layout, jax.core.Tracer):
+    # Known now: the grids as long as the most blocks a row visits.
+    visited = np.asarray(layout) != patterns.SKIP
+    max_visits = (int(visited.sum(-1).max()), int(visited.sum(-2).max()))
   return pallas_tpu.flash_attention_tpu(
       inputs, block_sizes, interpret=interpret, return_residual=return_residual,
-      pattern=mask_mod if layout is not None else None, block_layout=layout,
+      pattern=_mask_mod(flex) if layout is not None else None, block_layout=layout,
       max_visits=max_visits, mask_consts=tuple(flex.mask_consts),
       score_mod=flex.lifted_score_mod, score_consts=tuple(flex.score_consts),
       softcap=flex.softcap, sinks=flex.sinks)
@@ -215,16 +175,36 @@ def _block_sizes(flex: FlexInputs, block_sizes: Optional[common.BlockSizes]) -> 
   return block_sizes
 
 
-def _layout(inputs: AttentionInputs, flex: FlexInputs, cfg) -> Optional[Array]:
-  """`[B|1, H|1, nq, nk]` int8 in the kernel's blocks, or None (no mask_mod)."""
+def _layout(inputs: AttentionInputs, flex: FlexInputs, block_q: int,
+            block_k: int) -> Optional[Array]:
+  """`[B|1, H|1, nq, nk]` int8 in the kernel's blocks, or None (no mask_mod):
+  the block mask's (checked against the kernel's blocks), a static mask's
+  from NumPy, or every tile PARTIAL for a data-dependent mask without one."""
+  q_len, num_heads = inputs.query.shape[1:3]
+  kv_len = inputs.key.shape[1]
+  expected = (common.cdiv(q_len, block_q), common.cdiv(kv_len, block_k))
   if flex.block_mask is not None:
-    return flex.block_mask.layout
+    layout = flex.block_mask.layout
+    if tuple(layout.shape[2:]) != expected:
+      raise ValueError(f"block_mask has {tuple(layout.shape[2:])} (query, key) blocks, the "
+                       f"kernel's blocks make {expected}; make the mask with the kernel's "
+                       "block sizes.")
+    return layout
   if flex.mask_mod is None:
     return None
-  num_q_blocks, num_kv_blocks = cfg.q_len // cfg.block_q, cfg.kv_len // cfg.block_k
   if flex.static_mask_mod:
-    layout = patterns.block_layout(flex.mask_mod, inputs.query.shape[1], inputs.key.shape[1],
-                                   cfg.block_q, cfg.block_k, num_heads=inputs.query.shape[2])
-    return jnp.asarray(layout[None])
-  # A data-dependent mask without a block mask: every tile partial.
-  return jnp.full((1, 1, num_q_blocks, num_kv_blocks), patterns.PARTIAL, jnp.int8)
+    return jnp.asarray(patterns.block_layout(flex.mask_mod, q_len, kv_len, block_q, block_k,
+                                             num_heads=num_heads)[None])
+  return jnp.full((1, 1) + expected, patterns.PARTIAL, jnp.int8)
+
+
+def _softmax_only(flex: FlexInputs, implementation: str) -> None:
+  if flex.normaliser != "softmax":
+    raise ValueError(f"implementation={implementation!r} takes normaliser='softmax' only, got "
+                     f"normaliser={flex.normaliser!r}; normaliser='sigmoid' runs on "
+                     "implementation='blockwise' or 'xla'.")
+
+
+def _mask_mod(flex: FlexInputs):
+  """The mask mod a kernel evaluates: lifted when data-dependent, else static."""
+  return flex.lifted_mask_mod if flex.lifted_mask_mod is not None else flex.mask_mod

@@ -99,9 +99,9 @@ class _Config:
   # without one.
   pattern: Union[None, patterns.Pattern, mods.LiftedMod] = None
   # flex_attention: the logits go through `softcap * tanh(logits / softcap)`,
-  # then the lifted score_mod (its floating arrays in `_FlexArrays`, the others
+  # then the lifted score_mod (its floating arrays in `common.FlexArrays`, the others
   # in `_MaskArrays.score_consts`), before the mask; `has_sinks`: a sink logit
-  # per head in the normaliser (`_FlexArrays.sinks`).
+  # per head in the normaliser (`common.FlexArrays.sinks`).
   softcap: Optional[float] = None
   score_mod: Optional[mods.LiftedMod] = None
   has_sinks: bool = False
@@ -137,7 +137,7 @@ class _MaskArrays:
   visits_by_key: Optional[Array] = None
   visit_counts_by_key: Optional[Array] = None
   # flex_attention: the arrays a lifted mask mod closes over and the score
-  # mod's arrays that are not differentiated, whole (`_kernel_const`).
+  # mod's arrays that are not differentiated, whole (`common.kernel_const`).
   mask_consts: Tuple[Array, ...] = ()
   score_consts: Tuple[Array, ...] = ()
 
@@ -148,43 +148,6 @@ jax.tree_util.register_dataclass(
                               "visits_by_key", "visit_counts_by_key", "mask_consts",
                               "score_consts"],
     meta_fields=[])
-
-
-@dataclasses.dataclass
-class _FlexArrays:
-  """The differentiated inputs of flex attention beside q, k, v and the bias.
-
-  sinks: `[H]` float32 sink logits (a key with no value that every query
-    sees), or None.
-  score_consts: the floating arrays the score_mod closes over, whole
-    (`_kernel_const`).
-  """
-
-  sinks: Optional[Array] = None
-  score_consts: Tuple[Array, ...] = ()
-
-
-jax.tree_util.register_dataclass(_FlexArrays, data_fields=["sinks", "score_consts"],
-                                 meta_fields=[])
-
-
-def _kernel_const(x: Array) -> Array:
-  """A mod's array as a kernel input: bool as int8, a scalar as `[1]`
-  (`_restored` undoes both inside the kernel)."""
-  x = jnp.asarray(x)
-  if x.dtype == jnp.bool_:
-    x = x.astype(jnp.int8)
-  return x.reshape((1,)) if x.ndim == 0 else x
-
-
-def _restored(lifted: mods.LiftedMod, values) -> Tuple[Array, ...]:
-  """The mod's constants as its jaxpr takes them, from `_kernel_const`'s."""
-  restored = []
-  for value, var in zip(values, lifted.jaxpr.constvars):
-    aval = var.aval
-    value = value.reshape(aval.shape)
-    restored.append(value != 0 if aval.dtype == jnp.bool_ else value.astype(aval.dtype))
-  return tuple(restored)
 
 
 def _read(refs) -> Tuple[Array, ...]:
@@ -229,7 +192,7 @@ def _mask_of(cfg: _Config, m: _MaskArrays, batch, head):
   if m.layout is None:
     return None
   if isinstance(cfg.pattern, mods.LiftedMod):
-    consts = _restored(cfg.pattern, _read(m.mask_consts))
+    consts = common.restored_consts(cfg.pattern, _read(m.mask_consts))
     mask = lambda q_pos, k_pos: mods.apply(cfg.pattern, consts, batch, head, q_pos, k_pos)
   elif cfg.pattern is not None:
     mask = lambda q_pos, k_pos: cfg.pattern(0, head, q_pos, k_pos)
@@ -254,7 +217,7 @@ def _score_modifier(cfg: _Config, m: _MaskArrays, batch, head):
     if cfg.softcap is not None:
       scores = cfg.softcap * jnp.tanh(scores / cfg.softcap)
     if cfg.score_mod is not None:
-      consts = _restored(cfg.score_mod, cfg.score_mod.merge(float_consts, other))
+      consts = common.restored_consts(cfg.score_mod, cfg.score_mod.merge(float_consts, other))
       scores = mods.apply(cfg.score_mod, consts, scores, batch, head, q_pos, k_pos)
     return scores
 
@@ -352,7 +315,7 @@ def _pairwise_block(ref, rows, cols):
 # ---------------------------------------------------------------------------
 
 
-def _forward_kernel(q_ref, k_ref, v_ref, bias_ref, m: _MaskArrays, x: _FlexArrays, out_ref,
+def _forward_kernel(q_ref, k_ref, v_ref, bias_ref, m: _MaskArrays, x: common.FlexArrays, out_ref,
                     lse_ref, *, cfg: _Config):
   """One query block of one head: out `[bq, Dv]`, lse `[bq]`.
 
@@ -405,7 +368,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, bias_ref, m: _MaskArrays, x: _FlexArray
   lse_ref[...] = jnp.where(empty, common.EMPTY_ROW_LSE, row_max + jnp.log(safe_sum))
 
 
-def _dq_kernel(q_ref, k_ref, v_ref, bias_ref, m: _MaskArrays, x: _FlexArrays, do_ref, lse_ref,
+def _dq_kernel(q_ref, k_ref, v_ref, bias_ref, m: _MaskArrays, x: common.FlexArrays, do_ref, lse_ref,
                delta_ref, dq_ref, dbias_ref, dconst_refs, *, cfg: _Config):
   """dq `[bq, D]` of one query block of one head, its row of bias gradients, and
   this program's part of the gradients of the score_mod's floating arrays.
@@ -468,8 +431,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, bias_ref, m: _MaskArrays, x: _FlexArrays, do
     lax.fori_loop(hi, cfg.kv_len // bk, clear_bias_grad, 0)
 
 
-def _dkv_kernel(q_ref, k_ref, v_ref, bias_ref, m: _MaskArrays, x: _FlexArrays, do_ref, lse_ref,
-                delta_ref, dk_ref, dv_ref, *, cfg: _Config):
+def _dkv_kernel(q_ref, k_ref, v_ref, bias_ref, m: _MaskArrays, x: common.FlexArrays, do_ref,
+                lse_ref, delta_ref, dk_ref, dv_ref, *, cfg: _Config):
   """dk `[bk, D]` and dv `[bk, Dv]` of one key block, as seen by one query head.
 
   Refs: q `[Tq', D]`, k `[bk, D]`, v `[bk, Dv]`, bias and mask `[Tq', bk]`,
@@ -561,9 +524,9 @@ def _mask_specs(cfg: _Config, m: _MaskArrays, bq: int, bk: int, along_q: bool) -
       score_consts=tuple(_whole_spec(c) for c in m.score_consts))
 
 
-def _flex_specs(x: _FlexArrays) -> _FlexArrays:
+def _flex_specs(x: common.FlexArrays) -> common.FlexArrays:
   """The program's head's sink `[]`; the score_mod's arrays whole."""
-  return _FlexArrays(
+  return common.FlexArrays(
       sinks=None if x.sinks is None else pl.BlockSpec((None,), lambda t, b, h: (h,)),
       score_consts=tuple(_whole_spec(c) for c in x.score_consts))
 
@@ -604,7 +567,7 @@ def _compiler_params(cfg: _Config, head_dim: int):
 # ---------------------------------------------------------------------------
 
 
-def _forward(cfg: _Config, q, k, v, bias, x: _FlexArrays, m: _MaskArrays):
+def _forward(cfg: _Config, q, k, v, bias, x: common.FlexArrays, m: _MaskArrays):
   """out `[B, Tq', H, Dv']` (query dtype) and lse `[B, Tq', H]` float32."""
   batch, _, num_heads, head_dim = q.shape
   value_dim = v.shape[-1]
@@ -633,7 +596,7 @@ def _forward(cfg: _Config, q, k, v, bias, x: _FlexArrays, m: _MaskArrays):
   return out, lse.transpose(0, 2, 1)
 
 
-def _backward(cfg: _Config, q, k, v, bias, x: _FlexArrays, m: _MaskArrays, lse, d_out, delta):
+def _backward(cfg: _Config, q, k, v, bias, x: common.FlexArrays, m: _MaskArrays, lse, d_out, delta):
   """Gradients of q, k, v, bias (shapes and dtypes of the padded inputs) and of
   `x` (the sinks and the score_mod's floating arrays).
 
@@ -715,7 +678,7 @@ def _backward(cfg: _Config, q, k, v, bias, x: _FlexArrays, m: _MaskArrays, lse, 
     d_sinks = -jnp.sum(p_sink * delta, axis=(0, 2)).astype(x.sinks.dtype)
   d_consts = tuple(d.sum(axis=(0, 1, 2)).astype(c.dtype)
                    for d, c in zip(d_consts, x.score_consts))
-  return dq, dk, dv, d_bias, _FlexArrays(d_sinks, d_consts)
+  return dq, dk, dv, d_bias, common.FlexArrays(d_sinks, d_consts)
 
 
 def _sum_groups(grad, group: int, dtype):
@@ -727,7 +690,7 @@ def _sum_groups(grad, group: int, dtype):
   return grad.sum(axis=3).astype(dtype)
 
 
-# (q, k, v, bias, _FlexArrays) are differentiated, _MaskArrays is not.
+# (q, k, v, bias, common.FlexArrays) are differentiated, _MaskArrays is not.
 _attention = common.flash_attention_vjp(_forward, _backward)
 
 
@@ -849,11 +812,12 @@ def flash_attention_gpu(inputs: AttentionInputs, block_sizes: Optional[common.Bl
     float_consts, other_consts = score_mod.split(score_consts)
   cfg = dataclasses.replace(cfg, softcap=None if softcap is None else float(softcap),
                             score_mod=score_mod, has_sinks=sinks is not None)
-  m = dataclasses.replace(
-      m, mask_consts=tuple(map(_kernel_const, mask_consts)) if block_layout is not None else (),
-      score_consts=tuple(map(_kernel_const, other_consts)))
-  x = _FlexArrays(sinks=None if sinks is None else jnp.asarray(sinks, jnp.float32),
-                  score_consts=tuple(map(_kernel_const, float_consts)))
+  kernel_mask_consts = (tuple(map(common.kernel_const, mask_consts))
+                        if block_layout is not None else ())
+  m = dataclasses.replace(m, mask_consts=kernel_mask_consts,
+                          score_consts=tuple(map(common.kernel_const, other_consts)))
+  x = common.FlexArrays(sinks=None if sinks is None else jnp.asarray(sinks, jnp.float32),
+                  score_consts=tuple(map(common.kernel_const, float_consts)))
 
   q_len = query.shape[1]
   out, lse = _attention(cfg, (q, k, v, bias, x), m)

@@ -128,9 +128,9 @@ class _Static:
   pattern_heads: int = 1
   sparse_steps: Tuple[int, int] = (0, 0)
   # flex_attention: the logits go through `softcap * tanh(logits / softcap)`,
-  # then the lifted score_mod (its floating arrays in `_FlexArrays`, the others
+  # then the lifted score_mod (its floating arrays in `common.FlexArrays`, the others
   # in `_MaskArrays.score_consts`), before the mask; `has_sinks`: a sink logit
-  # per head in the normaliser (`_FlexArrays.sinks`).
+  # per head in the normaliser (`common.FlexArrays.sinks`).
   softcap: Optional[float] = None
   score_mod: Optional[mods.LiftedMod] = None
   has_sinks: bool = False
@@ -156,7 +156,7 @@ class _MaskArrays:
   by_query: Optional[Tuple[Array, Array, Array]] = None
   by_key: Optional[Tuple[Array, Array, Array]] = None
   # flex_attention: the arrays a lifted mask mod closes over and the score
-  # mod's arrays that are not differentiated, whole (`_kernel_const`).
+  # mod's arrays that are not differentiated, whole (`common.kernel_const`).
   mask_consts: Tuple[Array, ...] = ()
   score_consts: Tuple[Array, ...] = ()
 
@@ -166,43 +166,6 @@ jax.tree_util.register_dataclass(
     data_fields=["q_lengths", "kv_lengths", "mask", "q_segment_ids", "kv_segment_ids",
                  "by_query", "by_key", "mask_consts", "score_consts"],
     meta_fields=[])
-
-
-@dataclasses.dataclass
-class _FlexArrays:
-  """The differentiated inputs of flex attention beside q, k, v and the bias.
-
-  sinks: `[H]` float32 sink logits (a key with no value that every query
-    sees), or None.
-  score_consts: the floating arrays the score_mod closes over, whole
-    (`_kernel_const`).
-  """
-
-  sinks: Optional[Array] = None
-  score_consts: Tuple[Array, ...] = ()
-
-
-jax.tree_util.register_dataclass(_FlexArrays, data_fields=["sinks", "score_consts"],
-                                 meta_fields=[])
-
-
-def _kernel_const(x: Array) -> Array:
-  """A mod's array as a kernel input: bool as int8, a scalar as `[1]`
-  (`_restored` undoes both inside the kernel)."""
-  x = jnp.asarray(x)
-  if x.dtype == jnp.bool_:
-    x = x.astype(jnp.int8)
-  return x.reshape((1,)) if x.ndim == 0 else x
-
-
-def _restored(lifted: mods.LiftedMod, values) -> Tuple[Array, ...]:
-  """The mod's constants as its jaxpr takes them, from `_kernel_const`'s."""
-  restored = []
-  for value, var in zip(values, lifted.jaxpr.constvars):
-    aval = var.aval
-    value = value.reshape(aval.shape)
-    restored.append(value != 0 if aval.dtype == jnp.bool_ else value.astype(aval.dtype))
-  return tuple(restored)
 
 
 def _named_consts(refs: Dict[str, Any], prefix: str) -> Tuple[Array, ...]:
@@ -405,7 +368,7 @@ def _score_modifier(cfg: _Static, refs: Dict[str, Any], c: _Coords):
     if cfg.softcap is not None:
       scores = cfg.softcap * jnp.tanh(scores / cfg.softcap)
     if cfg.score_mod is not None:
-      consts = _restored(cfg.score_mod, cfg.score_mod.merge(float_consts, other))
+      consts = common.restored_consts(cfg.score_mod, cfg.score_mod.merge(float_consts, other))
       scores = mods.apply(cfg.score_mod, consts, scores, c.batch, c.head, q_pos, k_pos)
     return scores
 
@@ -467,7 +430,7 @@ def _in_pattern(cfg: _Static, c: _Coords, sparse_refs, by_query: bool, refs: Dic
     index = (row * num_kv_blocks + c.kv_block) * num_q_blocks + c.q_block
   full = layout_ref[index] == patterns.FULL
   if isinstance(cfg.pattern, mods.LiftedMod):
-    consts = _restored(cfg.pattern, _named_consts(refs, "mask_const"))
+    consts = common.restored_consts(cfg.pattern, _named_consts(refs, "mask_const"))
     return lambda q_pos, k_pos: full | mods.apply(cfg.pattern, consts, c.batch, c.head, q_pos,
                                                   k_pos)
   return lambda q_pos, k_pos: full | cfg.pattern(0, c.head, q_pos, k_pos)
@@ -659,7 +622,7 @@ def _mask_operands(cfg: _Static, bias: Optional[Array],
   return operands
 
 
-def _flex_operands(x: _FlexArrays) -> List[Tuple[str, str, Array]]:
+def _flex_operands(x: common.FlexArrays) -> List[Tuple[str, str, Array]]:
   """(name, kind, array) of flex_attention's differentiated inputs: the sinks
   replicated over a `(8, 128)` tile per head, the score_mod's floating arrays whole."""
   operands = []
@@ -713,7 +676,7 @@ def _query_major_grid(cfg: _Static, batch: int, num_heads: int, block_q: int, bl
   return grid, ("parallel", "parallel", "parallel", "arbitrary"), coords_of
 
 
-def _forward(cfg: _Static, q, k, v, bias, x: _FlexArrays, masks: _MaskArrays):
+def _forward(cfg: _Static, q, k, v, bias, x: common.FlexArrays, masks: _MaskArrays):
   """out `[B, H, Tq', Dv]` (query dtype) and lse `[B, H, Tq']` float32."""
   batch, num_heads, _, _ = q.shape
   value_dim = v.shape[-1]
@@ -733,7 +696,7 @@ def _forward(cfg: _Static, q, k, v, bias, x: _FlexArrays, masks: _MaskArrays):
   return out, lse[..., 0]
 
 
-def _backward(cfg: _Static, q, k, v, bias, x: _FlexArrays, masks: _MaskArrays, lse, d_out,
+def _backward(cfg: _Static, q, k, v, bias, x: common.FlexArrays, masks: _MaskArrays, lse, d_out,
               delta):
   """Gradients of q, k, v, bias (None without one) and of `x` (the sinks and
   the score_mod's floating arrays).
@@ -797,7 +760,7 @@ def _backward(cfg: _Static, q, k, v, bias, x: _FlexArrays, masks: _MaskArrays, l
     d_sinks = -jnp.sum(p_sink * delta[..., 0], axis=(0, 2)).astype(x.sinks.dtype)
   d_consts = tuple(d.sum(axis=(0, 1, 2)).reshape(c.shape).astype(c.dtype)
                    for d, c in zip(d_consts, x.score_consts))
-  return dq, dk, dv, d_bias, _FlexArrays(d_sinks, d_consts)
+  return dq, dk, dv, d_bias, common.FlexArrays(d_sinks, d_consts)
 
 
 def _lane_replicated(x: Array) -> Array:
@@ -805,7 +768,7 @@ def _lane_replicated(x: Array) -> Array:
   return jnp.broadcast_to(x[..., None], x.shape + (LANES,))
 
 
-# (q, k, v, bias, _FlexArrays) are differentiated, _MaskArrays is not.
+# (q, k, v, bias, common.FlexArrays) are differentiated, _MaskArrays is not.
 _attention = common.flash_attention_vjp(_forward, _backward)
 
 
@@ -943,7 +906,7 @@ def flash_attention_tpu(inputs: AttentionInputs,
                               sparse_steps=tuple(max(1, int(n)) for n in max_visits))
     sparse = dict(by_query=_flat_visit_lists(block_layout),
                   by_key=_flat_visit_lists(block_layout.swapaxes(2, 3)),
-                  mask_consts=(tuple(map(_kernel_const, mask_consts))
+                  mask_consts=(tuple(map(common.kernel_const, mask_consts))
                                if isinstance(pattern, mods.LiftedMod) else ()))
 
   # [B, T, H, D] -> [B, H, T, D], padded to whole blocks.
@@ -962,9 +925,9 @@ def flash_attention_tpu(inputs: AttentionInputs,
   cfg = dataclasses.replace(cfg, softcap=None if softcap is None else float(softcap),
                             score_mod=score_mod, has_sinks=sinks is not None)
   masks = dataclasses.replace(_mask_arrays(inputs, q_multiple, kv_multiple), **sparse,
-                              score_consts=tuple(map(_kernel_const, other_consts)))
-  x = _FlexArrays(sinks=None if sinks is None else jnp.asarray(sinks, jnp.float32),
-                  score_consts=tuple(map(_kernel_const, float_consts)))
+                              score_consts=tuple(map(common.kernel_const, other_consts)))
+  x = common.FlexArrays(sinks=None if sinks is None else jnp.asarray(sinks, jnp.float32),
+                  score_consts=tuple(map(common.kernel_const, float_consts)))
 
   out, lse = _attention(cfg, (q, k, v, bias, x), masks)  # [B, H, Tq', Dv], [B, H, Tq']
   return common.attention_outputs(out[:, :, :q_len].transpose(0, 2, 1, 3),
