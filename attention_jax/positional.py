@@ -14,6 +14,7 @@ restarting at each packed segment); every function here is jit-compatible.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Callable, Optional
 
@@ -320,22 +321,53 @@ class T5RelativePositionBias(nn.Module):
   param_dtype: Dtype = jnp.float32
 
   @nn.compact
-  def __call__(self, q_positions: Array, k_positions: Array) -> Array:
+  def __call__(self, q_positions: Array, k_positions: Array, *, as_score_mod: bool = False):
     """q_positions: `[B|1, Tq]` or `[Tq]`; k_positions: `[B|1, Tk]` or `[Tk]`.
 
     Returns:
-      `[B|1, H, Tq, Tk]` float32.
+      `[B|1, H, Tq, Tk]` float32; with `as_score_mod`, the same bias as a
+      flex score_mod `(score, b, h, q_idx, kv_idx) -> score + bias`, which a
+      kernel applies per tile (no `[Tq, Tk]` array; the table's gradient
+      comes from the kernel).
     """
     _check_num_heads(self.num_heads)
-    buckets = t5_relative_position_bucket(
-        _relative_positions(q_positions, k_positions), bidirectional=self.bidirectional,
-        num_buckets=self.num_buckets, max_distance=self.max_distance)  # [B|1, Tq, Tk]
     table = self.param(
         "rel_embedding",
         nn.with_logical_partitioning(self.embedding_init, ("relpos_buckets", "heads")),
         (self.num_buckets, self.num_heads), self.param_dtype)
+    bucket = functools.partial(t5_relative_position_bucket, bidirectional=self.bidirectional,
+                               num_buckets=self.num_buckets, max_distance=self.max_distance)
+    if as_score_mod:
+      q_positions, k_positions = _as_rows(q_positions), _as_rows(k_positions)
+      return lambda score, b, h, q_idx, kv_idx: score + table[
+          bucket(_at(k_positions, b, kv_idx) - _at(q_positions, b, q_idx)), h].astype(
+              jnp.float32)
+    buckets = bucket(_relative_positions(q_positions, k_positions))  # [B|1, Tq, Tk]
     bias = jnp.take(table, buckets, axis=0)  # [B|1, Tq, Tk, H]
     return jnp.transpose(bias, (0, 3, 1, 2)).astype(jnp.float32)
+
+
+def alibi_score_mod(num_heads: int, q_positions: Array, k_positions: Array):
+  """`alibi_bias` as a flex score_mod: `score - slope_h |q_pos - k_pos|` per tile.
+
+  q_positions: `[B|1, Tq]` or `[Tq]`; k_positions: `[B|1, Tk]` or `[Tk]`.
+  """
+  slopes = alibi_slopes(num_heads)
+  q_positions, k_positions = _as_rows(q_positions), _as_rows(k_positions)
+  return lambda score, b, h, q_idx, kv_idx: score - slopes[h] * jnp.abs(
+      _at(q_positions, b, q_idx) - _at(k_positions, b, kv_idx)).astype(jnp.float32)
+
+
+def _as_rows(positions: Array) -> Array:
+  """Positions as `[B|1, T]` int32."""
+  positions = jnp.asarray(positions, jnp.int32)
+  return positions[None] if positions.ndim == 1 else positions
+
+
+def _at(positions: Array, batch: Array, index: Array) -> Array:
+  """`positions[batch, index]` of `[B|1, T]` positions (row 0 when they are the
+  same for every row), for broadcasting index arrays."""
+  return positions[0, index] if positions.shape[0] == 1 else positions[batch, index]
 
 
 # ---------------------------------------------------------------------------

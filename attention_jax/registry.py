@@ -43,6 +43,9 @@ CAPABILITIES = {
     "query_positions": ("query_positions",),  # it places each query (Luong's local-m)
     "aux_losses": ("sow_loss",),  # it adds auxiliary losses (the "losses" collection)
     "recurrent_state": ("recurrent_state",),  # it decodes from a state, not a KV cache
+    # it takes a flex score_mod, applied per tile: relative positions (ALiBi,
+    # T5) reach it as one instead of a [B, H, Tq, Tk] bias
+    "score_mod": ("score_mod",),
 }
 # What MultiHeadAttention passes to every Q/K/V variant's function itself.
 LAYER_ARGUMENTS = frozenset({"query", "key", "value", "bias", "mask", "is_causal",

@@ -216,12 +216,17 @@ class MultiHeadAttention(nn.Module):
       is_causal = True
 
     attention_fn = spec.fn
+    position_score_mod = None
     if self.position == "rope":
       wavelength = self.position_options.get("max_wavelength", 10_000.0)
       query = _unless_unused(query, lambda q: positional.apply_rope(
           q, q_positions, max_wavelength=wavelength))
       key = _unless_unused(key, lambda k: positional.apply_rope(
           k, k_positions, max_wavelength=wavelength))
+    elif self.position in ("alibi", "t5") and spec.can("score_mod"):
+      # The flex engine applies the bias per tile: no [B, H, Tq, Tk] array.
+      position_score_mod = self._position_bias(_batched(q_positions), _batched(k_positions),
+                                               as_score_mod=True)
     elif self.position in ("alibi", "t5"):
       bias = _add(bias, self._position_bias(_batched(q_positions), _batched(k_positions)))
     elif self.position == "shaw":
@@ -256,6 +261,8 @@ class MultiHeadAttention(nn.Module):
       # back through this callback; the trainer adds the "losses" collection
       # to the loss (`train.steps.sown_losses`).
       options["sow_loss"] = lambda name, loss: self.sow("losses", name, loss)
+    if position_score_mod is not None:
+      options["score_mod"] = position_score_mod
     if attention_arguments:
       options.update(_call_arguments(spec, attention_arguments, options))
     if recurrent:
@@ -290,13 +297,16 @@ class MultiHeadAttention(nn.Module):
         name="out")(out)
     return mixer_output(y, carry)
 
-  def _position_bias(self, q_positions: Array, k_positions: Array) -> Array:
-    """ALiBi or T5 bias, `[B|1, H, Tq, Tk]`."""
+  def _position_bias(self, q_positions: Array, k_positions: Array, as_score_mod: bool = False):
+    """ALiBi or T5 bias, `[B|1, H, Tq, Tk]`, or (`as_score_mod`) the same as a
+    flex score_mod, for a variant whose function takes one."""
     if self.position == "alibi":
+      if as_score_mod:
+        return positional.alibi_score_mod(self.num_heads, q_positions, k_positions)
       return positional.alibi_bias(self.num_heads, q_positions, k_positions)
     return positional.T5RelativePositionBias(
         num_heads=self.num_heads, name="relative_position_bias",
-        **dict(self.position_options))(q_positions, k_positions)
+        **dict(self.position_options))(q_positions, k_positions, as_score_mod=as_score_mod)
 
   def _shaw_relative(self, spec: registry.VariantSpec, q_positions: Array, k_positions: Array,
                      head_dim: int, value_dim: int) -> Callable[..., Array]:

@@ -36,6 +36,7 @@ NAMED_MODS = ("alibi", "learned_alibi", "relative_bias", "prefix_lm")
 
 def composed_attention(query: Array, key: Array, value: Array, bias: Optional[Array] = None,
                        mask: Optional[Array] = None, *, mods: Tuple[str, ...] = (),
+                       score_mod: Optional[mod_lib.ScoreMod] = None,
                        softcap: Optional[float] = None, sink_logits: Optional[Array] = None,
                        qk_norm: Optional[str] = None,
                        qk_norm_scales: Optional[Tuple[Array, Array]] = None,
@@ -54,6 +55,8 @@ def composed_attention(query: Array, key: Array, value: Array, bias: Optional[Ar
   Args:
     query, key, value, bias, mask: as `dot_product_attention`.
     mods: names from `NAMED_MODS`, applied in order.
+    score_mod: a score_mod applied before them (`MultiHeadAttention` passes
+      its ALiBi or T5 position bias as one).
     softcap, normaliser, sigmoid_bias, qk_norm, qk_norm_scales, scale,
       local_window_size, implementation: as `flex_attention`.
     sink_logits: `[H]` learned sinks (`flex_attention`'s `sinks`), or None.
@@ -68,7 +71,7 @@ def composed_attention(query: Array, key: Array, value: Array, bias: Optional[Ar
   if unknown:
     raise ValueError(f"mods must be names from {NAMED_MODS}, got {unknown}.")
   num_heads = query.shape[-2]
-  score_mods, mask_mod = [], None
+  score_mods, mask_mod = [] if score_mod is None else [score_mod], None
   for name in mods:
     if name == "alibi":
       score_mods.append(mod_lib.alibi(positional.alibi_slopes(num_heads)))
@@ -83,13 +86,13 @@ def composed_attention(query: Array, key: Array, value: Array, bias: Optional[Ar
     else:  # prefix_lm
       mask_mod = mod_lib.prefix_lm_mask(_required(prefix_lengths, "prefix_lengths", name))
 
-  def score_mod(score, b, h, q_idx, kv_idx):
+  def chained(score, b, h, q_idx, kv_idx):
     for mod in score_mods:
       score = mod(score, b, h, q_idx, kv_idx)
     return score
 
   return flex_attention(
-      query, key, value, score_mod=score_mod if score_mods else None, mask_mod=mask_mod,
+      query, key, value, score_mod=chained if score_mods else None, mask_mod=mask_mod,
       scale=scale, softcap=softcap, sinks=sink_logits, qk_norm=qk_norm,
       qk_norm_scales=qk_norm_scales, normaliser=normaliser, sigmoid_bias=sigmoid_bias,
       bias=bias, mask=mask, is_causal=is_causal, query_seq_lengths=query_seq_lengths,
@@ -153,7 +156,7 @@ registry.register(registry.VariantSpec(
     name="flex", fn=composed_attention, family="composed",
     paper="Dehghani et al. 2023; Gemma Team 2024; Xiao et al. 2024; Ramapuram et al. 2024",
     complexity="O(T^2); O(T w) with a window", subquadratic=False, exact=True, causal=True,
-    cross=True, extras=ComposedParameters, takes=("dropout",),
+    cross=True, extras=ComposedParameters, takes=("dropout", "score_mod"),
     not_decodable=("its mods see token indices, which a KV cache does not carry yet; decode "
                    "with dot_product"),
     options=dict(

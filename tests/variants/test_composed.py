@@ -126,3 +126,33 @@ def test_unknown_mods_and_qk_norms_are_refused_by_name():
   with pytest.raises(ValueError, match=r"qk_norm must be one of \('rms', 'l2'\) or None, got "
                                        r"'layer'"):
     jit_init(_layer(qk_norm="layer"), jax.random.PRNGKey(0), jnp.zeros((1, 4, 16)))
+
+
+@pytest.mark.parity("flex")
+@pytest.mark.parametrize("position", ["alibi", "t5"])
+def test_alibi_and_t5_positions_reach_flex_as_score_mods_and_equal_the_materialised_bias(
+    position):
+  # The same parameters through dot_product (the bias materialised, the
+  # reference) and through flex (the bias a score_mod per tile): the same
+  # outputs and gradients, the T5 table's included.
+  x = jax.random.normal(jax.random.PRNGKey(7), (B, T, 16))
+  positions = jnp.asarray([[3] * 4 + list(range(T - 4)), list(range(T))])  # [B, T]
+  layers = {name: aj.MultiHeadAttention(num_heads=H, qkv_features=H * D, attention=name,
+                                        position=position)
+            for name in ("dot_product", "flex")}
+  params = nn.meta.unbox(jit_init(layers["dot_product"], jax.random.PRNGKey(8), x,
+                                  positions=positions)["params"])
+
+  def outputs_and_grads(name):
+    apply = lambda params: layers[name].apply({"params": params}, x, is_causal=True,
+                                              positions=positions)
+    loss = lambda params: jnp.sum(jnp.sin(apply(params)))
+    return jax.jit(lambda params: (apply(params), jax.grad(loss)(params)))(params)
+
+  (out, grads), (want, want_grads) = outputs_and_grads("flex"), outputs_and_grads("dot_product")
+  assert_close(out, want, rtol=1e-5, atol=1e-5)
+  for path, got in jax.tree_util.tree_leaves_with_path(grads):
+    expected = functools.reduce(lambda tree, key: tree[key.key], path, want_grads)
+    assert_close(got, expected, rtol=1e-4, atol=1e-5, err_msg=jax.tree_util.keystr(path))
+  if position == "t5":
+    assert float(jnp.abs(grads["relative_position_bias"]["rel_embedding"]).max()) > 0
