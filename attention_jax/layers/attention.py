@@ -25,6 +25,10 @@ ACTIVATION_AXES = (axes.ACTIVATION_BATCH, axes.ACTIVATION_LENGTH, axes.ACTIVATIO
                    axes.ACTIVATION_KV)
 
 _PROJECTIONS = ("query", "key")
+OUTPUT_GATES = (None, "headwise", "elementwise")
+# The layer stack's carry entries of value residual learning.
+FIRST_VALUES, HAS_FIRST_VALUES = "first_values", "has_first_values"
+VALUE_RESIDUAL_KEYS = (FIRST_VALUES, HAS_FIRST_VALUES)
 
 
 def unused_projections(spec: "registry.VariantSpec", options: Mapping[str, Any]) -> frozenset:
@@ -85,6 +89,15 @@ class MultiHeadAttention(nn.Module):
       (or a few) tokens at a time. A variant whose function takes a
       `recurrent_state` (linear attention) keeps that state instead, of a
       size independent of the length.
+    output_gate: gated attention (Qiu et al. 2025): the attention output is
+      multiplied by sigmoid(x W_g + b_g) before the output projection, one
+      gate per feature ("elementwise", W_g `[E, H, Dv]`, the paper's best
+      form) or per head ("headwise", `[E, H]`); None: no gate.
+    value_residual: value residual learning (Zhou et al. 2024, ResFormer):
+      in self-attention every layer's values become (1 - w) V_n + w V_1,
+      V_1 the first layer's values, handed on in the layer stack's carry
+      (`VALUE_RESIDUAL_KEYS`); w = value_residual, None: off. The first
+      layer to run one (the carry has no V_1 yet) puts its values there.
   """
 
   num_heads: int
@@ -103,6 +116,8 @@ class MultiHeadAttention(nn.Module):
   position: Optional[str] = None
   position_options: Mapping[str, Any] = FrozenDict()
   decode: bool = False
+  output_gate: Optional[str] = None
+  value_residual: Optional[float] = None
 
   def _dims(self, in_features: int):
     num_kv_heads = self.num_kv_heads or self.num_heads
@@ -117,6 +132,11 @@ class MultiHeadAttention(nn.Module):
                        f"({self.num_heads}), or set head_dim.")
     else:
       head_dim = qkv_features // self.num_heads
+    if self.output_gate not in OUTPUT_GATES:
+      raise ValueError(f"output_gate must be one of {OUTPUT_GATES}, got {self.output_gate!r}.")
+    if self.value_residual is not None and not 0.0 <= self.value_residual <= 1.0:
+      raise ValueError(f"value_residual is the first layer's weight w in (1 - w) V_n + w V_1, "
+                       f"in [0, 1]; got {self.value_residual!r}.")
     if self.position is not None and self.position not in positional.RELATIVE_POSITIONS:
       raise ValueError(f"position must be None or one of {positional.RELATIVE_POSITIONS}, "
                        f"got {self.position!r}.")
@@ -189,6 +209,9 @@ class MultiHeadAttention(nn.Module):
     key = (jax.ShapeDtypeStruct(kv_input.shape[:2] + (num_kv_heads, head_dim), projected_dtype)
            if "key" in unused else self._projection("key", num_kv_heads, head_dim)(kv_input))
     value = self._projection("value", num_kv_heads, head_dim)(kv_input)
+    value_residual_update = {}
+    if self.value_residual is not None and context is None:
+      value, value_residual_update = _mix_first_values(value, carry, self.value_residual)
 
     q_len, kv_len = x.shape[1], kv_input.shape[1]
     q_positions = jnp.arange(q_len) if positions is None else positions
@@ -288,6 +311,10 @@ class MultiHeadAttention(nn.Module):
     if spec.carries:
       out, updates = out
       carry = None if carry is None else {**carry, **updates}
+    if value_residual_update and carry is not None:
+      carry = {**carry, **value_residual_update}
+    if self.output_gate is not None:
+      out = out * self._output_gate(x, out.shape[-1])
     out = nn.with_logical_constraint(out, ACTIVATION_AXES)
 
     y = HeadProjection(
@@ -296,6 +323,12 @@ class MultiHeadAttention(nn.Module):
         param_dtype=self.param_dtype, kernel_init=self.kernel_init, bias_init=self.bias_init,
         name="out")(out)
     return mixer_output(y, carry)
+
+  def _output_gate(self, x: Array, value_dim: int) -> Array:
+    """sigmoid(x W_g + b_g): `[B, Tq, H, Dv]` ("elementwise") or `[B, Tq, H, 1]`."""
+    features = value_dim if self.output_gate == "elementwise" else 1
+    logits = self._projection("output_gate", self.num_heads, features)(x)
+    return jax.nn.sigmoid(logits.astype(jnp.float32)).astype(logits.dtype)
 
   def _position_bias(self, q_positions: Array, k_positions: Array, as_score_mod: bool = False):
     """ALiBi or T5 bias, `[B|1, H, Tq, Tk]`, or (`as_score_mod`) the same as a
@@ -383,6 +416,34 @@ class MultiHeadAttention(nn.Module):
     cached_value.value = jax.lax.dynamic_update_slice(cached_value.value, value, start)
     cache_index.value = index + new_len
     return cached, cached_value.value, index
+
+
+def _mix_first_values(value: Array, carry: Optional[Mapping[str, Any]], weight: float):
+  """ResFormer's (1 - w) V_n + w V_1 for `value` `[B, T, Hkv, Dv]`, and the
+  carry update: V_1 is `carry["first_values"]` when `carry["has_first_values"]`,
+  else these values are V_1 (they are then returned unchanged and put in the
+  carry). A call without a carry is a first layer."""
+  carry = {} if carry is None else carry
+  first = carry.get(FIRST_VALUES)
+  if first is None:
+    return value, {FIRST_VALUES: value, HAS_FIRST_VALUES: jnp.ones((), bool)}
+  if tuple(first.shape) != tuple(value.shape):
+    raise ValueError(f"value_residual mixes the first layer's values {list(first.shape)} into "
+                     f"this layer's {list(value.shape)}; every layer with it needs the same "
+                     f"[B, T, Hkv, Dv] (the same heads and head size).")
+  has_first = carry[HAS_FIRST_VALUES]
+  mixed = (1.0 - weight) * value + weight * first.astype(value.dtype)
+  return (jnp.where(has_first, mixed, value),
+          {FIRST_VALUES: jnp.where(has_first, first, value.astype(first.dtype)),
+           HAS_FIRST_VALUES: jnp.ones((), bool)})
+
+
+def initial_value_residual_carry(batch: int, length: int, num_kv_heads: int, value_dim: int,
+                                 dtype) -> dict:
+  """The carry's value-residual entries before the first layer: no V_1 yet
+  (a scanned stack needs the entries, and their shapes, from the start)."""
+  return {FIRST_VALUES: jnp.zeros((batch, length, num_kv_heads, value_dim), dtype),
+          HAS_FIRST_VALUES: jnp.zeros((), bool)}
 
 
 def _cache_overflow(index, new_len: int, max_len: int) -> Optional[str]:

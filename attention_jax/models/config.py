@@ -154,6 +154,13 @@ class ModelConfig:
       2020; needs a variant with a cross-attention form); False pools the
       whole sequence before the stage (any mixer).
     chunk_length: tokens per chunk of the hierarchical Transformer.
+    output_gate: gated attention (Qiu et al. 2025) in every Q/K/V attention
+      layer: "elementwise" or "headwise" sigmoid gates on the attention output
+      from the layer input (`MultiHeadAttention.output_gate`); None: off.
+    value_residual: value residual learning (Zhou et al. 2024) in every Q/K/V
+      self-attention layer: its values become (1 - w) V_n + w V_1, V_1 the
+      first layer's (`MultiHeadAttention.value_residual`); w in [0, 1], the
+      paper's 0.5; None: off. Standard and universal stacks (the carry).
     sentence_layers: blocks of the hierarchical Transformer's encoder over
       the chunk vectors (the token-level encoder has `num_layers`).
   """
@@ -205,6 +212,8 @@ class ModelConfig:
   funnel_pool_queries_only: bool = True
   chunk_length: int = 64
   sentence_layers: int = 2
+  output_gate: Optional[str] = None
+  value_residual: Optional[float] = None
 
   def __post_init__(self):
     # Every ModelConfig is checked and hashable (Flax hashes module fields),
@@ -330,6 +339,7 @@ class ModelConfig:
                        f"{_either(kinds.kinds_reading('transparent_attention'))} has a decoder to "
                        f"attend to every encoder layer; got kind {self.kind!r}.")
     self._check_stack(kind, stacked_kinds=kinds.stacked_kinds())
+    self._check_attention_layer_options()
     if "decoder_attention" in kind.fields and self.decoder_attention and not registry.get_variant(
         self.attention).cross:
       raise ValueError(f"the RNN decoder attends to the encoder (cross-attention); attention "
@@ -415,6 +425,27 @@ class ModelConfig:
         raise ValueError(f"model.scan_layers scans whole periods of layer_attention "
                          f"{self.schedule_period}; model.sentence_layers="
                          f"{self.sentence_layers} is not a multiple of {period}.")
+
+  def _check_attention_layer_options(self) -> None:
+    """output_gate and value_residual, which every Q/K/V attention layer takes."""
+    from attention_jax.layers.attention import OUTPUT_GATES  # pylint: disable=g-import-not-at-top
+    if self.output_gate not in OUTPUT_GATES:
+      raise ValueError(f"model.output_gate must be one of {OUTPUT_GATES}, got "
+                       f"{self.output_gate!r}.")
+    if self.value_residual is not None and not (
+        isinstance(self.value_residual, (int, float)) and 0.0 <= self.value_residual <= 1.0):
+      raise ValueError(f"model.value_residual is w in (1 - w) V_n + w V_1, in [0, 1] (the "
+                       f"paper's 0.5), or None; got {self.value_residual!r}.")
+    if self.output_gate is None and self.value_residual is None:
+      return
+    name = "output_gate" if self.output_gate is not None else "value_residual"
+    for variant in self.schedule_period:
+      if not registry.get_variant(variant).in_attention_layer:
+        raise ValueError(f"model.{name} is an option of the Q/K/V attention layer; attention "
+                         f"{variant!r} is a mixer of its own without one: leave it None.")
+    if self.value_residual is not None and self.stack == "reversible":
+      raise ValueError("model.value_residual hands the first layer's values on in the carry, "
+                       "which the reversible stack has not: use stack='standard'.")
 
   def _check_stack(self, kind: "ModelKind", stacked_kinds: Tuple[str, ...]) -> None:
     """The stack and its fields; each error names the field, the value and what

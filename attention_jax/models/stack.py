@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from attention_jax import axes, registry
+from attention_jax.layers.attention import initial_value_residual_carry
 from attention_jax.models.blocks import block_class
 from attention_jax.models.config import ModelConfig
 from attention_jax.models.layer_drop import run_or_skip
@@ -48,7 +49,23 @@ def initial_carry(config: ModelConfig, batch: int, length: int) -> Carry:
     spec = registry.get_variant(variant)
     if spec.initial_carry is not None:
       carry.update(spec.initial_carry(batch, length, config.num_heads))
+  if config.value_residual is not None:
+    num_kv_heads, value_dim = value_layout(config, config.schedule_period[0])
+    carry.update(initial_value_residual_carry(batch, length, num_kv_heads, value_dim,
+                                              config.jnp_dtype))
   return carry
+
+
+def value_layout(config: ModelConfig, variant: str) -> Tuple[int, int]:
+  """`(Hkv, Dv)` of the values `variant`'s attention layer projects under
+  `config`: the config's K/V heads or the variant's preset (multi_query's
+  one), and its head size (fixed_head_size's `head_dim`) or the width over
+  the heads."""
+  spec = registry.get_variant(variant)
+  layer = {**spec.module_defaults, **spec.route_options(config.options_for(variant))["layer"]}
+  num_kv_heads = config.num_kv_heads or layer.get("num_kv_heads") or config.num_heads
+  head_dim = layer.get("head_dim") or (config.qkv_dim or config.embed_dim) // config.num_heads
+  return num_kv_heads, head_dim
 
 
 class _Period(nn.Module):

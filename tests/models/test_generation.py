@@ -30,6 +30,22 @@ def _model_and_variables(config, seed=0):
   return model, {**variables, "params": perturbed(variables["params"])}, tokens
 
 
+def _assert_decodes_as_its_full_pass(config):
+  """A prompt of 5 tokens in one call, then one token at a time, gives the
+  logits of one full causal pass."""
+  model, variables, tokens = _model_and_variables(config)
+  expected = jit_apply(model, variables, tokens)
+  decoder = decoding_model(model)
+  step = jax.jit(lambda cache, tokens: decoder.apply({**variables, "cache": cache}, tokens,
+                                                     mutable=["cache"]))
+  logits, state = step(empty_cache(decoder, B, T), tokens[:, :5])
+  pieces = [logits]
+  for t in range(5, T):
+    logits, state = step(state["cache"], tokens[:, t:t + 1])
+    pieces.append(logits)
+  np.testing.assert_allclose(jnp.concatenate(pieces, axis=1), expected, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("overrides", [
     dict(position="sinusoidal"), dict(position="learned"), dict(position="complex"),
     dict(position="rope"), dict(position="alibi"), dict(position="t5"),
@@ -56,18 +72,14 @@ def test_every_causal_variant_decodes_as_its_full_pass_or_says_why_not(name):
                                          f"at a time: "):
       empty_cache(decoding_model(build_model(config)), B, T)
     return
-  model, variables, tokens = _model_and_variables(config)
-  expected = jit_apply(model, variables, tokens)
-  decoder = decoding_model(model)
-  step = jax.jit(lambda cache, tokens: decoder.apply({**variables, "cache": cache}, tokens,
-                                                     mutable=["cache"]))
-  # A prompt of 5 tokens in one call, then one token at a time.
-  logits, state = step(empty_cache(decoder, B, T), tokens[:, :5])
-  pieces = [logits]
-  for t in range(5, T):
-    logits, state = step(state["cache"], tokens[:, t:t + 1])
-    pieces.append(logits)
-  np.testing.assert_allclose(jnp.concatenate(pieces, axis=1), expected, rtol=1e-4, atol=1e-4)
+  _assert_decodes_as_its_full_pass(config)
+
+
+@pytest.mark.parametrize("overrides", [
+    dict(output_gate="elementwise", value_residual=0.5),
+    dict(output_gate="headwise", value_residual=0.25, scan_layers=True, num_layers=3)])
+def test_output_gates_and_value_residuals_decode_as_their_full_pass(overrides):
+  _assert_decodes_as_its_full_pass(_config(**overrides))
 
 
 def test_sampling_restricted_to_the_top_tokens():
