@@ -100,6 +100,10 @@ class VariantSpec:
       Checked against the function when registered: a function that names
       one of their arguments must declare it, and one that declares it must
       take it (by name or through **kwargs it passes on).
+    bidirectional: the variant has a non-causal form (a query may attend to
+      later keys); False for the causal-only mechanisms (stick-breaking,
+      whose stick breaks from the nearest earlier key), which a model with a
+      bidirectional encoder refuses.
     role: what the module is, one of `ROLES`: "mixer" (every variant a
       block can run), or "pooling" / "alignment" for mechanisms that are
       not token mixers (attention pooling, ESIM's cross alignment). Those
@@ -127,6 +131,7 @@ class VariantSpec:
   initial_carry: Optional[Callable[..., Dict[str, Any]]] = None
   presets: Mapping[str, "Preset"] = dataclasses.field(default_factory=dict)
   role: str = "mixer"
+  bidirectional: bool = True
   not_decodable: Optional[str] = None
   takes: Tuple[str, ...] = ()
 

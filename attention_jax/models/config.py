@@ -305,6 +305,11 @@ class ModelConfig:
           causal = [n for n in registry.list_variants("mixer") if registry.get_variant(n).causal]
           raise ValueError(f"{kind.causal} needs causal attention; attention {name!r} has "
                            f"no causal form. Causal variants: {', '.join(causal)}.")
+    if kind.bidirectional:
+      for name in self.schedule_period:
+        if not registry.get_variant(name).bidirectional:
+          raise ValueError(f"attention {name!r} is causal only, and {kind.bidirectional} (model."
+                           f"kind={self.kind!r}) attends both ways; use it in a language model.")
     positional.check_position_encoding(self.position)
     _one_of("residual", self.residual, RESIDUALS)
     _one_of("norm", self.norm, NORMS)

@@ -53,6 +53,8 @@ class ModelKind:
       the reversible or universal stack.
     causal: what in it needs causal self-attention (for the error naming it);
       "" when nothing does.
+    bidirectional: what in it attends both ways (an encoder), which a
+      causal-only variant cannot run; "" when nothing does.
     encodes_vectors: an encoder of it reads vectors (image patches, chunk
       vectors) rather than tokens, which a word embedding cannot encode.
   """
@@ -64,6 +66,7 @@ class ModelKind:
   fields: Tuple[str, ...] = ()
   stacked: bool = False
   causal: str = ""
+  bidirectional: str = "its encoder"
   encodes_vectors: bool = False
 
 
@@ -76,7 +79,7 @@ KINDS = {kind.name: kind for kind in (
     # Made for streams, and trained as well on the tokens of one-sequence
     # tasks (the recall tasks score the tokens their target_mask marks).
     ModelKind("language_model", LanguageModel, "next_token", ("stream", "sequence"),
-              stacked=True, causal="a language model"),
+              stacked=True, causal="a language model", bidirectional=""),
     ModelKind("rnn_seq2seq", RNNEncoderDecoder, "teacher_forced", ("seq2seq",),
               fields=("rnn_cell", "decoder_attention", "beam_size")),
     ModelKind("transformer_seq2seq", TransformerEncoderDecoder, "teacher_forced", ("seq2seq",),

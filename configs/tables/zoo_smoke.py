@@ -34,7 +34,10 @@ import ml_collections
 from attention_jax import registry
 
 # A mixer that cannot train on this task, with the reason; the table lists it.
-NOT_RUN = {}
+NOT_RUN = {name: "causal only (no form that attends to later tokens), and ListOps is read by "
+                 "a bidirectional encoder: it is in the recall table"
+           for name in registry.list_variants("mixer")
+           if not registry.get_variant(name).bidirectional}
 
 
 def get_config():

@@ -60,17 +60,21 @@ def test_runs_by_name_in_a_block_under_jit_forward_and_backward(name):
   """Every registered mixer through the same model block (the mixer contract),
   built from the model config by name, with finite outputs and gradients."""
   length = 256  # fits every default block size and pattern
+  # A causal-only mechanism (stick-breaking) runs causally, in a language model's block.
+  causal = not registry.get_variant(name).bidirectional
   config = ModelConfig(attention=name, attention_options=_length_options(name, length),
                        num_layers=1, embed_dim=EMBED, num_heads=HEADS, mlp_dim=64,
-                       max_length=length, dropout_rate=0.0)
+                       max_length=length, dropout_rate=0.0,
+                       kind="language_model" if causal else "classifier")
   x = jax.random.normal(jax.random.PRNGKey(2), (1, length, EMBED))
   block = Block(config)
-  variables = jit_init(block, jax.random.PRNGKey(0), x, {})
+  variables = jit_init(block, jax.random.PRNGKey(0), x, {}, None, causal)
   # State a variant keeps besides its parameters (routing's k-means centroids).
   state = {k: v for k, v in variables.items() if k != "params"}
 
   def loss(params, x):
-    (y, _), _ = block.apply({"params": params, **state}, x, {}, mutable=list(state))
+    (y, _), _ = block.apply({"params": params, **state}, x, {}, None, causal,
+                            mutable=list(state))
     assert y.shape == x.shape
     return jnp.sum(y ** 2)
 

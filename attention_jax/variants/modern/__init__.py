@@ -1,10 +1,12 @@
 """The attention of 2023-2026 (VARIANTS.md K): one module per mechanism, each
 with its pure function, its module and its registration:
 
-  differential.py  two softmax maps subtracted with a learned lambda: differential
+  differential.py    two softmax maps subtracted with a learned lambda: differential
+  stick_breaking.py  weights as breaks of a stick over the earlier keys: stick_breaking
 
 Importing this package registers the variants of every module.
 """
 
 from attention_jax.variants.modern.differential import (DifferentialParameters,
                                                         differential_attention)
+from attention_jax.variants.modern.stick_breaking import stick_breaking_attention
