@@ -191,6 +191,17 @@ def relative_bias(table: Array, bucket: Callable[[Array], Array]) -> ScoreMod:
   return lambda score, b, h, q_idx, kv_idx: score + table[h, bucket(kv_idx - q_idx)]
 
 
+def cumulative_decay(query_log_decay: Array, key_log_decay: Array) -> ScoreMod:
+  """A data-dependent decay (FoX, Lin et al. 2025): `score + c_q[b, h, q_idx] -
+  c_k[b, h, kv_idx]`, where c are cumulative sums of log forget gates, `[B, H,
+  Tq]` at the queries and `[B, H, Tk]` at the keys (the same array in
+  self-attention; a decoding step's queries against the cache's keys), so
+  that key j is weighted by the product of the gates after it up to query i."""
+  query_log_decay, key_log_decay = jnp.asarray(query_log_decay), jnp.asarray(key_log_decay)
+  return lambda score, b, h, q_idx, kv_idx: (score + query_log_decay[b, h, q_idx]
+                                             - key_log_decay[b, h, kv_idx])
+
+
 def head_temperature(temperature: Array) -> ScoreMod:
   """A per-head temperature: `score * temperature[h]`, temperature `[H]`."""
   temperature = jnp.asarray(temperature)

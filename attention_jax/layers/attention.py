@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from typing import Any, Callable, Mapping, Optional, Tuple
@@ -266,8 +267,9 @@ class MultiHeadAttention(nn.Module):
     routed = spec.route_options(self.attention_options)
     options = routed["fn"]
     if spec.extras is not None:
-      options.update(spec.extras(**routed["extras"], name="variant")(
-          query, key, value, deterministic=deterministic))
+      options.update(self._extras(spec, routed["extras"])(
+          query, key, value, deterministic=deterministic,
+          **({"inputs": x} if getattr(spec.extras, "reads_layer_input", False) else {})))
     if self.dropout_rate > 0.0 and not deterministic:
       if not spec.can("dropout"):
         raise ValueError(f"attention variant {self.attention!r} has no attention weights to drop; "
@@ -323,6 +325,15 @@ class MultiHeadAttention(nn.Module):
         param_dtype=self.param_dtype, kernel_init=self.kernel_init, bias_init=self.bias_init,
         name="out")(out)
     return mixer_output(y, carry)
+
+  def _extras(self, spec: registry.VariantSpec, options: Mapping[str, Any]):
+    """The variant's extras module, which declares what it needs from the layer:
+    the layer input when it `reads_layer_input` (FoX's forget gates), and the
+    decoding flag when it has a `decode` field (it then keeps cache entries of
+    its own)."""
+    if "decode" in {field.name for field in dataclasses.fields(spec.extras)}:
+      options = {**options, "decode": self.decode}
+    return spec.extras(**options, name="variant")
 
   def _output_gate(self, x: Array, value_dim: int) -> Array:
     """sigmoid(x W_g + b_g): `[B, Tq, H, Dv]` ("elementwise") or `[B, Tq, H, 1]`."""

@@ -4,6 +4,7 @@ with its pure function, its module and its registration:
   differential.py    two softmax maps subtracted with a learned lambda: differential
   stick_breaking.py  weights as breaks of a stick over the earlier keys: stick_breaking
   sigmoid.py         each weight a sigmoid of its logit, no normalisation: sigmoid
+  forgetting.py      softmax with data-dependent forget gates (FoX): forgetting
 
 Importing this package registers the variants of every module.
 """
@@ -12,3 +13,4 @@ from attention_jax.variants.modern.differential import (DifferentialParameters,
                                                         differential_attention)
 from attention_jax.variants.modern.stick_breaking import stick_breaking_attention
 from attention_jax.variants.modern.sigmoid import sigmoid_attention
+from attention_jax.variants.modern.forgetting import ForgetGate, forgetting_attention
