@@ -15,7 +15,7 @@ from flax.core import FrozenDict
 from attention_jax import axes, positional, registry
 from attention_jax.core.masks import make_attention_mask
 from attention_jax.variants import dense
-from attention_jax.variants.common import check_size, mixer_output
+from attention_jax.variants.common import check_cache_room, check_size, mixer_output
 
 Array = jnp.ndarray
 Dtype = Any
@@ -416,7 +416,7 @@ class MultiHeadAttention(nn.Module):
     if new_len > max_len:
       raise ValueError(f"decoding {new_len} tokens at once exceeds the cache length {max_len}.")
     index = cache_index.value
-    _check_cache_room(index, new_len, max_len)
+    check_cache_room(index, new_len, max_len)
     start = (0, index, 0, 0)
     if _is_unused(key):
       cached = jax.ShapeDtypeStruct((key.shape[0], max_len) + key.shape[2:], key.dtype)
@@ -455,33 +455,6 @@ def initial_value_residual_carry(batch: int, length: int, num_kv_heads: int, val
   (a scanned stack needs the entries, and their shapes, from the start)."""
   return {FIRST_VALUES: jnp.zeros((batch, length, num_kv_heads, value_dim), dtype),
           HAS_FIRST_VALUES: jnp.zeros((), bool)}
-
-
-def _cache_overflow(index, new_len: int, max_len: int) -> Optional[str]:
-  index = int(index)
-  if index + new_len <= max_len:
-    return None
-  return (f"the KV cache holds {max_len} tokens and {index} are in it: decoding {new_len} more "
-          f"would write past its end (token {index + new_len} of {max_len}). Size the cache "
-          f"(the length at init) for the prompt and every new token.")
-
-
-def _check_cache_room(index: Array, new_len: int, max_len: int) -> None:
-  """A ValueError when the new tokens do not fit the cache. The index is a
-  traced value under `jit`, where the check runs as a callback whose error
-  aborts the computation (dynamic_update_slice would silently clamp the
-  write onto the last slots instead)."""
-  try:
-    message = _cache_overflow(index, new_len, max_len)
-  except jax.errors.ConcretizationTypeError:
-    def check(index):
-      message = _cache_overflow(index, new_len, max_len)
-      if message:
-        raise ValueError(message)
-    jax.debug.callback(check, index)
-    return
-  if message:
-    raise ValueError(message)
 
 
 class HeadProjection(nn.Module):

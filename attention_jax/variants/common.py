@@ -239,3 +239,30 @@ def weighted_values(weights: Array, value: Array) -> Array:
                    preferred_element_type=jnp.float32)
   out = out.reshape(batch, num_kv_heads, group, q_len, value_dim).transpose(0, 3, 1, 2, 4)
   return out.reshape(batch, q_len, num_heads, value_dim)
+
+
+def _cache_overflow(index, new_len: int, max_len: int) -> Optional[str]:
+  index = int(index)
+  if index + new_len <= max_len:
+    return None
+  return (f"the KV cache holds {max_len} tokens and {index} are in it: decoding {new_len} more "
+          f"would write past its end (token {index + new_len} of {max_len}). Size the cache "
+          f"(the length at init) for the prompt and every new token.")
+
+
+def check_cache_room(index: Array, new_len: int, max_len: int) -> None:
+  """A ValueError when the new tokens do not fit the cache. The index is a
+  traced value under `jit`, where the check runs as a callback whose error
+  aborts the computation (dynamic_update_slice would silently clamp the
+  write onto the last slots instead)."""
+  try:
+    message = _cache_overflow(index, new_len, max_len)
+  except jax.errors.ConcretizationTypeError:
+    def check(index):
+      message = _cache_overflow(index, new_len, max_len)
+      if message:
+        raise ValueError(message)
+    jax.debug.callback(check, index)
+    return
+  if message:
+    raise ValueError(message)

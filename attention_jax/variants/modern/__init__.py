@@ -5,6 +5,7 @@ with its pure function, its module and its registration:
   stick_breaking.py  weights as breaks of a stick over the earlier keys: stick_breaking
   sigmoid.py         each weight a sigmoid of its logit, no normalisation: sigmoid
   forgetting.py      softmax with data-dependent forget gates (FoX): forgetting
+  mla.py             multi-head latent attention, a latent KV cache: mla
 
 Importing this package registers the variants of every module.
 """
@@ -14,3 +15,4 @@ from attention_jax.variants.modern.differential import (DifferentialParameters,
 from attention_jax.variants.modern.stick_breaking import stick_breaking_attention
 from attention_jax.variants.modern.sigmoid import sigmoid_attention
 from attention_jax.variants.modern.forgetting import ForgetGate, forgetting_attention
+from attention_jax.variants.modern.mla import MultiHeadLatentAttention, latent_attention
