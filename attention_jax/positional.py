@@ -14,6 +14,7 @@ restarting at each packed segment); every function here is jit-compatible.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from typing import Any, Callable, Optional
@@ -29,11 +30,12 @@ Array = jnp.ndarray
 Dtype = Any
 Initializer = Callable[..., Array]
 
-POSITION_ENCODINGS = ("none", "sinusoidal", "learned", "complex", "rope", "alibi", "t5",
+POSITION_ENCODINGS = ("none", "sinusoidal", "learned", "complex", "rope", "xpos", "alibi", "t5",
                       "xl_relative", "shaw")
 # Schemes that act inside attention (on queries and keys, or as a logits bias);
 # the others are added to the token embeddings by the model's input layer.
-RELATIVE_POSITIONS = ("rope", "alibi", "t5", "xl_relative", "shaw")
+RELATIVE_POSITIONS = ("rope", "xpos", "alibi", "t5", "xl_relative", "shaw")
+ROTARY_POSITIONS = ("rope", "xpos")
 
 
 def check_position_encoding(name: str) -> str:
@@ -173,20 +175,135 @@ def apply_rope(x: Array, positions: Array, max_wavelength: float = 10_000.0) -> 
   Returns:
     `[B, T, H, D]` in `x.dtype` (computed in float32).
   """
-  if x.ndim != 4:
-    raise ValueError(f"x must be [B, T, H, D], got shape {x.shape}.")
-  batch, length, _, head_dim = x.shape
-  if head_dim % 2:
-    raise ValueError(f"apply_rope needs an even head dim D, got x of shape {x.shape}.")
-  _check_positions(positions, batch, length)
-  half = head_dim // 2
-  inv_freq = max_wavelength ** (-np.arange(half, dtype=np.float32) * 2 / head_dim)
-  angles = jnp.asarray(positions, jnp.float32)[..., None] * inv_freq
-  angles = jnp.broadcast_to(angles, (batch, length, half))[:, :, None, :]  # [B, T, 1, D/2]
-  sin, cos = jnp.sin(angles), jnp.cos(angles)
-  x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-  return out.astype(x.dtype)
+  return Rotary(max_wavelength=max_wavelength)(x, positions)
+
+
+ROPE_SCALINGS = (None, "linear", "ntk", "yarn")
+
+
+def yarn_temperature(scaling_factor: float) -> float:
+  """YaRN's sqrt(1/t) = 0.1 ln(s) + 1 (Peng et al. 2023, eq. 22), by which it
+  multiplies both queries and keys: the logits grow by its square."""
+  return 0.1 * math.log(scaling_factor) + 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Rotary:
+  """RoPE and its extensions, from `position_options` (`Rotary.from_options`).
+
+  Attributes:
+    max_wavelength: the frequencies' base b: theta_i = b^(-2i / d).
+    scaling: None, or how a model trained at `original_length` reaches
+      `scaling_factor` times it: "linear" (position interpolation, Chen et
+      al. 2023: positions / s), "ntk" (NTK-aware, the base grown to
+      b s^(d / (d - 2)), so the lowest frequency is interpolated and the
+      highest kept), "yarn" (Peng et al. 2023: NTK-by-parts, each frequency
+      interpolated by how many of its wavelengths fit in `original_length`,
+      fully below `beta_slow` turns, not at all above `beta_fast`; and the
+      attention temperature `yarn_temperature` on queries and keys).
+    scaling_factor: s >= 1.
+    original_length: the training length L that "yarn" measures wavelengths in.
+    beta_fast, beta_slow: YaRN's alpha and beta (1 and 32 in the paper, for
+      LLaMA) as turns of a frequency within L.
+    rotary_fraction: rotate the first round(f D / 2) pairs of features
+      ("partial RoPE", GPT-NeoX's rotary_pct); the rest pass unchanged.
+    xpos_scale_base: xPos (Sun et al. 2022) when set: the rotated query at
+      position n is multiplied by zeta^(n / B) and the key by zeta^(-n / B),
+      zeta_i = (2i / d + gamma) / (1 + gamma), gamma = 0.4, B this base, so
+      that q . k decays with the distance.
+  """
+
+  max_wavelength: float = 10_000.0
+  scaling: Optional[str] = None
+  scaling_factor: float = 1.0
+  original_length: Optional[int] = None
+  beta_fast: float = 32.0
+  beta_slow: float = 1.0
+  rotary_fraction: float = 1.0
+  xpos_scale_base: Optional[float] = None
+
+  XPOS_GAMMA = 0.4
+
+  @classmethod
+  def from_options(cls, options, *, xpos: bool = False) -> "Rotary":
+    """The settings in a model's `position_options` (for "rope" or "xpos"),
+    checked: an unknown key or a value out of range is a ValueError naming it."""
+    options = dict(options or {})
+    fields = {f.name for f in dataclasses.fields(cls)} - {"xpos_scale_base"}
+    if xpos:
+      options["xpos_scale_base"] = options.pop("scale_base", 512.0)
+      fields.add("xpos_scale_base")
+    unknown = sorted(set(options) - fields)
+    if unknown:
+      valid = sorted(fields - {"xpos_scale_base"}) + (["scale_base"] if xpos else [])
+      raise ValueError(f"position_options {unknown} are not options of "
+                       f"{'xpos' if xpos else 'rope'}; its options are: {', '.join(valid)}.")
+    return cls(**options).checked()
+
+  def checked(self) -> "Rotary":
+    if self.scaling not in ROPE_SCALINGS:
+      raise ValueError(f"position_options.scaling must be one of {ROPE_SCALINGS}, got "
+                       f"{self.scaling!r}.")
+    if not self.scaling_factor >= 1.0:
+      raise ValueError(f"position_options.scaling_factor must be >= 1 (it stretches the "
+                       f"trained length), got {self.scaling_factor!r}.")
+    if self.scaling == "yarn" and not self.original_length:
+      raise ValueError("position_options.scaling='yarn' needs original_length, the length the "
+                       "model was trained at.")
+    if not 0.0 < self.rotary_fraction <= 1.0:
+      raise ValueError(f"position_options.rotary_fraction must be in (0, 1], got "
+                       f"{self.rotary_fraction!r}.")
+    if self.xpos_scale_base is not None and not self.xpos_scale_base > 0:
+      raise ValueError(f"position_options.scale_base must be > 0, got {self.xpos_scale_base!r}.")
+    return self
+
+  def inverse_frequencies(self, rotary_dim: int) -> np.ndarray:
+    """theta_i for the rotary_dim / 2 pairs, after the scaling (float64)."""
+    half = rotary_dim // 2
+    exponents = np.arange(half, dtype=np.float64) * 2 / rotary_dim
+    s = float(self.scaling_factor)
+    if self.scaling == "ntk":
+      return (self.max_wavelength * s ** (rotary_dim / (rotary_dim - 2))) ** -exponents
+    theta = self.max_wavelength ** -exponents
+    if self.scaling == "linear":
+      return theta / s
+    if self.scaling == "yarn":
+      turns = self.original_length * theta / (2 * math.pi)  # r(d) = L / lambda_d
+      ramp = np.clip((turns - self.beta_slow) / (self.beta_fast - self.beta_slow), 0.0, 1.0)
+      return (1.0 - ramp) * theta / s + ramp * theta
+    return theta
+
+  @property
+  def temperature(self) -> float:
+    """The factor on queries and keys: YaRN's, else 1."""
+    return yarn_temperature(self.scaling_factor) if self.scaling == "yarn" else 1.0
+
+  def __call__(self, x: Array, positions: Array, *, is_key: bool = False) -> Array:
+    """`x` `[B, T, H, D]` rotated at `positions` (`[B, T]` or `[T]`), in x's dtype;
+    `is_key` picks xPos's decaying side."""
+    if x.ndim != 4:
+      raise ValueError(f"x must be [B, T, H, D], got shape {x.shape}.")
+    batch, length, _, head_dim = x.shape
+    if head_dim % 2:
+      raise ValueError(f"RoPE needs an even head dim D, got x of shape {x.shape}.")
+    _check_positions(positions, batch, length)
+    half = max(1, round(self.rotary_fraction * head_dim / 2))
+    rotary_dim = 2 * half
+    inv_freq = self.inverse_frequencies(rotary_dim).astype(np.float32)
+    position = jnp.broadcast_to(jnp.asarray(positions, jnp.float32), (batch, length))
+    angles = (position[..., None] * inv_freq)[:, :, None, :]  # [B, T, 1, half]
+    sin, cos = jnp.sin(angles), jnp.cos(angles)
+    x32 = x.astype(jnp.float32)
+    x1, x2, rest = x32[..., :half], x32[..., half:rotary_dim], x32[..., rotary_dim:]
+    rotated = [x1 * cos - x2 * sin, x2 * cos + x1 * sin]
+    if self.xpos_scale_base is not None:
+      gamma = self.XPOS_GAMMA
+      zeta = (np.arange(half, dtype=np.float32) * 2 / rotary_dim + gamma) / (1 + gamma)
+      power = (-1.0 if is_key else 1.0) * position[..., None, None] / self.xpos_scale_base
+      factor = jnp.asarray(zeta) ** power  # [B, T, 1, half]
+      rotated = [part * factor for part in rotated]
+    out = jnp.concatenate(rotated + [rest], axis=-1) * self.temperature
+    return out.astype(x.dtype)
 
 
 # ---------------------------------------------------------------------------

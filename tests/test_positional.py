@@ -303,13 +303,13 @@ def test_t5_module_equal_offsets_equal_bias():
 
 
 def test_check_position_encoding():
-  for name in ("none", "sinusoidal", "learned", "complex", "rope", "alibi", "t5", "xl_relative",
-               "shaw"):
+  for name in ("none", "sinusoidal", "learned", "complex", "rope", "xpos", "alibi", "t5",
+               "xl_relative", "shaw"):
     assert positional.check_position_encoding(name) == name
-  with pytest.raises(ValueError, match=r"unknown position encoding 'xpos'. Valid names are: "
-                                       r"none, sinusoidal, learned, complex, rope, alibi, t5, "
-                                       r"xl_relative, shaw"):
-    positional.check_position_encoding("xpos")
+  with pytest.raises(ValueError, match=r"unknown position encoding 'yarn'. Valid names are: "
+                                       r"none, sinusoidal, learned, complex, rope, xpos, alibi, "
+                                       r"t5, xl_relative, shaw"):
+    positional.check_position_encoding("yarn")
 
 
 # --------------------------------------------------------------------------- complex

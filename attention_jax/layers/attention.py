@@ -80,11 +80,14 @@ class MultiHeadAttention(nn.Module):
     attention: registered Q/K/V variant whose pure function computes the attention.
     attention_options: extra keyword arguments of that function
       (e.g. `{"implementation": "xla"}`, `{"local_window_size": 64}`).
-    position: relative position scheme applied here: None, "rope", "alibi",
-      "t5" or "xl_relative" (absolute embeddings belong to the model's input
-      layer).
-    position_options: options of the scheme (`max_wavelength` for RoPE and
-      xl_relative; `num_buckets`, `max_distance` for T5).
+    position: relative position scheme applied here: None, "rope", "xpos",
+      "alibi", "t5", "xl_relative" or "shaw" (absolute embeddings belong to
+      the model's input layer).
+    position_options: options of the scheme (for "rope" and "xpos" the fields
+      of `positional.Rotary`: `max_wavelength`, `scaling` ("linear", "ntk",
+      "yarn"), `scaling_factor`, `original_length`, `rotary_fraction`, and
+      xPos's `scale_base`; `max_wavelength` for xl_relative; `num_buckets`,
+      `max_distance` for T5).
     decode: autoregressive decoding with a KV cache in the `cache` collection.
       Initialise with a full-length input to size the cache, then call with one
       (or a few) tokens at a time. A variant whose function takes a
@@ -241,12 +244,14 @@ class MultiHeadAttention(nn.Module):
 
     attention_fn = spec.fn
     position_score_mod = None
-    if self.position == "rope":
-      wavelength = self.position_options.get("max_wavelength", 10_000.0)
-      query = _unless_unused(query, lambda q: positional.apply_rope(
-          q, q_positions, max_wavelength=wavelength))
-      key = _unless_unused(key, lambda k: positional.apply_rope(
-          k, k_positions, max_wavelength=wavelength))
+    if self.position in positional.ROTARY_POSITIONS:
+      # RoPE, its scalings, partial RoPE or xPos; a cached key is rotated at
+      # its absolute position each step, so a scaling set for evaluation
+      # applies to the whole cache.
+      rotary = positional.Rotary.from_options(self.position_options,
+                                              xpos=self.position == "xpos")
+      query = _unless_unused(query, lambda q: rotary(q, q_positions))
+      key = _unless_unused(key, lambda k: rotary(k, k_positions, is_key=True))
     elif self.position in ("alibi", "t5") and spec.can("score_mod"):
       # The flex engine applies the bias per tile: no [B, H, Tq, Tk] array.
       position_score_mod = self._position_bias(_batched(q_positions), _batched(k_positions),

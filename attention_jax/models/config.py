@@ -87,7 +87,8 @@ class ModelConfig:
       that declares them.
     position: one of `positional.POSITION_ENCODINGS`; "sinusoidal" and "learned"
       are added to the embeddings, "complex" replaces them (Wang et al.
-      2020), "rope", "alibi", "t5", "xl_relative" and "shaw" act in every mixer.
+      2020), "rope", "xpos", "alibi", "t5", "xl_relative" and "shaw" act in every mixer;
+      "none" (NoPE, Kazemnejad et al. 2023) only in a language model.
     position_options: options of the position scheme.
     residual: one of `RESIDUALS`.
     norm: one of `NORMS`: "layernorm", "rmsnorm", "scalenorm", "powernorm"
@@ -311,6 +312,13 @@ class ModelConfig:
           raise ValueError(f"attention {name!r} is causal only, and {kind.bidirectional} (model."
                            f"kind={self.kind!r}) attends both ways; use it in a language model.")
     positional.check_position_encoding(self.position)
+    if self.position == "none" and kind.bidirectional:
+      raise ValueError(f"model.position='none' (NoPE) leaves order to the causal mask, and "
+                       f"{kind.bidirectional} (model.kind={self.kind!r}) attends both ways, "
+                       f"where attention without positions is blind to order; choose a position "
+                       f"encoding, or NoPE in a language model.")
+    if self.position in positional.ROTARY_POSITIONS:
+      positional.Rotary.from_options(self.position_options, xpos=self.position == "xpos")
     _one_of("residual", self.residual, RESIDUALS)
     _one_of("norm", self.norm, NORMS)
     _one_of("feed_forward", self.feed_forward, FEED_FORWARDS)

@@ -23,10 +23,10 @@ B, T, E, H, F = 2, 8, 16, 4, 32
 def _config(**overrides):
   """The checked config of a block of width E, H heads, F hidden units.
 
-  dropout_rate=0.0 and position="none": the old EncoderBlock's defaults
-  (ModelConfig's are 0.1 and "sinusoidal"; a block ignores absolute positions).
+  dropout_rate=0.0: the old EncoderBlock's default (ModelConfig's is 0.1; a
+  block ignores absolute positions, which the model's input layer adds).
   """
-  fields = dict(embed_dim=E, num_heads=H, mlp_dim=F, dropout_rate=0.0, position="none")
+  fields = dict(embed_dim=E, num_heads=H, mlp_dim=F, dropout_rate=0.0)
   return ModelConfig.from_config({**fields, **overrides})
 
 

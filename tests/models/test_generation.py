@@ -77,8 +77,11 @@ def test_every_causal_variant_decodes_as_its_full_pass_or_says_why_not(name):
 
 @pytest.mark.parametrize("overrides", [
     dict(output_gate="elementwise", value_residual=0.5),
-    dict(output_gate="headwise", value_residual=0.25, scan_layers=True, num_layers=3)])
-def test_output_gates_and_value_residuals_decode_as_their_full_pass(overrides):
+    dict(output_gate="headwise", value_residual=0.25, scan_layers=True, num_layers=3),
+    dict(position="rope", position_options={"scaling": "yarn", "scaling_factor": 4.0,
+                                            "original_length": 4, "rotary_fraction": 0.5}),
+    dict(position="xpos", position_options={"scale_base": 16.0}), dict(position="none")])
+def test_layer_options_and_positions_decode_as_their_full_pass(overrides):
   _assert_decodes_as_its_full_pass(_config(**overrides))
 
 
