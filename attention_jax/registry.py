@@ -46,6 +46,9 @@ CAPABILITIES = {
     # it takes a flex score_mod, applied per tile: relative positions (ALiBi,
     # T5) reach it as one instead of a [B, H, Tq, Tk] bias
     "score_mod": ("score_mod",),
+    # it is told whether the layer decodes from a cache, to refuse what reads
+    # token indices there (the flex variant's named mods and windows)
+    "decoding": ("decoding",),
 }
 # What MultiHeadAttention passes to every Q/K/V variant's function itself.
 LAYER_ARGUMENTS = frozenset({"query", "key", "value", "bias", "mask", "is_causal",

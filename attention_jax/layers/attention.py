@@ -102,6 +102,13 @@ class MultiHeadAttention(nn.Module):
       V_1 the first layer's values, handed on in the layer stack's carry
       (`VALUE_RESIDUAL_KEYS`); w = value_residual, None: off. The first
       layer to run one (the carry has no V_1 yet) puts its values there.
+    streaming: `(sinks, window)`, StreamingLLM's attention (Xiao et al.
+      2024) in causal self-attention: each query sees the first `sinks`
+      tokens and the last `window` (itself included). The full pass applies
+      it as a mask; decoding keeps a cache of `sinks + window` slots whatever
+      the length generated (the sinks, then a ring of the latest tokens),
+      each key rotated at its position in the text, so generation equals the
+      full pass under the same mask.
   """
 
   num_heads: int
@@ -122,6 +129,7 @@ class MultiHeadAttention(nn.Module):
   decode: bool = False
   output_gate: Optional[str] = None
   value_residual: Optional[float] = None
+  streaming: Optional[Tuple[int, int]] = None
 
   def _dims(self, in_features: int):
     num_kv_heads = self.num_kv_heads or self.num_heads
@@ -138,6 +146,7 @@ class MultiHeadAttention(nn.Module):
       head_dim = qkv_features // self.num_heads
     if self.output_gate not in OUTPUT_GATES:
       raise ValueError(f"output_gate must be one of {OUTPUT_GATES}, got {self.output_gate!r}.")
+    check_streaming(self.streaming, "streaming")
     if self.value_residual is not None and not 0.0 <= self.value_residual <= 1.0:
       raise ValueError(f"value_residual is the first layer's weight w in (1 - w) V_n + w V_1, "
                        f"in [0, 1]; got {self.value_residual!r}.")
@@ -229,6 +238,14 @@ class MultiHeadAttention(nn.Module):
       q_positions = q_positions + q_offset
       k_positions = q_positions
       is_causal = True
+    elif self.decode and self.streaming is not None and self.has_variable("cache",
+                                                                           "cached_value"):
+      key, value, k_positions, q_offset = self._streaming_cache(key, value)
+      q_positions = q_positions + q_offset
+      mask = make_attention_mask(q_len, key.shape[1], mask=mask)
+      visible = streaming_visible(jnp.arange(q_len) + q_offset, k_positions, *self.streaming)
+      mask = visible[None, None] if mask is None else mask & visible[None, None]
+      is_causal = False
     elif self.decode and self.has_variable("cache", "cached_value"):
       key, value, q_offset = self._update_cache(key, value)
       q_positions = q_positions + q_offset
@@ -241,6 +258,12 @@ class MultiHeadAttention(nn.Module):
     elif self.decode:
       self._init_cache(key, value)
       is_causal = True
+    if self.streaming is not None and not self.decode:
+      if context is not None or not is_causal:
+        raise ValueError("streaming=(sinks, window) is causal self-attention's (StreamingLLM); "
+                         "call the layer with is_causal=True and no context.")
+      visible = streaming_visible(jnp.arange(q_len), jnp.arange(kv_len), *self.streaming)
+      mask = visible[None, None] if mask is None else mask & visible[None, None]
 
     attention_fn = spec.fn
     position_score_mod = None
@@ -293,6 +316,8 @@ class MultiHeadAttention(nn.Module):
       options["sow_loss"] = lambda name, loss: self.sow("losses", name, loss)
     if position_score_mod is not None:
       options["score_mod"] = position_score_mod
+    if spec.can("decoding"):
+      options["decoding"] = self.decode
     if attention_arguments:
       options.update(_call_arguments(spec, attention_arguments, options))
     if recurrent:
@@ -403,10 +428,59 @@ class MultiHeadAttention(nn.Module):
   def _init_cache(self, key: Array, value: Array) -> None:
     """Sizes the cache from the full-length input seen at initialisation (no
     key cache when the variant reads no key: `key` is then a stand-in)."""
+    slots = key.shape[1] if self.streaming is None else sum(self.streaming)
     if not _is_unused(key):
-      self.variable("cache", "cached_key", jnp.zeros, key.shape, key.dtype)
-    self.variable("cache", "cached_value", jnp.zeros, value.shape, value.dtype)
+      self.variable("cache", "cached_key", jnp.zeros, (key.shape[0], slots) + key.shape[2:],
+                    key.dtype)
+    self.variable("cache", "cached_value", jnp.zeros, (value.shape[0], slots) + value.shape[2:],
+                  value.dtype)
     self.variable("cache", "cache_index", lambda: jnp.array(0, jnp.int32))
+    if self.streaming is not None:  # the text position of each slot's token
+      self.variable("cache", "slot_positions", jnp.zeros, (slots,), jnp.int32)
+
+  def _streaming_cache(self, key: Array, value: Array):
+    """StreamingLLM's step: the new tokens attend to the cached slots and to
+    themselves, then are written in: token p to slot p while p < sinks, else
+    to slot sinks + (p - sinks) % window, overwriting the oldest of the window.
+
+    Returns `(keys [B, S + W + n, Hkv, D], values, their text positions
+    [S + W + n] (unwritten slots at -1), position of the first new token)`.
+    """
+    sinks, window = self.streaming
+    cached_value = self.variable("cache", "cached_value")
+    slot_positions = self.variable("cache", "slot_positions")
+    cache_index = self.variable("cache", "cache_index")
+    index, new_len = cache_index.value, value.shape[1]
+    slots = jnp.arange(sinks + window)
+    written = jnp.where(slots < sinks, slots < index, slots - sinks < index - sinks)
+    positions = jnp.concatenate([jnp.where(written, slot_positions.value, -1),
+                                 index + jnp.arange(new_len)])
+    has_key = not _is_unused(key)
+    cached_key = self.variable("cache", "cached_key") if has_key else None
+    keys = (jnp.concatenate([cached_key.value, key], axis=1) if has_key
+            else jax.ShapeDtypeStruct((key.shape[0], sinks + window + new_len) + key.shape[2:],
+                                      key.dtype))
+    values = jnp.concatenate([cached_value.value, value], axis=1)
+
+    def write(i, state):
+      stored_key, stored_value, stored_positions = state
+      position = index + i
+      slot = jnp.where(position < sinks, position, sinks + (position - sinks) % window)
+      at = (0, slot, 0, 0)
+      if has_key:
+        stored_key = jax.lax.dynamic_update_slice(
+            stored_key, jax.lax.dynamic_slice_in_dim(key, i, 1, axis=1), at)
+      stored_value = jax.lax.dynamic_update_slice(
+          stored_value, jax.lax.dynamic_slice_in_dim(value, i, 1, axis=1), at)
+      return stored_key, stored_value, stored_positions.at[slot].set(position)
+
+    stored = jax.lax.fori_loop(0, new_len, write, (
+        cached_key.value if has_key else None, cached_value.value, slot_positions.value))
+    if has_key:
+      cached_key.value = stored[0]
+    cached_value.value, slot_positions.value = stored[1], stored[2]
+    cache_index.value = index + new_len
+    return keys, values, positions, index
 
   def _update_cache(self, key: Array, value: Array):
     """Writes the new tokens' K/V at the cache index; returns the whole cache.
@@ -432,6 +506,25 @@ class MultiHeadAttention(nn.Module):
     cached_value.value = jax.lax.dynamic_update_slice(cached_value.value, value, start)
     cache_index.value = index + new_len
     return cached, cached_value.value, index
+
+
+def check_streaming(streaming, name: str) -> None:
+  """`(sinks >= 0, window >= 1)` or None; a ValueError naming `name` otherwise."""
+  if streaming is None:
+    return
+  if (not isinstance(streaming, (tuple, list)) or len(streaming) != 2
+      or any(not isinstance(n, int) or isinstance(n, bool) for n in streaming)
+      or streaming[0] < 0 or streaming[1] < 1):
+    raise ValueError(f"{name} must be (sinks, window): the first sinks >= 0 tokens and the last "
+                     f"window >= 1 stay visible; got {streaming!r}.")
+
+
+def streaming_visible(q_positions: Array, k_positions: Array, sinks: int, window: int) -> Array:
+  """`[Tq, Tk]`: key at text position k is visible from position q when it is
+  not later, and is a sink (k < sinks) or within the window (q - k < window);
+  a negative key position is an unwritten cache slot."""
+  q, k = q_positions[:, None], k_positions[None, :]
+  return (k >= 0) & (k <= q) & ((k < sinks) | (q - k < window))
 
 
 def _mix_first_values(value: Array, carry: Optional[Mapping[str, Any]], weight: float):

@@ -59,9 +59,10 @@ def make_mixer(config: ModelConfig, variant: str, **module_kwargs) -> nn.Module:
   if config.position in positional.RELATIVE_POSITIONS:
     kwargs.update(position=config.position, position_options=config.position_options)
   if spec.in_attention_layer:  # the config refuses these for a mixer of its own
-    for name in ("output_gate", "value_residual"):
+    for name, field in (("output_gate", "output_gate"), ("value_residual", "value_residual"),
+                        ("streaming_attention", "streaming")):
       if getattr(config, name) is not None:
-        kwargs[name] = getattr(config, name)
+        kwargs[field] = getattr(config, name)
   if config.decode:
     if spec.decoding_refusal is not None:
       raise ValueError(f"attention variant {variant!r} cannot decode one token at a time: "

@@ -162,6 +162,11 @@ class ModelConfig:
       self-attention layer: its values become (1 - w) V_n + w V_1, V_1 the
       first layer's (`MultiHeadAttention.value_residual`); w in [0, 1], the
       paper's 0.5; None: off. Standard and universal stacks (the carry).
+    streaming_attention: `(sinks, window)`: StreamingLLM (Xiao et al. 2024)
+      in every Q/K/V attention layer of a language model: each token sees the
+      first `sinks` tokens and the last `window`, in training as a mask and in
+      decoding from a cache of sinks + window slots, whatever the length
+      generated (`MultiHeadAttention.streaming`); None: off.
     sentence_layers: blocks of the hierarchical Transformer's encoder over
       the chunk vectors (the token-level encoder has `num_layers`).
   """
@@ -215,6 +220,7 @@ class ModelConfig:
   sentence_layers: int = 2
   output_gate: Optional[str] = None
   value_residual: Optional[float] = None
+  streaming_attention: Optional[Tuple[int, int]] = None
 
   def __post_init__(self):
     # Every ModelConfig is checked and hashable (Flax hashes module fields),
@@ -440,8 +446,11 @@ class ModelConfig:
                          f"{self.sentence_layers} is not a multiple of {period}.")
 
   def _check_attention_layer_options(self) -> None:
-    """output_gate and value_residual, which every Q/K/V attention layer takes."""
-    from attention_jax.layers.attention import OUTPUT_GATES  # pylint: disable=g-import-not-at-top
+    """output_gate, value_residual and streaming_attention, which every Q/K/V
+    attention layer takes."""
+    # pylint: disable-next=g-import-not-at-top
+    from attention_jax.layers.attention import OUTPUT_GATES, check_streaming
+    check_streaming(self.streaming_attention, "model.streaming_attention")
     if self.output_gate not in OUTPUT_GATES:
       raise ValueError(f"model.output_gate must be one of {OUTPUT_GATES}, got "
                        f"{self.output_gate!r}.")
@@ -449,9 +458,14 @@ class ModelConfig:
         isinstance(self.value_residual, (int, float)) and 0.0 <= self.value_residual <= 1.0):
       raise ValueError(f"model.value_residual is w in (1 - w) V_n + w V_1, in [0, 1] (the "
                        f"paper's 0.5), or None; got {self.value_residual!r}.")
-    if self.output_gate is None and self.value_residual is None:
+    set_options = [name for name in ("output_gate", "value_residual", "streaming_attention")
+                   if getattr(self, name) is not None]
+    if not set_options:
       return
-    name = "output_gate" if self.output_gate is not None else "value_residual"
+    name = set_options[0]
+    if self.streaming_attention is not None and self.kind != "language_model":
+      raise ValueError(f"model.streaming_attention is causal self-attention's (StreamingLLM), "
+                       f"for a language model; model.kind is {self.kind!r}.")
     for variant in self.schedule_period:
       if not registry.get_variant(variant).in_attention_layer:
         raise ValueError(f"model.{name} is an option of the Q/K/V attention layer; attention "

@@ -49,7 +49,7 @@ def composed_attention(query: Array, key: Array, value: Array, bias: Optional[Ar
                        implementation: Optional[str] = None, dropout_rate: float = 0.0,
                        dropout_rng: Optional[Array] = None, is_causal: bool = False,
                        query_seq_lengths=None, key_value_seq_lengths=None,
-                       segment_ids=None) -> Array:
+                       segment_ids=None, decoding: bool = False) -> Array:
   """`flex_attention` with named mods: `[B, Tq, H, Dv]`.
 
   Args:
@@ -65,8 +65,17 @@ def composed_attention(query: Array, key: Array, value: Array, bias: Optional[Ar
       T5 does up to `relative_bias_max_distance`.
     prefix_lengths: `[B]` for "prefix_lm".
     dropout_rate, dropout_rng: dropout on the weights (blockwise draws it per tile).
+    decoding: the layer decodes from a KV cache, where the engine's indices
+      are the cache's slots and a step's queries: named mods and windows,
+      which read them, are refused (sinks, softcap, QK-norm and the
+      normalisers decode).
   """
   mods = tuple(mods)
+  if decoding and (mods or local_window_size is not None):
+    raise ValueError(f"the flex variant's mods {mods} and local_window_size "
+                     f"{local_window_size} read token indices, which a decoding step does not "
+                     f"have (a step's queries against the cache's slots); decode without them, "
+                     f"or use dot_product with position='alibi' or 't5'.")
   unknown = [m for m in mods if m not in NAMED_MODS]
   if unknown:
     raise ValueError(f"mods must be names from {NAMED_MODS}, got {unknown}.")
@@ -156,9 +165,7 @@ registry.register(registry.VariantSpec(
     name="flex", fn=composed_attention, family="composed",
     paper="Dehghani et al. 2023; Gemma Team 2024; Xiao et al. 2024; Ramapuram et al. 2024",
     complexity="O(T^2); O(T w) with a window", subquadratic=False, exact=True, causal=True,
-    cross=True, extras=ComposedParameters, takes=("dropout", "score_mod"),
-    not_decodable=("its mods see token indices, which a KV cache does not carry yet; decode "
-                   "with dot_product"),
+    cross=True, extras=ComposedParameters, takes=("dropout", "score_mod", "decoding"),
     options=dict(
         mods=registry.VariantOption("mods", tuple, (),
                                     f"named mods applied in order, from {NAMED_MODS}"),

@@ -80,7 +80,10 @@ def test_every_causal_variant_decodes_as_its_full_pass_or_says_why_not(name):
     dict(output_gate="headwise", value_residual=0.25, scan_layers=True, num_layers=3),
     dict(position="rope", position_options={"scaling": "yarn", "scaling_factor": 4.0,
                                             "original_length": 4, "rotary_fraction": 0.5}),
-    dict(position="xpos", position_options={"scale_base": 16.0}), dict(position="none")])
+    dict(position="xpos", position_options={"scale_base": 16.0}), dict(position="none"),
+    # Learned sinks of the flex engine, in a StreamingLLM cache of 5 slots.
+    dict(attention="flex", attention_options={"sinks": True, "softcap": 5.0},
+         streaming_attention=(1, 4))])
 def test_layer_options_and_positions_decode_as_their_full_pass(overrides):
   _assert_decodes_as_its_full_pass(_config(**overrides))
 
