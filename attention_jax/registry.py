@@ -107,6 +107,10 @@ class VariantSpec:
       later keys); False for the causal-only mechanisms (stick-breaking,
       whose stick breaks from the nearest earlier key), which a model with a
       bidirectional encoder refuses.
+    steps_from_cache: a self-attention-only Q/K/V variant (`cross=False`)
+      whose function still takes a decoding step: fewer queries than keys,
+      placed by the layer's cache mask (and `query_positions` where it
+      declares them). Without it, `cross=False` means it cannot decode.
     role: what the module is, one of `ROLES`: "mixer" (every variant a
       block can run), or "pooling" / "alignment" for mechanisms that are
       not token mixers (attention pooling, ESIM's cross alignment). Those
@@ -135,6 +139,7 @@ class VariantSpec:
   presets: Mapping[str, "Preset"] = dataclasses.field(default_factory=dict)
   role: str = "mixer"
   bidirectional: bool = True
+  steps_from_cache: bool = False
   not_decodable: Optional[str] = None
   takes: Tuple[str, ...] = ()
 
@@ -208,7 +213,7 @@ class VariantSpec:
       return self.not_decodable
     if not self.causal:
       return "it has no causal form"
-    if not self.cross and self.qkv:
+    if not self.cross and self.qkv and not self.steps_from_cache:
       return ("it is self-attention only (Tq = Tk), and a decoding step is one query against "
               "the cached keys")
     if "decode" not in {f.name for f in dataclasses.fields(self.mixer_class)}:

@@ -115,7 +115,8 @@ class ForgetGate(nn.Module):
 registry.register(registry.VariantSpec(
     name="forgetting", fn=forgetting_attention, family="modern",
     complexity="O(T^2); O(T w) with a window", subquadratic=False, exact=False, causal=True,
-    cross=False, bidirectional=False, paper="Lin et al. 2025", extras=ForgetGate,
+    cross=False, bidirectional=False, steps_from_cache=True, paper="Lin et al. 2025",
+    extras=ForgetGate,
     takes=("dropout", "score_mod"),
     options=dict(
         forget_bias_init="the forget gates' bias at initialisation (0: f = 1/2)",

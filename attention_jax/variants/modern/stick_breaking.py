@@ -185,7 +185,8 @@ def _blockwise(query, key, value, visible, scale, block_size):
 registry.register(registry.VariantSpec(
     name="stick_breaking", fn=stick_breaking_attention, family="modern",
     complexity="O(T^2) time, O(T) memory (blockwise)", subquadratic=False, exact=False,
-    causal=True, cross=False, bidirectional=False, paper="Tan et al. 2024",
+    causal=True, cross=False, bidirectional=False, steps_from_cache=True,
+    paper="Tan et al. 2024",
     takes=("query_positions",),
     options=dict(
         attend_current="the query's own key takes the first break (the paper: keys before it)",
