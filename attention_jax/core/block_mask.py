@@ -137,6 +137,33 @@ def create_block_mask(mask_mod: patterns.MaskMod, batch: Optional[int], num_head
   return BlockMask(layout, lifted, consts, q_len, kv_len, block_q, block_k)
 
 
+def block_mask_from_blocks(mask_mod: patterns.MaskMod, visited: Array, q_len: int, kv_len: int,
+                           block_sizes: Union[int, Tuple[int, int]],
+                           full: Optional[Array] = None) -> BlockMask:
+  """A block mask whose layout the caller already knows at the block level:
+  a mechanism that picks key blocks per query block (MoBA's and NSA's top-k
+  blocks) knows which tiles it visits without evaluating its mask pair by pair.
+
+  Args:
+    mask_mod: the pair-level mask, evaluated inside the visited tiles.
+    visited: `[B|1, H|1, nq, nk]` bool; must cover every pair mask_mod allows.
+    q_len, kv_len, block_sizes: as `create_block_mask`.
+    full: `[B|1, H|1, nq, nk]` bool, tiles where mask_mod allows every pair (no
+      mask evaluated there); None: every visited tile is partial.
+  """
+  block_q, block_k = _block_pair(block_sizes)
+  expected = (-(-q_len // block_q), -(-kv_len // block_k))
+  if visited.ndim != 4 or tuple(visited.shape[2:]) != expected:
+    raise ValueError(f"visited must be [B|1, H|1, nq, nk] with (nq, nk) = {expected} for "
+                     f"lengths ({q_len}, {kv_len}) and blocks ({block_q}, {block_k}), got shape "
+                     f"{list(visited.shape)}.")
+  layout = jnp.where(visited, patterns.PARTIAL, patterns.SKIP)
+  if full is not None:
+    layout = jnp.where(visited & full, patterns.FULL, layout)
+  lifted, consts = mods.lift(mask_mod, "mask_mod")
+  return BlockMask(layout.astype(jnp.int8), lifted, consts, q_len, kv_len, block_q, block_k)
+
+
 _ARGS = ("batch", "head")
 
 

@@ -76,6 +76,8 @@ def _overrides(seq_len: int):
       "sinkhorn": {"block_size": quarter},
       # 8 blocks: a window of 3, a global and 3 random ones still leave some out.
       "bigbird": {"block_size": seq_len // 8},
+      # 8 blocks, each query choosing 3 (its own and two by gating).
+      "moba": {"block_size": seq_len // 8},
   }
   return {variant: {"model": {"attention_options": value}} for variant, value in options.items()}
 

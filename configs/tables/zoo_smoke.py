@@ -24,7 +24,7 @@ against one label's cross-entropy a weight of 1 made the regulariser the whole
 loss (seed 1 stayed at the majority class, its auxiliary loss 7.4 against a
 cross-entropy of 2); 0.01 is about 1 / T, the weight per query. `mlp_mixer`
 and `gmlp` have weights sized by the sequence length, so their `max_length`
-is the 101 tokens.
+is the 101 tokens. `moba` chooses among blocks of 16 keys (7 of them).
 """
 
 from __future__ import annotations
@@ -72,5 +72,7 @@ def get_config():
       "nystromformer": {"model": {"pooling": "mean", "attention_options": {"num_landmarks": 20}}},
       "mlp_mixer": {"model": {"attention_options": {"max_length": 101}}},
       "gmlp": {"model": {"attention_options": {"max_length": 101}}},
+      # 7 blocks of 16 (its default 64 would make 2, fewer than its top_k of 3).
+      "moba": {"model": {"attention_options": {"block_size": 16}}},
   }}
   return config

@@ -6,6 +6,7 @@ with its pure function, its module and its registration:
   sigmoid.py         each weight a sigmoid of its logit, no normalisation: sigmoid
   forgetting.py      softmax with data-dependent forget gates (FoX): forgetting
   mla.py             multi-head latent attention, a latent KV cache: mla
+  moba.py            top-k key blocks per query by pooled-key gating: moba
 
 Importing this package registers the variants of every module.
 """
@@ -16,3 +17,4 @@ from attention_jax.variants.modern.stick_breaking import stick_breaking_attentio
 from attention_jax.variants.modern.sigmoid import sigmoid_attention
 from attention_jax.variants.modern.forgetting import ForgetGate, forgetting_attention
 from attention_jax.variants.modern.mla import MultiHeadLatentAttention, latent_attention
+from attention_jax.variants.modern.moba import block_choice, moba_attention
