@@ -63,7 +63,9 @@ def test_greedy_generation_is_the_argmax_of_the_full_forward_pass(overrides):
 
 
 # Options that fit T = 12 tokens (weights sized by the length, blocks to choose from).
-SHORT_OPTIONS = {"moba": {"block_size": 4, "top_k": 2}}
+SHORT_OPTIONS = {"moba": {"block_size": 4, "top_k": 2},
+                 "nsa": {"compress_block_size": 4, "compress_stride": 2, "select_block_size": 4,
+                         "top_n": 2, "window": 4}}
 
 
 @pytest.mark.parametrize("name", CAUSAL_MIXERS)

@@ -9,6 +9,8 @@
   forward or the backward pass (checked on the traced program at T = 4096).
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -41,15 +43,15 @@ def _module(name, length):
   return spec.module(num_heads=HEADS, **options)
 
 
-def _loss_of_params(module, x):
+def _loss_of_params(module, x, **call):
   """The gradient of a loss in the parameters and inputs; the other variable
   collections (e.g. the "random" draws, int counters) pass through undifferentiated."""
-  variables = jax.eval_shape(module.init, jax.random.PRNGKey(0), x)
+  variables = jax.eval_shape(functools.partial(module.init, **call), jax.random.PRNGKey(0), x)
   zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), variables)
   others = {name: value for name, value in zeros.items() if name != "params"}
 
   def loss(params, x):
-    return jnp.sum(module.apply({"params": params, **others}, x) ** 2)
+    return jnp.sum(module.apply({"params": params, **others}, x, **call) ** 2)
 
   # A mixer without parameters (fnet) has no "params" collection.
   return jax.grad(loss, argnums=(0, 1)), zeros.get("params", {})
@@ -90,7 +92,9 @@ def test_subquadratic_variant_never_builds_a_length_squared_array(name):
   length = 4096
   x = jax.ShapeDtypeStruct((1, length, EMBED), jnp.float32)
   module = _module(name, length)
-  grad_fn, params = _loss_of_params(module, jnp.zeros(x.shape, x.dtype))
+  # A causal-only mechanism runs causally.
+  call = {} if registry.get_variant(name).bidirectional else {"is_causal": True}
+  grad_fn, params = _loss_of_params(module, jnp.zeros(x.shape, x.dtype), **call)
   largest = largest_intermediate(grad_fn, params, jnp.zeros(x.shape, x.dtype))
   # A quarter of T^2 leaves room for bands and blocks (e.g. [H, T, 2w] windows)
   # while catching any T x T (or T x T/2) score matrix.

@@ -7,6 +7,7 @@ with its pure function, its module and its registration:
   forgetting.py      softmax with data-dependent forget gates (FoX): forgetting
   mla.py             multi-head latent attention, a latent KV cache: mla
   moba.py            top-k key blocks per query by pooled-key gating: moba
+  nsa.py             compressed, selected and sliding branches with gates: nsa
 
 Importing this package registers the variants of every module.
 """
@@ -18,3 +19,4 @@ from attention_jax.variants.modern.sigmoid import sigmoid_attention
 from attention_jax.variants.modern.forgetting import ForgetGate, forgetting_attention
 from attention_jax.variants.modern.mla import MultiHeadLatentAttention, latent_attention
 from attention_jax.variants.modern.moba import block_choice, moba_attention
+from attention_jax.variants.modern.nsa import NSAParameters, nsa_attention

@@ -1,0 +1,123 @@
+"""NSA's three branches written out query by query in numpy."""
+
+import functools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import attention_jax as aj
+from attention_jax.variants.modern.nsa import nsa_attention
+from tests.attention_testing import (as_float64, assert_close, assert_same_outputs_and_grads,
+                                     jit_init, np_softmax, random_qkv)
+
+B, T, H, HKV, D = 2, 27, 4, 2, 8
+SIZES = dict(compress_block_size=4, compress_stride=2, select_block_size=4, top_n=3, window=5)
+
+
+def _arrays(seed=0):
+  keys = jax.random.split(jax.random.PRNGKey(seed), 5)
+  l = SIZES["compress_block_size"]
+  return dict(gates=jax.nn.sigmoid(jax.random.normal(keys[0], (B, T, H, 3))),
+              compress_key=jax.random.normal(keys[1], (l * D, D)) / np.sqrt(l * D),
+              compress_value=jax.random.normal(keys[2], (l * D, D)) / np.sqrt(l * D),
+              key_positions=0.1 * jax.random.normal(keys[3], (l, D)),
+              value_positions=0.1 * jax.random.normal(keys[4], (l, D)))
+
+
+def _attend(q, keys, values):
+  if len(keys) == 0:
+    return np.zeros(values.shape[-1])
+  return np_softmax(keys @ q / np.sqrt(D)) @ values
+
+
+def _numpy_nsa(query, key, value, arrays):
+  q, k, v = map(as_float64, (query, key, value))
+  a = {name: as_float64(x) for name, x in arrays.items()}
+  l, d, ls, n, w = (SIZES[name] for name in ("compress_block_size", "compress_stride",
+                                             "select_block_size", "top_n", "window"))
+  starts = list(range(0, T - l + 1, d))
+  num_select, group = -(-T // ls), H // HKV
+  out = np.zeros((B, T, H, D))
+  for b in range(B):
+    for g in range(HKV):
+      phi = lambda x, weight, pos: np.stack(
+          [(x[s:s + l] + pos).reshape(-1) @ weight for s in starts])
+      ck = phi(k[b, :, g], a["compress_key"], a["key_positions"])
+      cv = phi(v[b, :, g], a["compress_value"], a["value_positions"])
+      for i in range(T):
+        seen = [c for c, s in enumerate(starts) if s + l - 1 <= i]
+        importance = np.zeros(num_select)
+        branches = {}
+        for h in range(g * group, (g + 1) * group):
+          if seen:
+            p = np_softmax(ck[seen] @ q[b, i, h] / np.sqrt(D))
+            for weight, c in zip(p, seen):
+              importance[starts[c] // ls] += weight
+          branches[h] = [_attend(q[b, i, h], ck[seen], cv[seen])]
+        own = i // ls
+        others = sorted((j for j in range(own + 1) if j not in (0, own)),
+                        key=lambda j: -importance[j])
+        chosen = {0, own} | set(others[:n - len({0, own})])
+        picked = [j for j in range(i + 1) if j // ls in chosen]
+        recent = list(range(max(0, i - w + 1), i + 1))
+        for h in range(g * group, (g + 1) * group):
+          gate = a["gates"][b, i, h]
+          out[b, i, h] = (gate[0] * branches[h][0]
+                          + gate[1] * _attend(q[b, i, h], k[b, picked, g], v[b, picked, g])
+                          + gate[2] * _attend(q[b, i, h], k[b, recent, g], v[b, recent, g]))
+  return out
+
+
+@pytest.mark.parametrize("implementation", ["blockwise", "xla"])
+@pytest.mark.property("nsa")
+def test_equals_the_three_branches_written_out(implementation):
+  query, key, value = random_qkv(batch=B, q_len=T, num_heads=H, num_kv_heads=HKV, head_dim=D)
+  arrays = _arrays()
+  got = jax.jit(functools.partial(nsa_attention, is_causal=True, implementation=implementation,
+                                  **SIZES))(query, key, value, **arrays)
+  assert_close(got, _numpy_nsa(query, key, value, arrays), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.property("nsa")
+def test_blockwise_gradients_equal_the_dense_reference_for_the_same_choice():
+  qkv = random_qkv(seed=1, batch=B, q_len=T, num_heads=H, num_kv_heads=HKV, head_dim=D)
+  arrays = _arrays(2)
+
+  def run(implementation, q, k, v, gates, compress_key):
+    return nsa_attention(q, k, v, is_causal=True, implementation=implementation, gates=gates,
+                         compress_key=compress_key,
+                         **{n: arrays[n] for n in ("compress_value", "key_positions",
+                                                   "value_positions")}, **SIZES)
+
+  assert_same_outputs_and_grads(jax.jit(functools.partial(run, "blockwise")),
+                                jax.jit(functools.partial(run, "xla")), *qkv, arrays["gates"],
+                                arrays["compress_key"], rtol=1e-4, atol=1e-5)
+
+
+def test_the_layer_gates_its_branches_from_its_input_and_learns_the_compression():
+  layer = aj.MultiHeadAttention(num_heads=H, num_kv_heads=HKV, attention="nsa",
+                                attention_options=SIZES)
+  x = jax.random.normal(jax.random.PRNGKey(3), (B, T, 16))
+  params = nn.meta.unbox(jit_init(layer, jax.random.PRNGKey(4), x, is_causal=True)["params"])
+  variant = params["variant"]
+  assert variant["gates"]["kernel"].shape == (16, 3 * H)
+  assert variant["compress_key"].shape == (4 * 4, 4)  # l * D -> D, D = 16 / 4 heads
+  grads = jax.jit(jax.grad(lambda p: jnp.sum(jnp.sin(
+      layer.apply({"params": p}, x, is_causal=True)))))(params)["variant"]
+  for name in ("compress_key", "compress_value", "key_positions"):
+    assert float(jnp.abs(grads[name]).max()) > 0.0, name
+  assert float(jnp.abs(grads["gates"]["kernel"]).max()) > 0.0
+
+
+def test_bad_settings_are_named():
+  query, key, value = random_qkv(batch=B, q_len=T, num_heads=H, num_kv_heads=HKV, head_dim=D)
+  arrays = _arrays()
+  with pytest.raises(ValueError, match=r"top_n \(9\) must be at most the number of selection"):
+    nsa_attention(query, key, value, is_causal=True, **arrays, **{**SIZES, "top_n": 9})
+  with pytest.raises(ValueError, match=r"compress_stride \(3\) must divide"):
+    nsa_attention(query, key, value, is_causal=True, **arrays, **{**SIZES, "compress_stride": 3})
+  with pytest.raises(ValueError, match="nsa is causal"):
+    nsa_attention(query, key, value, **arrays, **SIZES)
