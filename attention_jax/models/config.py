@@ -535,7 +535,9 @@ def default_model_config() -> ml_collections.ConfigDict:
   for field in dataclasses.fields(ModelConfig):
     if field.default is None:
       (inner,) = [t for t in typing.get_args(hints[field.name]) if t is not type(None)]
-      config[field.name] = ml_collections.config_dict.placeholder(inner)
+      # A placeholder takes a class: Tuple[int, int] is a tuple.
+      config[field.name] = ml_collections.config_dict.placeholder(typing.get_origin(inner)
+                                                                  or inner)
     elif isinstance(field.default, Mapping):
       config[field.name] = dict(field.default)
     else:

@@ -66,3 +66,13 @@ def test_bad_settings_are_named(overrides, message):
   with pytest.raises(ValueError, match=message):
     ModelConfig.from_config(dict(dict(kind="language_model", embed_dim=E, num_heads=H),
                                  **overrides))
+
+
+def test_the_default_config_takes_it_as_a_typed_placeholder():
+  """`--config.model.streaming_attention=(2,8)` needs a placeholder of type tuple."""
+  from attention_jax.models.config import default_model_config  # pylint: disable=import-outside-toplevel
+  config = default_model_config()
+  assert config.streaming_attention is None
+  config.streaming_attention = (2, 8)
+  config.kind = "language_model"
+  assert ModelConfig.from_config(config).streaming_attention == (2, 8)
