@@ -29,6 +29,11 @@ def _encoder(**overrides):
   return Encoder(_small(**overrides))
 
 
+def _encoder_with(position):
+  """An encoder with `position`; NoPE only in a causal model (a language model's stack)."""
+  return _encoder(position=position, **({"kind": "language_model"} if position == "none" else {}))
+
+
 def _tokens(seed=0, length=T):
   return jax.random.randint(jax.random.PRNGKey(seed), (B, length), 2, V)
 
@@ -64,7 +69,7 @@ def test_encoder_traces_under_jit_for_every_position_encoding(position):
   # Tracing is where jit fails (Python control flow on traced values); skipping
   # XLA's compilation keeps the sweep fast. Values are checked by the tests below.
   tokens = _tokens()
-  encoder = _encoder(position=position)
+  encoder = _encoder_with(position)
   variables = _init_shapes(encoder, tokens)
   apply = jax.jit(lambda v, t, m: encoder.apply(v, t, padding_mask=m, is_causal=True))
   out = jax.eval_shape(apply, variables, tokens, _suffix_padding([T, 5]))
@@ -122,7 +127,7 @@ def test_causal_encoder_output_at_t_ignores_later_tokens(position):
 
 @pytest.mark.parametrize("position", positional.POSITION_ENCODINGS)
 def test_sequence_longer_than_max_length_raises_naming_both(position):
-  encoder = _encoder(position=position)
+  encoder = _encoder_with(position)
   with pytest.raises(ValueError, match=r"13.*max_length=12"):
     jit_init(encoder, jax.random.PRNGKey(0), _tokens(length=13))
 
