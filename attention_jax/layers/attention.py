@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from flax.core import FrozenDict
 
 from attention_jax import axes, positional, registry
-from attention_jax.core.masks import make_attention_mask
+from attention_jax.core.masks import and_masks, make_attention_mask
 from attention_jax.variants import dense
 from attention_jax.variants.common import check_cache_room, check_size, mixer_output
 
@@ -242,9 +242,8 @@ class MultiHeadAttention(nn.Module):
                                                                            "cached_value"):
       key, value, k_positions, q_offset = self._streaming_cache(key, value)
       q_positions = q_positions + q_offset
-      mask = make_attention_mask(q_len, key.shape[1], mask=mask)
       visible = streaming_visible(jnp.arange(q_len) + q_offset, k_positions, *self.streaming)
-      mask = visible[None, None] if mask is None else mask & visible[None, None]
+      mask = and_masks(mask, visible[None, None])
       is_causal = False
     elif self.decode and self.has_variable("cache", "cached_value"):
       key, value, q_offset = self._update_cache(key, value)
@@ -263,7 +262,7 @@ class MultiHeadAttention(nn.Module):
         raise ValueError("streaming=(sinks, window) is causal self-attention's (StreamingLLM); "
                          "call the layer with is_causal=True and no context.")
       visible = streaming_visible(jnp.arange(q_len), jnp.arange(kv_len), *self.streaming)
-      mask = visible[None, None] if mask is None else mask & visible[None, None]
+      mask = and_masks(mask, visible[None, None])
 
     attention_fn = spec.fn
     position_score_mod = None
