@@ -22,7 +22,8 @@ import typing
 from typing import Any, Callable, Dict, Iterable, Mapping, Optional, Tuple, Union
 
 FAMILIES = ("dense", "scoring", "heads", "sparse", "hashing", "linear", "low_rank",
-            "prior", "memory", "recurrence", "mixing", "kernels", "composed", "modern")
+            "prior", "memory", "recurrence", "mixing", "kernels", "composed", "modern",
+            "chunkwise")
 # What a variant's module does, and the call it answers (`VariantSpec.role`).
 # Only a "mixer" can be a block's token mixer (`get_mixer`); the others are
 # section A mechanisms that attend but map no sequence to a sequence.

@@ -8,5 +8,6 @@ from attention_jax.variants.dense import (available_implementations, dot_product
                                           register_implementation, select_implementation)
 from attention_jax.variants.heads import multi_head_attention
 # The families of VARIANTS.md; each registers its variants when imported.
-from attention_jax.variants import (composed, hashing, linear, low_rank, memory, mixing, modern,
-                                    pooling, prior, recurrence, scoring, sparse, structured)
+from attention_jax.variants import (chunkwise, composed, hashing, linear, low_rank, memory, mixing,
+                                    modern, pooling, prior, recurrence, scoring, sparse,
+                                    structured)

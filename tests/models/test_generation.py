@@ -62,8 +62,11 @@ def test_greedy_generation_is_the_argmax_of_the_full_forward_pass(overrides):
   np.testing.assert_array_equal(out[:, 4:], jnp.argmax(logits[:, 3:-1], axis=-1))
 
 
-# Options that fit T = 12 tokens (weights sized by the length, blocks to choose from).
+# Options that fit T = 12 tokens (weights sized by the length, blocks to choose
+# from); chunks of 4 make the chunkwise mixers' 5-token prompt span two chunks.
 SHORT_OPTIONS = {"moba": {"block_size": 4, "top_k": 2},
+                 **{name: {"chunk_size": 4} for name in registry.list_variants()
+                    if registry.get_variant(name).family == "chunkwise"},
                  "nsa": {"compress_block_size": 4, "compress_stride": 2, "select_block_size": 4,
                          "top_n": 2, "window": 4}}
 
