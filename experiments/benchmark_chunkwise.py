@@ -54,7 +54,6 @@ import datetime
 import functools
 import json
 import pathlib
-import statistics
 import sys
 import time
 from typing import Any, Dict, Iterator, List, NamedTuple, Optional, Sequence
@@ -68,6 +67,7 @@ from attention_jax import registry
 from attention_jax.variants.chunkwise import delta_net, engine, parts
 from experiments import benchmark_attention as common
 from experiments import cli
+from experiments import benchmark_scaling
 from experiments.benchmark_scaling import log_log_slope
 
 REPO_ROOT = common.REPO_ROOT
@@ -215,30 +215,10 @@ def make_step(cell: Dict[str, Any]):
 
 
 def measure_cell(cell: Dict[str, Any], memory_method: str) -> Dict[str, Any]:
-  """Compiles, times and measures one cell in this process (as
-  `benchmark_scaling.measure_cell`); an error is recorded, not raised."""
-  record = dict(cell, memory={"method": memory_method}, error=None)
-  try:
-    step, inputs = make_step(cell)
-    inputs = jax.block_until_ready(inputs)
-    start = time.perf_counter()
-    compiled = step.lower(*inputs).compile()
-    record["compile_s"] = time.perf_counter() - start
-    record["memory"]["compiled"] = common.compiled_memory(compiled)
-    common.check_fits_in_memory(record["memory"]["compiled"], memory_method)
-    with common.PeakMemory(memory_method) as memory:
-      times = common.time_runs(compiled, inputs, cell["repeats"])
-    record["memory"] = dict(memory.result, compiled=record["memory"]["compiled"])
-    record["times_ms"] = times
-    record["ms"] = statistics.median(times)
-  except Exception as e:  # pylint: disable=broad-except
-    record["error"] = f"{type(e).__name__}: {e}"[:2000]
-  return record
-
-
-# ---------------------------------------------------------------------------
-# The sweep.
-# ---------------------------------------------------------------------------
+  """Compiles, times and measures one cell in this process
+  (`benchmark_scaling.measure_cell` with this file's steps); an error is
+  recorded, not raised."""
+  return benchmark_scaling.measure_cell(cell, memory_method, make_step)
 
 
 def make_cells(args: cli.Args, mixers: List[str]) -> Iterator[Dict[str, Any]]:

@@ -158,11 +158,14 @@ def make_step(cell: dict[str, Any]):
   return jax.jit(jax.grad(loss, argnums=(0, 1))), (variables, x)
 
 
-def measure_cell(cell: dict[str, Any], memory_method: str) -> dict[str, Any]:
-  """Compiles, times and measures one cell in this process; errors are recorded."""
+def measure_cell(cell: dict[str, Any], memory_method: str,
+                 step_of_cell=None) -> dict[str, Any]:
+  """Compiles, times and measures one cell in this process; errors are recorded.
+  `step_of_cell(cell) -> (jitted step, inputs)`: this file's `make_step` when
+  None (benchmark_chunkwise passes its own)."""
   record = dict(cell, memory={"method": memory_method}, error=None)
   try:
-    step, inputs = make_step(cell)
+    step, inputs = (step_of_cell or make_step)(cell)
     inputs = jax.block_until_ready(inputs)
     start = time.perf_counter()
     compiled = step.lower(*inputs).compile()
