@@ -353,3 +353,43 @@ def assert_causal_language_model(model, batch, length, cut, vocab_size, seed=0):
   logits, logits_changed = model.apply(variables, tokens), model.apply(variables, changed)
   np.testing.assert_allclose(logits[:, :cut], logits_changed[:, :cut], atol=1e-5)
   assert not np.allclose(logits[:, cut:], logits_changed[:, cut:], atol=1e-3)
+
+
+def recurrence_inputs(per_dimension: bool, low_rank: bool, *, batch: int, length: int,
+                      heads: int, key_dim: int, value_dim: int, seed=0, gate_bias=2.0):
+  """Inputs of the chunkwise engine's recurrence (query, key, value, log_decay,
+  read_key, write_key; the last two None without the rank-one term): decays
+  sigmoid(N(gate_bias, 1)), one per head or per key dimension; the rank-one
+  term as the delta rule's (unit keys, rates in (0, 1))."""
+  rngs = jax.random.split(jax.random.PRNGKey(seed), 6)
+  normal = lambda i, *shape: jax.random.normal(rngs[i], shape)
+  query, key = normal(0, batch, length, heads, key_dim), normal(1, batch, length, heads, key_dim)
+  value = normal(2, batch, length, heads, value_dim)
+  decay_shape = (batch, length, heads) + ((key_dim,) if per_dimension else ())
+  log_decay = jax.nn.log_sigmoid(normal(3, *decay_shape) + gate_bias)
+  read = write = None
+  if low_rank:
+    read = key / jnp.linalg.norm(key, axis=-1, keepdims=True)
+    rate = jax.nn.sigmoid(normal(4, batch, length, heads, 1))
+    write, key = -rate * read, rate * read
+  return query, key, value, log_decay, read, write
+
+
+def forms_outputs_and_grads(arrays, forms):
+  """Per named form of the recurrence (a function of `recurrence_inputs` and
+  `initial_state`): its outputs, final state and the gradients of a loss of
+  both in every input. `arrays`: `recurrence_inputs` plus an initial state."""
+  results = {}
+  differentiable = [i for i, a in enumerate(arrays) if a is not None]
+  for name, form in forms.items():
+    def loss(*diff):
+      given = list(arrays)
+      for i, a in zip(differentiable, diff):
+        given[i] = a
+      out, final = form(*given[:6], initial_state=given[6])
+      return jnp.sum(out * jnp.cos(out)) + jnp.sum(final ** 2), (out, final)
+    grads, (out, final) = jax.jit(jax.grad(loss, argnums=tuple(range(len(differentiable))),
+                                           has_aux=True))(
+        *[arrays[i] for i in differentiable])
+    results[name] = (out, final, grads)
+  return results

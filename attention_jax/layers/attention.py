@@ -230,6 +230,7 @@ class MultiHeadAttention(nn.Module):
     q_positions = jnp.arange(q_len) if positions is None else positions
     k_positions = q_positions if context is None else jnp.arange(kv_len)
     q_offset = 0
+    window_in_mask = False
     # A variant with a recurrent state (linear attention) decodes from it: the
     # cache holds the state and a position counter, not the keys and values.
     recurrent = self.decode and spec.can("recurrent_state")
@@ -250,9 +251,13 @@ class MultiHeadAttention(nn.Module):
       q_positions = q_positions + q_offset
       k_positions = jnp.arange(key.shape[1])
       # Causal over absolute positions covers both the new tokens and the
-      # still-empty slots of the cache.
+      # still-empty slots of the cache. A local window compares absolute
+      # positions too, so it joins this mask instead of going to the variant
+      # (which would place the first new query at the first cached key).
+      window = self.attention_options.get("local_window_size")
       mask = make_attention_mask(q_len, key.shape[1], is_causal=True, q_offset=q_offset,
-                                 mask=mask)
+                                 local_window_size=window, mask=mask)
+      window_in_mask = window is not None
       is_causal = False
     elif self.decode:
       self._init_cache(key, value)
@@ -293,6 +298,8 @@ class MultiHeadAttention(nn.Module):
     # A Q/K/V variant routes no option to the layer (`make_mixer` set those).
     routed = spec.route_options(self.attention_options)
     options = routed["fn"]
+    if window_in_mask:
+      options.pop("local_window_size", None)
     if spec.extras is not None:
       options.update(self._extras(spec, routed["extras"])(
           query, key, value, deterministic=deterministic,

@@ -4,6 +4,7 @@ causal variant decoding one token at a time (or refusing to, with a reason)."""
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 from attention_jax import registry
@@ -90,11 +91,52 @@ def test_every_causal_variant_decodes_as_its_full_pass_or_says_why_not(name):
     dict(position="rope", position_options={"scaling": "yarn", "scaling_factor": 4.0,
                                             "original_length": 4, "rotary_fraction": 0.5}),
     dict(position="xpos", position_options={"scale_base": 16.0}), dict(position="none"),
+    # A sliding window over absolute positions, the new queries' and the cache's.
+    dict(attention_options={"local_window_size": (3, 0)}),
     # Learned sinks of the flex engine, in a StreamingLLM cache of 5 slots.
     dict(attention="flex", attention_options={"sinks": True, "softcap": 5.0},
          streaming_attention=(1, 4))])
 def test_layer_options_and_positions_decode_as_their_full_pass(overrides):
   _assert_decodes_as_its_full_pass(_config(**overrides))
+
+
+def test_a_hybrid_of_gated_delta_net_and_sliding_window_attention_trains_and_decodes():
+  """Gated DeltaNet's hybrid through `layer_attention`: three gated_delta_net
+  layers, then one of attention over a sliding window of 3 past tokens. Each
+  layer is the mixer its schedule names, a few Adam steps on a fixed batch
+  lower the loss with a gradient in every layer, and decoding (the recurrent
+  state in three layers, the key-value cache in the fourth) equals the full
+  pass."""
+  config = _config(num_layers=4, layer_attention=("gated_delta_net",) * 3 + ("dot_product",),
+                   attention_options={"chunk_size": 4, "local_window_size": (3, 0)})
+  model, variables, tokens = _model_and_variables(config)
+  blocks = [variables["params"]["encoder"][f"block_{i}"]["attention"] for i in range(4)]
+  assert ["beta" in block for block in blocks] == [True, True, True, False]
+  assert set(blocks[3]) == {"query", "key", "value", "out"}
+
+  def loss(params):
+    logits = model.apply({"params": params}, tokens[:, :-1])
+    return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[:, 1:, None], -1))
+
+  optimizer = optax.adam(1e-2)
+
+  @jax.jit
+  def step(params, state):
+    value, grads = jax.value_and_grad(loss)(params)
+    updates, state = optimizer.update(grads, state)
+    return optax.apply_updates(params, updates), state, value, grads
+
+  params = variables["params"]
+  state = optimizer.init(params)
+  losses = []
+  for _ in range(5):
+    params, state, value, grads = step(params, state)
+    losses.append(float(value))
+  assert losses[-1] < losses[0], losses
+  for i in range(4):
+    block_grads = jax.tree.leaves(grads["encoder"][f"block_{i}"]["attention"])
+    assert max(float(jnp.abs(g).max()) for g in block_grads) > 0, f"block {i}"
+  _assert_decodes_as_its_full_pass(config)
 
 
 def test_sampling_restricted_to_the_top_tokens():

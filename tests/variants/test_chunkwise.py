@@ -13,27 +13,15 @@ import pytest
 
 from attention_jax import registry
 from attention_jax.variants.chunkwise import delta_net, engine, gla, mamba2, retention, rwkv7
-from attention_testing import assert_close
+from attention_testing import assert_close, forms_outputs_and_grads, recurrence_inputs
 
 MIXERS = ("retention", "gla", "delta_net", "gated_delta_net", "mamba2", "rwkv7")
 B, T, H, DK, DV = 2, 23, 2, 6, 5
 
 
-def _inputs(per_dimension: bool, low_rank: bool, seed=0, length=T, gate_bias=2.0):
-  """Engine inputs: decays sigmoid(N(gate_bias, 1)); the rank-one term as the
-  delta rule's (unit keys, rates in (0, 1))."""
-  rngs = jax.random.split(jax.random.PRNGKey(seed), 6)
-  normal = lambda i, *shape: jax.random.normal(rngs[i], shape)
-  query, key = normal(0, B, length, H, DK), normal(1, B, length, H, DK)
-  value = normal(2, B, length, H, DV)
-  decay_shape = (B, length, H, DK) if per_dimension else (B, length, H)
-  log_decay = jax.nn.log_sigmoid(normal(3, *decay_shape) + gate_bias)
-  read = write = None
-  if low_rank:
-    read = key / jnp.linalg.norm(key, axis=-1, keepdims=True)
-    rate = jax.nn.sigmoid(normal(4, B, length, H, 1))
-    write, key = -rate * read, rate * read
-  return query, key, value, log_decay, read, write
+def _inputs(per_dimension: bool, low_rank: bool, **options):
+  return recurrence_inputs(per_dimension, low_rank, batch=B, heads=H, key_dim=DK, value_dim=DV,
+                           **{"length": T, **options})
 
 
 def _loop(query, key, value, log_decay, read, write, initial_state):
@@ -68,24 +56,6 @@ def test_the_recurrent_form_is_the_recurrence_by_its_definition(per_dimension, l
   assert_close(out, _loop(*arrays, state), rtol=1e-4, atol=1e-4)
 
 
-def _forms_outputs_and_grads(arrays, state, forms):
-  """Per form: the outputs, final state and gradients of a loss in every input."""
-  results = {}
-  differentiable = [i for i, a in enumerate(arrays) if a is not None]
-  for name, form in forms.items():
-    def loss(*diff):
-      given = list(arrays)
-      for i, a in zip(differentiable, diff):
-        given[i] = a
-      out, final = form(*given[:4], given[4], given[5], initial_state=given[6])
-      return jnp.sum(out * jnp.cos(out)) + jnp.sum(final ** 2), (out, final)
-    grads, (out, final) = jax.jit(jax.grad(loss, argnums=tuple(range(len(differentiable))),
-                                           has_aux=True))(
-        *[arrays[i] for i in differentiable])
-    results[name] = (out, final, grads)
-  return results
-
-
 @pytest.mark.parametrize("per_dimension, low_rank", KINDS)
 def test_chunkwise_and_parallel_forms_equal_the_recurrent_one_outputs_and_gradients(
     per_dimension, low_rank):
@@ -96,7 +66,7 @@ def test_chunkwise_and_parallel_forms_equal_the_recurrent_one_outputs_and_gradie
   forms = {"recurrent": engine.recurrent_form, "parallel": engine.parallel_form}
   for chunk in (1, 5, 7, 8, 64):
     forms[f"chunk {chunk}"] = functools.partial(engine.chunkwise_form, chunk_size=chunk)
-  results = _forms_outputs_and_grads(arrays, arrays[-1], forms)
+  results = forms_outputs_and_grads(arrays, forms)
   out, final, grads = results.pop("recurrent")
   for name, (other_out, other_final, other_grads) in results.items():
     assert_close(other_out, out, rtol=2e-4, atol=2e-4, err_msg=name)

@@ -25,6 +25,10 @@ Three forms compute the same outputs and final state:
   linear attention and the UT transform over all T for the delta rule;
   O(T^2), for short sequences and as a second reference.
 
+The chunkwise form also runs in Pallas kernels, forward and backward
+(`attention_jax.kernels.chunkwise`): forms "pallas_gpu" (Triton) and
+"pallas_tpu" (Mosaic), interpreted off their device.
+
 Decays are summed in log space within each chunk only, and every exponential
 taken is of a difference G_t - G_s with s <= t (masked before `exp`), at most
 0: gates near 0 underflow to exact zeros and gates near 1 lose nothing
@@ -45,43 +49,12 @@ from typing import Optional, Tuple
 import jax
 import jax.numpy as jnp
 
+from attention_jax.core.recurrence import check_inputs
 from attention_jax.variants import common
 
 Array = jax.Array
 
 DEFAULT_CHUNK_SIZE = 64
-
-
-def check_inputs(query: Array, key: Array, value: Array, log_decay: Array,
-                 read_key: Optional[Array] = None, write_key: Optional[Array] = None,
-                 initial_state: Optional[Array] = None) -> None:
-  """Raises a ValueError naming the first array whose shape does not fit the
-  recurrence (the shapes in the module docstring)."""
-  if jnp.ndim(query) != 4:
-    raise ValueError(f"query must be [B, T, H, Dk], got shape {list(jnp.shape(query))}.")
-  batch, length, heads, key_dim = query.shape
-  value_dim = jnp.shape(value)[-1]
-  expected = {"key": (batch, length, heads, key_dim), "value": (batch, length, heads, value_dim)}
-  if read_key is not None or write_key is not None:
-    if read_key is None or write_key is None:
-      raise ValueError("read_key and write_key come together (the rank-one transition "
-                       "w r^T); got only one of them.")
-    expected.update(read_key=(batch, length, heads, key_dim),
-                    write_key=(batch, length, heads, key_dim))
-  arrays = dict(key=key, value=value, read_key=read_key, write_key=write_key)
-  for name, shape in expected.items():
-    if tuple(jnp.shape(arrays[name])) != shape:
-      raise ValueError(f"{name} must be {list(shape)} (query's [B, T, H, Dk] = "
-                       f"{list(query.shape)}), got shape {list(jnp.shape(arrays[name]))}.")
-  if tuple(jnp.shape(log_decay)) not in ((batch, length, heads), (batch, length, heads, key_dim)):
-    raise ValueError(f"log_decay must be [B, T, H] = {[batch, length, heads]} (one decay per "
-                     f"head) or [B, T, H, Dk] = {[batch, length, heads, key_dim]} (one per key "
-                     f"dimension), got shape {list(jnp.shape(log_decay))}.")
-  if initial_state is not None and tuple(jnp.shape(initial_state)) != (batch, heads, key_dim,
-                                                                        value_dim):
-    raise ValueError(f"initial_state must be [B, H, Dk, Dv] = "
-                     f"{[batch, heads, key_dim, value_dim]}, got shape "
-                     f"{list(jnp.shape(initial_state))}.")
 
 
 def _compute_dtype(*arrays) -> jnp.dtype:
@@ -310,19 +283,36 @@ def parallel_form(query: Array, key: Array, value: Array, log_decay: Array,
                         chunk_size=query.shape[1], initial_state=initial_state)
 
 
-FORMS = {"chunkwise": chunkwise_form, "recurrent": recurrent_form, "parallel": parallel_form}
+def _kernel_form(backend: str):
+  """The chunkwise form in the Pallas kernels of `backend` ("gpu": Triton,
+  "tpu": Mosaic; interpreted off that device), `attention_jax.kernels.chunkwise`."""
+
+  def form(*arrays, chunk_size: int = DEFAULT_CHUNK_SIZE, initial_state=None):
+    # The kernels import this module, so they are imported here, on use.
+    # pylint: disable-next=import-outside-toplevel
+    from attention_jax.kernels.chunkwise import chunkwise_kernel
+    return chunkwise_kernel(*arrays, backend=backend, chunk_size=chunk_size,
+                            initial_state=initial_state)
+
+  return form
+
+
+FORMS = {"chunkwise": chunkwise_form, "recurrent": recurrent_form, "parallel": parallel_form,
+         "pallas_gpu": _kernel_form("gpu"), "pallas_tpu": _kernel_form("tpu")}
+CHUNKED_FORMS = ("chunkwise", "pallas_gpu", "pallas_tpu")  # the forms that take chunk_size
 
 
 def run(form: str, query: Array, key: Array, value: Array, log_decay: Array,
         read_key: Optional[Array] = None, write_key: Optional[Array] = None, *,
         chunk_size: int = DEFAULT_CHUNK_SIZE,
         initial_state: Optional[Array] = None) -> Tuple[Array, Array]:
-  """The recurrence in the named form (`FORMS`); `chunk_size` serves the chunkwise one."""
+  """The recurrence in the named form (`FORMS`); `chunk_size` serves the
+  chunked ones (`CHUNKED_FORMS`; the GPU kernels need a power of two >= 16)."""
   if form not in FORMS:
     raise ValueError(f"form must be one of {sorted(FORMS)}, got {form!r}.")
-  if form == "chunkwise":
-    return chunkwise_form(query, key, value, log_decay, read_key, write_key,
-                          chunk_size=chunk_size, initial_state=initial_state)
+  if form in CHUNKED_FORMS:
+    return FORMS[form](query, key, value, log_decay, read_key, write_key,
+                       chunk_size=chunk_size, initial_state=initial_state)
   common.check_size("chunk_size", chunk_size)
   return FORMS[form](query, key, value, log_decay, read_key, write_key,
                      initial_state=initial_state)
