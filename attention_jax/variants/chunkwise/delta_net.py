@@ -153,8 +153,7 @@ _SHARED_OPTIONS = dict(
     head_dim="Dk, each head's key width; width / H when None",
     conv_size="the width of the short causal convolutions on q, k and v",
     beta="a fixed writing rate in (0, 2); None: learned per token, sigmoid(x W_beta)",
-    form="'chunkwise', 'recurrent' (a scan over tokens) or 'parallel' (O(T^2)); equal",
-    chunk_size="C, tokens per chunk of the chunkwise form")
+    **parts.FORM_OPTIONS)
 
 registry.register(registry.VariantSpec(
     name="delta_net", fn=delta_rule_attention, family="chunkwise",

@@ -105,5 +105,4 @@ registry.register(registry.VariantSpec(
         expand_v="value width over model width",
         gate_low_rank_dim="the rank of the decay gate's projection",
         gate_logit_normalizer="tau: alpha = sigmoid(logits)^(1/tau)",
-        form="'chunkwise', 'recurrent' (a scan over tokens) or 'parallel' (O(T^2)); equal",
-        chunk_size="C, tokens per chunk of the chunkwise form")))
+        **parts.FORM_OPTIONS)))

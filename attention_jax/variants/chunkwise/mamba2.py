@@ -123,5 +123,4 @@ registry.register(registry.VariantSpec(
         expand="the inner width over the model width",
         head_dim="P, each head's width; None: inner width / num_heads",
         conv_size="the width of the short causal convolution over (x, B, C)",
-        form="'chunkwise', 'recurrent' (a scan over tokens) or 'parallel' (O(T^2)); equal",
-        chunk_size="C, tokens per chunk of the chunkwise form")))
+        **parts.FORM_OPTIONS)))

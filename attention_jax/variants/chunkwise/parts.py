@@ -55,6 +55,15 @@ def without_padding(recurrence: Recurrence, valid: Optional[Array]) -> Recurrenc
                              write_key=keep(recurrence.write_key))
 
 
+# The registry's documentation of the options every mixer's recurrence takes.
+FORM_OPTIONS = dict(
+    form="'chunkwise', 'recurrent' (a scan over tokens), 'parallel' (O(T^2)), or the "
+         "chunkwise form in Pallas kernels, 'pallas_gpu' (Triton) or 'pallas_tpu' (Mosaic); "
+         "equal",
+    chunk_size="C, tokens per chunk of the chunkwise and kernel forms (a power of two >= 16 "
+               "for 'pallas_gpu')")
+
+
 def check_form(form: str) -> str:
   if form not in engine.FORMS:
     raise ValueError(f"form must be one of {sorted(engine.FORMS)} (how the recurrence is "
@@ -89,8 +98,10 @@ class RecurrentMixer(nn.Module):
   Attributes (shared):
     num_heads: H.
     form: "chunkwise" (default), "recurrent" (a scan over tokens, the
-      reference) or "parallel" (one chunk of T: O(T^2)); equal results.
-    chunk_size: C, tokens per chunk of the chunkwise form.
+      reference), "parallel" (one chunk of T: O(T^2)), or the chunkwise form
+      in Pallas kernels, "pallas_gpu" (Triton) or "pallas_tpu" (Mosaic),
+      interpreted off their device; equal results.
+    chunk_size: C, tokens per chunk of the chunkwise and kernel forms.
     dropout_rate: dropout on the recurrence's outputs o_t in training (the
       model's attention dropout; these layers have no weights to drop).
     dtype, param_dtype: computation and parameter dtypes.

@@ -114,5 +114,4 @@ registry.register(registry.VariantSpec(
         decays=registry.VariantOption(
             "decays", tuple, None, "gamma per head, each in (0, 1); None: 1 - 2^(-5 - h)"),
         max_wavelength="the base of the query and key rotation",
-        form="'chunkwise', 'recurrent' or 'parallel' (the paper's three forms); equal",
-        chunk_size="C, tokens per chunk of the chunkwise form")))
+        **parts.FORM_OPTIONS)))

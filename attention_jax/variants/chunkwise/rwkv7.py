@@ -137,5 +137,4 @@ registry.register(registry.VariantSpec(
     options=dict(
         low_rank_dim="the rank of the decay's, learning rate's and gate's LoRA maps; "
                      "min(64, width) when None",
-        form="'chunkwise', 'recurrent' (a scan over tokens) or 'parallel' (O(T^2)); equal",
-        chunk_size="C, tokens per chunk of the chunkwise form")))
+        **parts.FORM_OPTIONS)))
