@@ -15,18 +15,8 @@ function never pulls in a module and the layers can build on the registry.
 """
 
 import importlib
-import os
 
-# XLA:CPU's concurrency-optimised thunk scheduler (jaxlib 0.10.2) left the
-# chunkwise mixers' programs hanging at run time about half the time (every
-# worker parked; 0 hangs in 26 runs without it, docs/ARCHITECTURE.md). Read
-# when the CPU backend starts: set before any computation, unless XLA_FLAGS
-# already says otherwise.
-_SCHEDULER_FLAG = "--xla_cpu_enable_concurrency_optimized_scheduler"
-if _SCHEDULER_FLAG not in os.environ.get("XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_SCHEDULER_FLAG}=false".strip()
-
-from attention_jax import registry  # pylint: disable=g-import-not-at-top
+from attention_jax import registry
 from attention_jax.core import make_attention_mask, masked_softmax, reference_attention
 from attention_jax.registry import get_variant, list_variants, preset_options, variant_options
 from attention_jax import kernels  # registers the blockwise and Pallas implementations

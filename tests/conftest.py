@@ -22,9 +22,6 @@ TEST_XLA_FLAGS = {
     "xla_backend_optimization_level": "0",
     "xla_cpu_use_fusion_emitters": "false",
     "xla_cpu_parallel_codegen_split_count": "1",
-    # Not for speed: the chunkwise mixers' programs hung under the
-    # concurrency-optimised scheduler (attention_jax/__init__.py sets it too).
-    "xla_cpu_enable_concurrency_optimized_scheduler": "false",
 }
 for _flag, _value in TEST_XLA_FLAGS.items():
   if os.environ.get("ATTENTION_JAX_TEST_XLA_FLAGS") == "0":

@@ -19,7 +19,8 @@ Three forms compute the same outputs and final state:
   at once: the state's reads u_s = S_{s-1}^T r_s obey a unit lower-triangular
   system (the UT transform of the WY representation of a product of
   Householder-like matrices), so u = W S_0 + U, with W and U from one
-  triangular solve per chunk, independent of the state. Training memory is
+  unit lower-triangular inverse per chunk (`unit_lower_inverse`),
+  independent of the state. Training memory is
   O(T C + T Dk / C Dv) (the chunk matrices and one state per chunk).
 * `parallel_form`: the whole sequence as one chunk, (Q K^T * D) V for gated
   linear attention and the UT transform over all T for the delta rule;
@@ -183,6 +184,41 @@ def _per_dimension_products(left, right, left_log, right_log, *, strict: bool) -
   return products[..., :size, :size]
 
 
+# Below this size `unit_lower_inverse` substitutes row by row.
+SUBSTITUTION_SIZE = 16
+
+
+def unit_lower_inverse(transfer: Array) -> Array:
+  """(I - A)^{-1} for A `[M, C, C]` strictly lower triangular.
+
+  In matrix products only, not `lax.linalg.triangular_solve`: on CPU that is
+  LAPACK's trsm, whose batched kernel (jaxlib 0.10.2) hands its batch to
+  XLA's intra-op thread pool and blocks a pool thread waiting for it; two
+  solves running at once (the chunk's two right-hand sides, or a forward and
+  a backward one) blocked both threads of a 2-core machine for ever. Here
+  blocks of at most `SUBSTITUTION_SIZE` rows are forward substitution (row i
+  of X = I + A X is e_i + A_i,<i X_<i), and larger ones split in two,
+
+    (I - A)^{-1} = [[X_11, 0], [X_22 A_21 X_11, X_22]],
+
+  so a chunk of 64 costs two levels of batched matrix products.
+  """
+  batch, size = transfer.shape[0], transfer.shape[-1]
+  if size <= SUBSTITUTION_SIZE:
+    identity = jnp.broadcast_to(jnp.eye(size, dtype=transfer.dtype), transfer.shape)
+    rows = [identity[:, 0]]
+    for i in range(1, size):
+      earlier = jnp.stack(rows, axis=1)  # [M, i, C], final
+      rows.append(identity[:, i] + jnp.einsum("mj,mjc->mc", transfer[:, i, :i], earlier))
+    return jnp.stack(rows, axis=1)
+  half = size // 2
+  first = unit_lower_inverse(transfer[:, :half, :half])
+  second = unit_lower_inverse(transfer[:, half:, half:])
+  corner = second @ transfer[:, half:, :half] @ first
+  top = jnp.concatenate([first, jnp.zeros((batch, half, size - half), transfer.dtype)], axis=-1)
+  return jnp.concatenate([top, jnp.concatenate([corner, second], axis=-1)], axis=-2)
+
+
 def chunkwise_form(query: Array, key: Array, value: Array, log_decay: Array,
                    read_key: Optional[Array] = None, write_key: Optional[Array] = None, *,
                    chunk_size: int = DEFAULT_CHUNK_SIZE,
@@ -233,12 +269,10 @@ def chunkwise_form(query: Array, key: Array, value: Array, log_decay: Array,
     # u_s = S_{s-1}^T r_s = (r_s e^{G_{s-1}})^T S_0 + sum_{j<s} (r_s . e^{G_{s-1} - G_j} w_j) u_j
     #                                          + (r_s . e^{G_{s-1} - G_j} k_j) v_j
     # solved for all s at once: (I - A) u = R S_0 + B V, A strictly lower triangular.
-    transfer = _decayed_products(r, w, decay_before, decay, strict=True)
-    unit_lower = jnp.eye(chunk, dtype=dtype) - transfer
-    solve = lambda rhs: jax.lax.linalg.triangular_solve(
-        unit_lower, rhs, left_side=True, lower=True, unit_diagonal=True)
-    reads_from_state = solve(r * jnp.exp(decay_before))  # W `[N B H, C, Dk]`
-    reads_from_values = solve(_decayed_products(r, k, decay_before, decay, strict=True) @ v)  # U
+    inverse = unit_lower_inverse(_decayed_products(r, w, decay_before, decay, strict=True))
+    reads_from_state = inverse @ (r * jnp.exp(decay_before))  # W `[N B H, C, Dk]`
+    reads_from_values = inverse @ (_decayed_products(r, k, decay_before, decay,
+                                                     strict=True) @ v)  # U
     w_to_end = w * to_end
     query_writes = _decayed_products(q, w, decay, decay, strict=False)
 
@@ -261,9 +295,7 @@ def chunkwise_form(query: Array, key: Array, value: Array, log_decay: Array,
            else initial_state.astype(dtype))
   initial = state.reshape(batch * heads, key_dim, value_dim)
   state, (leaving, reads) = jax.lax.scan(step, initial, tuple(map(by_chunk, scanned)))
-  # The state entering each chunk: the initial one, then each chunk's result (the
-  # scan returns the states it made, not its incoming carry: XLA:CPU of jaxlib
-  # 0.10.2 intermittently hung running a scan whose outputs alias its carry).
+  # The state entering each chunk: the initial one, then each chunk's result.
   entering = jnp.concatenate([initial[None], leaving[:-1]])
   unchunk = lambda x: x.reshape((rows,) + x.shape[2:])
   out = out + q_from_start @ unchunk(entering)
