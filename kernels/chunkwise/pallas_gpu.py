@@ -17,7 +17,7 @@ been lowered and timed on a GPU (issue 41).
 
 from __future__ import annotations
 
-from typing import Dict, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -37,6 +37,22 @@ def _whole_row(x: Array) -> pl.BlockSpec:
   return pl.BlockSpec((None,) + x.shape[1:], lambda b: (b,) + (0,) * (x.ndim - 1))
 
 
+def present(tiles: Dict[str, Optional[Array]]) -> Tuple[List[str], List[Array]]:
+  """The names (in `NAMES` order) and arrays of the tiles that are not None."""
+  names = [n for n in NAMES if tiles[n] is not None]
+  return names, [tiles[n] for n in names]
+
+
+def forward_shapes(tiles: Dict[str, Optional[Array]], chunk: int):
+  """The forward kernels' outputs: outputs `[BH, T, Dv]`, entering states
+  `[BH, N, Dk, Dv]` and the final state `[BH, Dk, Dv]`, all float32."""
+  rows, length, key_dim = tiles["query"].shape
+  value_dim = tiles["value"].shape[-1]
+  return (jax.ShapeDtypeStruct((rows, length, value_dim), jnp.float32),
+          jax.ShapeDtypeStruct((rows, length // chunk, key_dim, value_dim), jnp.float32),
+          jax.ShapeDtypeStruct((rows, key_dim, value_dim), jnp.float32))
+
+
 def _interpret(interpret: Optional[bool]) -> bool:
   return jax.default_backend() != "gpu" if interpret is None else interpret
 
@@ -50,11 +66,9 @@ def forward(tiles: Dict[str, Optional[Array]], initial_state: Array, *, chunk: i
   """`(outputs [BH, T, Dv] float32, entering states [BH, N, Dk, Dv], final
   state [BH, Dk, Dv])` of the `[BH, T, ...]` tiles (`NAMES`, read and write
   keys None without the rank-one term), T a multiple of `chunk`."""
-  names = [n for n in NAMES if tiles[n] is not None]
-  arrays = [tiles[n] for n in names]
-  rows, length, key_dim = tiles["query"].shape
-  value_dim = tiles["value"].shape[-1]
-  num_chunks = length // chunk
+  names, arrays = present(tiles)
+  shapes = forward_shapes(tiles, chunk)
+  num_chunks = tiles["query"].shape[1] // chunk
 
   def kernel(*refs):
     input_refs, initial_ref = refs[:len(names)], refs[len(names)]
@@ -70,11 +84,8 @@ def forward(tiles: Dict[str, Optional[Array]], initial_state: Array, *, chunk: i
 
     final_ref[...] = lax.fori_loop(0, num_chunks, step, initial_ref[...].astype(jnp.float32))
 
-  shapes = (jax.ShapeDtypeStruct((rows, length, value_dim), jnp.float32),
-            jax.ShapeDtypeStruct((rows, num_chunks, key_dim, value_dim), jnp.float32),
-            jax.ShapeDtypeStruct((rows, key_dim, value_dim), jnp.float32))
   return pl.pallas_call(
-      kernel, grid=(rows,), out_shape=shapes,
+      kernel, grid=(tiles["query"].shape[0],), out_shape=shapes,
       in_specs=[_whole_row(x) for x in arrays + [initial_state]],
       out_specs=[_whole_row(s) for s in shapes],
       compiler_params=_params(), interpret=_interpret(interpret),
@@ -86,8 +97,7 @@ def backward(tiles: Dict[str, Optional[Array]], states: Array, d_out: Array, d_f
              ) -> Tuple[Dict[str, Optional[Array]], Array]:
   """`(gradients of the tiles (float32, None where the tile is), gradient of
   the initial state)` from the outputs' and final state's cotangents."""
-  names = [n for n in NAMES if tiles[n] is not None]
-  arrays = [tiles[n] for n in names]
+  names, arrays = present(tiles)
   num_chunks = tiles["query"].shape[1] // chunk
 
   def kernel(*refs):

@@ -23,7 +23,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from . import chunk as chunk_lib
-from .pallas_gpu import NAMES
+from .pallas_gpu import NAMES, forward_shapes, present
 
 Array = jax.Array
 
@@ -64,11 +64,9 @@ def _call(kernel, arrays, in_specs, shapes, out_specs, state_shape, num_chunks, 
 def forward(tiles: Dict[str, Optional[Array]], initial_state: Array, *, chunk: int,
             interpret=None) -> Tuple[Array, Array, Array]:
   """As `pallas_gpu.forward`: `(outputs, entering states, final state)`."""
-  names = [n for n in NAMES if tiles[n] is not None]
-  arrays = [tiles[n] for n in names]
-  rows, length, key_dim = tiles["query"].shape
-  value_dim = tiles["value"].shape[-1]
-  num_chunks = length // chunk
+  names, arrays = present(tiles)
+  shapes = forward_shapes(tiles, chunk)
+  num_chunks = tiles["query"].shape[1] // chunk
 
   def kernel(*refs):
     input_refs, initial_ref = refs[:len(names)], refs[len(names)]
@@ -89,22 +87,18 @@ def forward(tiles: Dict[str, Optional[Array]], initial_state: Array, *, chunk: i
     def _():
       final_ref[...] = new_state
 
-  shapes = (jax.ShapeDtypeStruct((rows, length, value_dim), jnp.float32),
-            jax.ShapeDtypeStruct((rows, num_chunks, key_dim, value_dim), jnp.float32),
-            jax.ShapeDtypeStruct((rows, key_dim, value_dim), jnp.float32))
   in_specs = [_chunk_spec(x, chunk, num_chunks, False) for x in arrays]
   in_specs.append(_state_spec(initial_state.shape))
   out_specs = [_chunk_spec(shapes[0], chunk, num_chunks, False),
                _state_spec(shapes[1].shape, num_chunks), _state_spec(shapes[2].shape)]
   return _call(kernel, arrays + [initial_state], in_specs, shapes, out_specs,
-               (key_dim, value_dim), num_chunks, interpret, "chunkwise_forward")
+               initial_state.shape[1:], num_chunks, interpret, "chunkwise_forward")
 
 
 def backward(tiles: Dict[str, Optional[Array]], states: Array, d_out: Array, d_final: Array,
              *, chunk: int, interpret=None) -> Tuple[Dict[str, Optional[Array]], Array]:
   """As `pallas_gpu.backward`: `(gradients of the tiles, of the initial state)`."""
-  names = [n for n in NAMES if tiles[n] is not None]
-  arrays = [tiles[n] for n in names]
+  names, arrays = present(tiles)
   num_chunks = tiles["query"].shape[1] // chunk
 
   def kernel(*refs):
