@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 
@@ -355,6 +356,8 @@ def assert_causal_language_model(model, batch, length, cut, vocab_size, seed=0):
   assert not np.allclose(logits[:, cut:], logits_changed[:, cut:], atol=1e-3)
 
 
+@functools.partial(jax.jit, static_argnames=("per_dimension", "low_rank", "batch", "length",
+                                             "heads", "key_dim", "value_dim"))
 def recurrence_inputs(per_dimension: bool, low_rank: bool, *, batch: int, length: int,
                       heads: int, key_dim: int, value_dim: int, seed=0, gate_bias=2.0):
   """Inputs of the chunkwise engine's recurrence (query, key, value, log_decay,

@@ -13,7 +13,8 @@ import pytest
 
 from attention_jax import registry
 from attention_jax.variants.chunkwise import delta_net, engine, gla, mamba2, retention, rwkv7
-from attention_testing import assert_close, forms_outputs_and_grads, recurrence_inputs
+from attention_testing import (assert_close, forms_outputs_and_grads, jit_apply,
+                               recurrence_inputs)
 
 MIXERS = ("retention", "gla", "delta_net", "gated_delta_net", "mamba2", "rwkv7")
 B, T, H, DK, DV = 2, 23, 2, 6, 5
@@ -84,9 +85,8 @@ def test_no_overflow_with_gates_near_0_and_near_1(gate, low_rank, per_dimension,
   (near 1: the state keeps every token). The chunkwise form sums decays
   within a chunk only, so neither underflows into NaN nor overflows, at any
   length: a longer sequence adds chunks, not larger sums. Per head at
-  T = 65536; per dimension at 256 (4 chunks: the same sums; XLA:CPU of
-  jaxlib 0.10.2 intermittently hangs running that program at T >= 1024,
-  docs/ARCHITECTURE.md). Near 0 every output is the current token's alone;
+  T = 65536; per dimension at 256 (4 chunks of 64: the same sums, at a
+  fraction of the time). Near 0 every output is the current token's alone;
   near 1, without the delta rule, the final state is the sum of all k v^T,
   each decayed by its distance to the end."""
   query, key, value, _, read, write = _inputs(False, low_rank, length=length)
@@ -119,7 +119,8 @@ def test_gated_linear_attention_in_the_parallel_form_is_the_masked_quadratic_one
   """GLA's pure function, form="parallel", against (Q K^T * D) V written out:
   D_ts = prod_{s < r <= t} alpha_r per key dimension."""
   query, key, value, log_decay, _, _ = _inputs(True, False)
-  out, _ = gla.gated_linear_attention(query, key, value, log_decay, form="parallel")
+  out, _ = jax.jit(functools.partial(gla.gated_linear_attention, form="parallel"))(
+      query, key, value, log_decay)
   cumulative = np.cumsum(np.asarray(log_decay, np.float64), axis=1)  # [B, T, H, K]
   scaled = np.asarray(query, np.float64) * DK ** -0.5
   weights = np.einsum("bthk,bshk,btshk->bhts", scaled, np.asarray(key, np.float64),
@@ -133,7 +134,8 @@ def test_retention_is_the_papers_parallel_form():
   """O = (Q K^T * D) V / sqrt(Dk), D_ts = gamma^(t - s): retention's pure function."""
   query, key, value, _, _, _ = _inputs(False, False)
   decays = retention.multi_scale_decays(H)
-  out, _ = retention.multi_scale_retention(query, key, value, decays, form="chunkwise", chunk_size=4)
+  out, _ = jax.jit(functools.partial(retention.multi_scale_retention, form="chunkwise",
+                                     chunk_size=4))(query, key, value, decays)
   steps = np.arange(T)[:, None] - np.arange(T)[None, :]
   mask = np.power(np.asarray(decays, np.float64)[:, None, None], np.maximum(steps, 0)) * (
       steps >= 0)
@@ -149,7 +151,8 @@ def test_the_delta_rule_moves_the_memory_towards_the_value():
   linear attention would return v_1 + v_2."""
   key = jnp.zeros((1, 2, 1, 4)).at[..., 0].set(1.0)
   value = jnp.array([[[[1.0, 2.0]], [[5.0, -1.0]]]])
-  out, state = delta_net.delta_rule_attention(key, key, value, jnp.ones((1, 2, 1)), scale=1.0)
+  out, state = jax.jit(functools.partial(delta_net.delta_rule_attention, scale=1.0))(
+      key, key, value, jnp.ones((1, 2, 1)))
   assert_close(state[0, 0].T @ key[0, 1, 0], value[0, 1, 0])
   assert_close(out[0, 1, 0], value[0, 1, 0])
 
@@ -161,8 +164,8 @@ def test_mamba2_ssd_is_the_selective_scan():
   x, step = rng.normal(size=(1, 9, 2, 3)), np.log1p(np.exp(rng.normal(size=(1, 9, 2))))
   state_in, state_out = rng.normal(size=(1, 9, 1, 4)), rng.normal(size=(1, 9, 1, 4))
   rate_log, skip = rng.normal(size=(2,)), rng.normal(size=(2,))
-  y, _ = mamba2.ssd(*map(jnp.asarray, (x, step, rate_log, state_in, state_out, skip)),
-                    chunk_size=4)
+  y, _ = jax.jit(functools.partial(mamba2.ssd, chunk_size=4))(
+      *map(jnp.asarray, (x, step, rate_log, state_in, state_out, skip)))
   expected = np.zeros_like(x)
   for h in range(2):
     state = np.zeros((4, 3))
@@ -181,8 +184,8 @@ def test_rwkv7_adds_the_current_tokens_bonus():
                                    for i in range(4)]
   bonus = bonus[0, 0]
   zeros = jnp.zeros_like(key)
-  out, _ = rwkv7.rwkv7_attention(receptance, key, value, jnp.full_like(key, -1e4), zeros,
-                                 zeros, bonus)
+  out, _ = jax.jit(rwkv7.rwkv7_attention)(receptance, key, value, jnp.full_like(key, -1e4),
+                                          zeros, zeros, bonus)
   expected = (jnp.sum(receptance * bonus * key, -1, keepdims=True) * value
               + jnp.einsum("bthk,bthk->bth", receptance, key)[..., None] * value)
   assert_close(out, expected, rtol=1e-4, atol=1e-4)
@@ -230,10 +233,10 @@ def test_each_mixers_three_forms_agree_causal_and_bidirectional_with_gradients(n
       assert_close(other_y, y, rtol=1e-4, atol=1e-4, err_msg=f"{form}, causal={is_causal}")
       jax.tree.map(lambda a, b: assert_close(a, b, rtol=2e-4, atol=2e-4,
                                              err_msg=f"{form} gradient"), other_grads, grads)
-  causal = _mixer(name).apply(variables, x, is_causal=True)
-  reversed_causal = _mixer(name).apply(variables, jnp.flip(x, 1), is_causal=True,
-                                       positions=jnp.arange(10, -1, -1))
-  assert_close(_mixer(name).apply(variables, x), causal + jnp.flip(reversed_causal, 1),
+  causal = jit_apply(_mixer(name), variables, x, is_causal=True)
+  reversed_causal = jit_apply(_mixer(name), variables, jnp.flip(x, 1), is_causal=True,
+                              positions=jnp.arange(10, -1, -1))
+  assert_close(jit_apply(_mixer(name), variables, x), causal + jnp.flip(reversed_causal, 1),
                rtol=1e-5, atol=1e-5)
 
 
@@ -248,7 +251,7 @@ def test_padding_is_invisible_to_the_valid_tokens(name):
     padded = jax.jit(lambda x: _mixer(name).apply(
         variables, x, is_causal=is_causal, query_seq_lengths=lengths,
         key_value_seq_lengths=lengths))(x)
-    alone = _mixer(name).apply(variables, x[:1, :7], is_causal=is_causal)
+    alone = jit_apply(_mixer(name), variables, x[:1, :7], is_causal=is_causal)
     assert_close(padded[0, :7], alone[0], rtol=1e-5, atol=1e-5)
     assert float(jnp.abs(padded[0, 7:]).max()) == 0.0
 
