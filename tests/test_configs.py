@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from attention_jax.models import SequenceClassifier, build_model
-from attention_testing import runtime_bound_environment
+from attention_testing import runtime_bound_environment, train_briefly
 
 CONFIGS = pathlib.Path(__file__).resolve().parents[1] / "configs"
 
@@ -298,3 +298,19 @@ def test_lra_release_preset_takes_the_release_per_variant_model(task, variant, e
   assert release.pooling == method.pooling  # one pooling for every row
   smoke = _load(f"lra/{task}.py").get_config(f"{variant},smoke,lra_release").model
   assert smoke.to_dict() == _load(f"lra/{task}.py").get_config(f"{variant},smoke").model.to_dict()
+
+
+def test_needle_config_trains_the_recall_model_and_reports_accuracy_per_depth(tmp_path):
+  """The needle task through the recall table's model and training; the test
+  split is scored per needle depth."""
+  config = _load("needle/needle.py").get_config("dot_product,multi_key,T64")
+  recall = _load("recall/recall.py").get_config("dot_product")
+  assert config.model.to_dict() == recall.model.to_dict()
+  assert config.optimizer.to_dict() == recall.optimizer.to_dict()
+  assert (config.task, config.task_options.kind, config.task_options.seq_len) == (
+      "needle", "multi_key", 64)
+  config.task_options.update(train_size=32, validation_size=16, test_size=16)
+  test = train_briefly(config, tmp_path)["metrics"]["test"]
+  assert {f"depth{d}_accuracy" for d in (0, 25, 50, 75, 100)} <= set(test)
+  with pytest.raises(ValueError, match="names more than one kind or length"):
+    _load("needle/needle.py").get_config("dot_product,single,multi_key")

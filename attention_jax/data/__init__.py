@@ -35,6 +35,10 @@ _TASKS: Dict[str, Tuple[str, Dict[str, Any]]] = {
     "mqar": ("attention_jax.data.recall", {"kind": "mqar"}),
     "induction_heads": ("attention_jax.data.recall", {"kind": "induction_heads"}),
     "selective_copying": ("attention_jax.data.recall", {"kind": "selective_copying"}),
+    # Generated needle-in-a-haystack tasks in the manner of RULER (not LRA): a
+    # needle's depth in a haystack of filler; `kind` chooses single, multi_key,
+    # multi_value or variable_tracking.
+    "needle": ("attention_jax.data.needle", {}),
     # Generated related / unrelated document pairs (not LRA): retrieval's shape
     # for dual encoders where the AAN release files are absent.
     "matching": ("attention_jax.data.matching", {}),
