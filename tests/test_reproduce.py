@@ -660,3 +660,44 @@ def test_architectures_table_is_one_config_per_row_against_its_chance_level(tmp_
   assert "| 25.0 ± 14.1 (n=2) | 20.0 | no |" in row("moe")
   assert lines.index(row("seq")) < lines.index(row("plain"))  # row_order
   assert (out / "architectures.png").stat().st_size > 1000
+
+
+NEEDLE = str(REPO / "configs" / "tables" / "needle.py")
+
+
+def test_needle_table_draws_a_heatmap_of_length_by_depth_per_kind(tmp_path, monkeypatch):
+  """Each kind's figure has a panel per variant whose cells are the mean test
+  accuracy of (length, depth), blank where no run finished (fake results)."""
+  from experiments.tables import report
+  table = tables.load_table(NEEDLE)
+  assert set(table.heatmaps) == {"single", "multi_key", "multi_value", "variable_tracking"}
+  out = tmp_path / "out"
+  cells = tables.expand(table, out)
+  local = next(c for c in cells if c.key["task"] == "single_T128" and c.key["variant"] == "local")
+  assert '"window_size": 32' in " ".join(local.command)  # a quarter of 128
+  depths = (0, 25, 50, 75, 100)
+  for task, variant, accuracy in (("single_T64", "dot_product", 1.0),
+                                  ("single_T128", "dot_product", 0.9),
+                                  ("single_T64", "linear", 0.4)):
+    results = fake_training_results(0, accuracy)
+    results["metrics"]["test"].update({f"depth{d}_accuracy": accuracy - d / 1000 for d in depths})
+    path = out / "runs" / task / variant / "method" / "seed0" / "results.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(results))
+  figures = {}
+  save = report.save_figure
+  monkeypatch.setattr(report, "save_figure",
+                      lambda fig, where, name: figures.setdefault(name, fig) and save(fig, where, name))
+  assert reproduce.main([f"--table={NEEDLE}", f"--results={out}", "--norun",
+                         f"--data_dir={tmp_path / 'data'}"]) == 0
+  assert (out / "heatmap_single.png").stat().st_size > 1000
+  panels = {ax.get_title(): ax for ax in figures["heatmap_single.png"].axes if ax.get_title()}
+  dense = panels["dot_product"].images[0].get_array()
+  assert [[round(float(x), 1) for x in row] for row in dense] == [
+      [100 - d / 10 for d in depths], [90 - d / 10 for d in depths]]
+  linear = panels["linear"].images[0].get_array()
+  assert [round(float(x), 1) for x in linear[0]] == [40 - d / 10 for d in depths]
+  assert linear.mask[1].all() and not linear.mask[0].any()  # T = 128 not run
+  assert set(figures) == {"heatmap_single.png"}  # the other kinds have no finished run
+  assert [t.get_text() for t in panels["linear"].get_xticklabels()] == [
+      f"depth{d}" for d in depths]

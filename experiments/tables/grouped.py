@@ -9,14 +9,17 @@ by a trailing number, else by name); a task without groups shows its accuracy in
 column. Rows follow `accuracy.ordered_variants` (by mean test accuracy of the
 first task with `sort_by_accuracy`). `group_axis`, optional, labels the
 plots' x axis (default "group"); a group name ending in a number ("pairs8")
-is plotted at that number.
+is plotted at that number. `heatmaps`, optional, `{name: (task, ...)}`,
+draws instead one figure per name, `heatmap_<name>.png`: a panel per variant
+with its tasks as rows and the groups as columns, coloured by mean accuracy
+(the needle table: lengths by needle depth).
 """
 
 from __future__ import annotations
 
 import math
 import re
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from experiments.tables import accuracy, report
 from experiments.tables.cells import Cell, read_results
@@ -112,6 +115,10 @@ def plot(table: Any, rows: Sequence[Dict[str, Any]], out) -> List[str]:
   grouped = [(task, preset) for task in accuracy.task_names(table)
              for preset in accuracy.attention_presets(table)
              if len({r["group"] for r in rows if (r["task"], r["preset"]) == (task, preset)}) > 2]
+  if table.get("heatmaps"):
+    drawn = [_heatmap(table, rows, out, name, tasks)
+             for name, tasks in accuracy.plain(table.heatmaps).items()]
+    return [name for name in drawn if name]
   if not grouped:
     return []
   plt = report.pyplot()
@@ -151,3 +158,40 @@ def plot(table: Any, rows: Sequence[Dict[str, Any]], out) -> List[str]:
   fig.supylabel(f"test {table.get('metric', 'accuracy').replace('_', ' ')} (%)")
   fig.suptitle(table.get("description", table.name), fontsize=10)
   return [report.save_figure(fig, out, "accuracy_by_group.png")]
+
+
+def _heatmap(table: Any, rows: Sequence[Dict[str, Any]], out, name: str,
+             tasks: Sequence[str]) -> Optional[str]:
+  """`heatmap_<name>.png`: per variant, mean test accuracy of `tasks` (rows)
+  at each group (columns), its value written in the cell (blank: not run);
+  None, drawing nothing, before any of the tasks has a finished run."""
+  preset = accuracy.attention_presets(table)[0]
+  groups = list(dict.fromkeys(g for t, p, g in _columns(table, rows)
+                              if t in tasks and p == preset and g != OVERALL))
+  if not groups:
+    return None
+  plt = report.pyplot()
+  variants = accuracy.ordered_variants(table, _overall_rows(rows))
+  per_row = min(4, len(variants))
+  num_rows = math.ceil(len(variants) / per_row)
+  fig, axes = plt.subplots(num_rows, per_row, figsize=(0.5 * len(groups) * per_row + 1.5,
+                                                       0.4 * len(tasks) * num_rows + 1.2),
+                           squeeze=False)
+  by = {(r["task"], r["variant"], r["group"]): r for r in rows if r["preset"] == preset}
+  for ax, variant in zip(axes.flat, variants):
+    means = [[(by.get((task, variant, group), {}).get("test") or {}).get("mean", math.nan)
+              for group in groups] for task in tasks]
+    ax.imshow(means, vmin=0, vmax=100, cmap="viridis", aspect="auto")
+    for i, line in enumerate(means):
+      for j, mean in enumerate(line):
+        if not math.isnan(mean):
+          ax.text(j, i, f"{mean:.0f}", ha="center", va="center", fontsize=6,
+                  color="white" if mean < 60 else "black")
+    ax.set_xticks(range(len(groups)), groups, fontsize=6, rotation=45)
+    ax.set_yticks(range(len(tasks)), tasks, fontsize=6)
+    ax.set_title(variant, fontsize=8)
+  for ax in list(axes.flat)[len(variants):]:
+    ax.axis("off")
+  fig.suptitle(f"{table.get('description', table.name)}: {name}, test "
+               f"{table.get('metric', 'accuracy').replace('_', ' ')} (%)", fontsize=9)
+  return report.save_figure(fig, out, f"heatmap_{name}.png")

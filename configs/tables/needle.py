@@ -1,0 +1,65 @@
+"""Causal mixers of each family on needle retrieval: the needle table.
+
+  python -m experiments.reproduce --table=configs/tables/needle.py --results=results/needle/
+
+RULER's tasks (Hsieh et al. 2024) for models trained from scratch
+(`configs/needle/needle.py`, attention_jax/data/needle.py): a single needle,
+multiple keys (three distractor needles), multiple values (two values of one
+key) and variable tracking (a chain of three assignments), each at T = 64 and
+128, the needle at depths 0, 0.25, 0.5, 0.75 and 1 of the haystack. The model
+and budget are the recall table's (2 layers, width 64, 1,000 steps of batch
+32). One figure per kind, `heatmap_<kind>.png`: per variant, test accuracy by
+length (rows) and depth (columns).
+
+The mixers, two or so per family: exact (dot_product, forgetting), windowed
+(local, longformer: a window of a quarter or an eighth of the sequence),
+kernelised (linear, performer), compressed (memory_compressed, nsa) and
+recurrent (gla, gated_delta_net, mamba2). The anchor is RULER's finding that
+a fixed-size state or window loses the needle as the context grows while full
+attention holds it wherever it sits, and that multi-key and variable tracking
+are harder than a single needle; the notes say whether it reproduces at
+these sizes. One seed per cell, which the notes take into account.
+"""
+
+from __future__ import annotations
+
+import pathlib
+
+import ml_collections
+
+from attention_jax.data import needle
+from attention_jax.train.config import load_config_helpers
+
+recall_table = load_config_helpers(pathlib.Path(__file__).with_name("recall.py"))
+
+LENGTHS = (64, 128)
+FAMILIES = {"exact": ("dot_product", "forgetting"), "windowed": ("local", "longformer"),
+            "kernelised": ("linear", "performer"), "compressed": ("memory_compressed", "nsa"),
+            "recurrent": ("gla", "gated_delta_net", "mamba2")}
+
+
+def task_name(kind: str, seq_len: int) -> str:
+  return f"{kind}_T{seq_len}"
+
+
+def get_config():
+  config = ml_collections.ConfigDict()
+  config.name = "needle"
+  config.kind = "grouped_accuracy"
+  config.description = "Causal mixers of each family on needle retrieval (CPU)"
+  config.tasks = {task_name(kind, length): f"configs/needle/needle.py:{kind},T{length}"
+                  for kind in needle.KINDS for length in LENGTHS}
+  config.task_order = tuple(config.tasks)
+  config.variants = tuple(v for family in FAMILIES.values() for v in family)
+  config.seeds = (0,)
+  config.presets = ()
+  config.flags = ()
+  config.paper = False
+  config.sort_by_accuracy = False
+  config.group_axis = "needle depth"
+  config.heatmaps = {kind: tuple(task_name(kind, length) for length in LENGTHS)
+                     for kind in needle.KINDS}
+  config.notes = ("Not yet run: the cells are made by the command above from a clean tree",)
+  config.cell_overrides = {task_name(kind, length): recall_table._overrides(length)  # pylint: disable=protected-access
+                           for kind in needle.KINDS for length in LENGTHS}
+  return config
