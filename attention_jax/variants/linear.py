@@ -345,7 +345,14 @@ def gaussian_projection(rng: Array, num_features: int, dim: int, *,
   num_blocks = -(-num_features // dim)
   block_rng, norm_rng = jax.random.split(rng)
   gaussian = jax.random.normal(block_rng, (num_blocks, dim, dim))
-  orthonormal, upper = jnp.linalg.qr(gaussian)  # columns orthonormal, per block
+  # Columns orthonormal, per block, one matrix per QR call (lax.map) rather than
+  # one batched call: on CPU a batched LAPACK call hands its matrices to XLA's
+  # intra-op thread pool and blocks a pool thread until they are done, so two
+  # in one program (two layers redrawing their projections) can take both
+  # threads of a 2-core pool and wait on each other forever (the chunkwise
+  # engine's triangular solves did; docs/ARCHITECTURE.md). Same matrices, same
+  # LAPACK routine: the same projection.
+  orthonormal, upper = jax.lax.map(jnp.linalg.qr, gaussian)
   # Householder QR fixes the signs (e.g. column 1's first entry is always
   # negative); the signs of R's diagonal undo that, making Q uniform (Haar).
   orthonormal = orthonormal * jnp.sign(jnp.diagonal(upper, axis1=1, axis2=2))[:, None, :]
