@@ -63,8 +63,10 @@ def get_config():
       "transformer_xl and compressive train without a memory here (a classifier's batches are "
       "independent examples), so both are the same relative-attention layer and their rows "
       "are equal; their memories are measured by configs/tables/chars.py",
-      "the delta_net, gated_delta_net and gla cells ran while the test suite ran on the same "
-      "two cores: their steps/s and memory are not comparable with the other rows'",)
+      "the chunkwise rows' cells shared the two cores: seed 0 of delta_net, gated_delta_net "
+      "and gla with the test suite, seed 1 of delta_net and gated_delta_net with test runs, "
+      "and the others with a training run at the lowest priority (nice 19): their steps/s "
+      "and memory are lower bounds, not comparable with the other rows'",)
   mean_pooled = {"model": {"pooling": "mean"}}
   config.cell_overrides = {"listops": {
       "bigbird": {"model": {"attention_options": {"block_size": 16}}},
