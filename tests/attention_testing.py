@@ -396,3 +396,20 @@ def forms_outputs_and_grads(arrays, forms):
         *[arrays[i] for i in differentiable])
     results[name] = (out, final, grads)
   return results
+
+
+def assert_generated_splits_follow_the_seed(make_task, folder, sizes):
+  """A generated task (`make_task(seed)`) prepares `sizes` (`{split: size}`)
+  once, then nothing; the same seed in another folder writes the same test
+  split, another seed a different one; the recall tasks' arrays are read
+  back. Returns the task of seed 0."""
+  task = make_task(0)
+  assert task.prepare(folder / "a", progress=False) == sizes
+  assert task.prepare(folder / "a", progress=False) == {split: 0 for split in sizes}
+  make_task(0).prepare(folder / "b", progress=False)
+  make_task(1).prepare(folder / "c", progress=False)
+  read = lambda where: make_task(0).splits(where)["test"].gather(np.arange(sizes["test"]))
+  np.testing.assert_array_equal(read(folder / "a")["inputs"], read(folder / "b")["inputs"])
+  assert not np.array_equal(read(folder / "a")["inputs"], read(folder / "c")["inputs"])
+  assert set(read(folder / "a")) == {"inputs", "target_mask", "group"}
+  return task

@@ -17,8 +17,7 @@ heatmap of length against depth.
 import pathlib
 
 from attention_jax.data import needle
-from attention_jax.train.config import (attention_preset_of, load_config_helpers,
-                                        parse_config_arg)
+from attention_jax.train.config import load_config_helpers
 
 recall = load_config_helpers(pathlib.Path(__file__).parents[1] / "recall" / "recall.py")
 
@@ -28,16 +27,10 @@ DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
 
 
 def get_config(arg: str = "dot_product"):
-  variant, presets = parse_config_arg(arg, KINDS + tuple(LENGTHS))
-  kinds = [p for p in presets if p in KINDS]
-  lengths = [LENGTHS[p] for p in presets if p in LENGTHS]
-  if len(kinds) > 1 or len(lengths) > 1:
-    raise ValueError(f"config argument {arg!r} names more than one kind or length; expected "
-                     f"'variant[,kind][,length]' with a kind of {KINDS} and a length of "
-                     f"{tuple(LENGTHS)}.")
-  config = recall.get_config(f"{variant},{attention_preset_of(presets)}")
+  variant, attention_preset, kind, seq_len = recall.task_and_length(
+      arg, KINDS, LENGTHS, default_task="single", default_length=128, task_word="kind")
+  config = recall.get_config(f"{variant},{attention_preset}")
   config.task = "needle"
   config.task_options = dict(train_size=20_000, validation_size=1_000, test_size=1_000,
-                             kind=kinds[0] if kinds else "single",
-                             seq_len=lengths[0] if lengths else 128, depths=DEPTHS)
+                             kind=kind, seq_len=seq_len, depths=DEPTHS)
   return config

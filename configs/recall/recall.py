@@ -24,7 +24,6 @@ from attention_jax.train.config import attention_preset_of, default_config, pars
 
 TASKS = ("mqar", "induction_heads", "selective_copying")
 LENGTHS = {"T32": 32, "T64": 64, "T128": 128, "T256": 256}
-PRESETS = TASKS + tuple(LENGTHS)
 
 
 def pair_counts(seq_len: int):
@@ -37,17 +36,28 @@ def pair_counts(seq_len: int):
   return tuple(counts)
 
 
+def task_and_length(arg: str, tasks, lengths, *, default_task: str, default_length: int,
+                    task_word: str = "task"):
+  """`variant[,task][,length]` of a config argument: `(variant, attention
+  preset, task, sequence length)`, with the defaults where one is not named.
+  `lengths` maps a preset ("T64") to its length; `task_word` names the choice
+  in the error (the needle config's "kind")."""
+  variant, presets = parse_config_arg(arg, tuple(tasks) + tuple(lengths))
+  chosen_tasks = [p for p in presets if p in tasks]
+  chosen_lengths = [lengths[p] for p in presets if p in lengths]
+  if len(chosen_tasks) > 1 or len(chosen_lengths) > 1:
+    raise ValueError(f"config argument {arg!r} names more than one {task_word} or length; "
+                     f"expected 'variant[,{task_word}][,length]' with a {task_word} of "
+                     f"{tuple(tasks)} and a length of {tuple(lengths)}.")
+  return (variant, attention_preset_of(presets),
+          chosen_tasks[0] if chosen_tasks else default_task,
+          chosen_lengths[0] if chosen_lengths else default_length)
+
+
 def get_config(arg: str = "dot_product"):
-  variant, presets = parse_config_arg(arg, PRESETS)
-  tasks = [p for p in presets if p in TASKS]
-  lengths = [LENGTHS[p] for p in presets if p in LENGTHS]
-  if len(tasks) > 1 or len(lengths) > 1:
-    raise ValueError(f"config argument {arg!r} names more than one task or length; expected "
-                     f"'variant[,task][,length]' with a task of {TASKS} and a length of "
-                     f"{tuple(LENGTHS)}.")
-  task = tasks[0] if tasks else "mqar"
-  seq_len = lengths[0] if lengths else 64
-  config = default_config(variant, attention_preset_of(presets))
+  variant, attention_preset, task, seq_len = task_and_length(
+      arg, TASKS, LENGTHS, default_task="mqar", default_length=64)
+  config = default_config(variant, attention_preset)
   config.task = task
   config.task_options = dict(train_size=20_000, validation_size=1_000, test_size=1_000,
                              seq_len=seq_len)

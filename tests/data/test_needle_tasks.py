@@ -6,6 +6,7 @@ import pytest
 
 from attention_jax import data
 from attention_jax.data import needle
+from attention_testing import assert_generated_splits_follow_the_seed
 
 NUM_FILLER, NUM_KEYS, NUM_VALUES = 10, 12, 12
 FIRST_KEY = needle.FIRST_SYMBOL + NUM_FILLER
@@ -84,16 +85,10 @@ def test_the_other_needles_are_not_all_at_the_same_place():
 def test_prepare_writes_splits_that_are_a_function_of_the_seed(tmp_path, kind):
   make = lambda seed: data.get_task("needle", kind=kind, train_size=12, validation_size=4,
                                     test_size=6, seq_len=48, depths=(0.25, 0.75), seed=seed)
-  task = make(0)
+  task = assert_generated_splits_follow_the_seed(make, tmp_path,
+                                                 dict(train=12, validation=4, test=6))
   assert task.info.eval_groups == ("depth25", "depth75")
   assert task.info.vocab_size == needle.FIRST_SYMBOL + 32 + 32 + 32
-  assert task.prepare(tmp_path / "a", progress=False) == dict(train=12, validation=4, test=6)
-  make(0).prepare(tmp_path / "b", progress=False)
-  make(1).prepare(tmp_path / "c", progress=False)
-  read = lambda folder: make(0).splits(folder)["test"].gather(np.arange(6))
-  np.testing.assert_array_equal(read(tmp_path / "a")["inputs"], read(tmp_path / "b")["inputs"])
-  assert not np.array_equal(read(tmp_path / "a")["inputs"], read(tmp_path / "c")["inputs"])
-  assert set(read(tmp_path / "a")) == {"inputs", "target_mask", "group"}
 
 
 @pytest.mark.parametrize("options,message", [

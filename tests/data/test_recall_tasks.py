@@ -8,6 +8,7 @@ import pytest
 from attention_jax import data, train
 from attention_jax.data import recall
 from attention_jax.models import build_model
+from attention_testing import assert_generated_splits_follow_the_seed
 
 
 def _answers_by_lookup(row, mask):
@@ -78,15 +79,8 @@ def test_selective_copying_copies_the_data_tokens_in_order():
 def test_prepare_writes_splits_that_are_a_function_of_the_seed(tmp_path, kind):
   make = lambda seed: data.get_task(kind, train_size=20, validation_size=8, test_size=8,
                                     seq_len=32, pair_counts=(2, 4), seed=seed)
-  task = make(0)
-  assert task.prepare(tmp_path / "a", progress=False) == dict(train=20, validation=8, test=8)
-  assert task.prepare(tmp_path / "a", progress=False) == dict(train=0, validation=0, test=0)
-  make(0).prepare(tmp_path / "b", progress=False)
-  make(1).prepare(tmp_path / "c", progress=False)
-  read = lambda folder: make(0).splits(folder)["test"].gather(np.arange(8))
-  np.testing.assert_array_equal(read(tmp_path / "a")["inputs"], read(tmp_path / "b")["inputs"])
-  assert not np.array_equal(read(tmp_path / "a")["inputs"], read(tmp_path / "c")["inputs"])
-  assert set(read(tmp_path / "a")) == {"inputs", "target_mask", "group"}
+  task = assert_generated_splits_follow_the_seed(make, tmp_path,
+                                                 dict(train=20, validation=8, test=8))
   assert task.info.eval_groups == (("pairs2", "pairs4") if kind == "mqar" else ())
 
 
