@@ -150,8 +150,8 @@ def get_config():
       "Both are fixed (ddb97aa, 63aef54), and the rows of every variant whose computation "
       "they touch (performer, rfa, bigbird, global_tokens, longformer, adaptive_span, "
       "strided, fixed, random) were re-made after them",
-      "The chunkwise recurrent mixers (MQAR in seed 0 so far, and delta_net's induction "
-      "heads, 100%; their other induction, copying and seed-1 cells are still to run): the "
+      "The chunkwise recurrent mixers (MQAR and induction heads in seed 0 so far, all six "
+      "at 100% on induction heads; their copying and seed-1 cells are still to run): the "
       "delta rule closes the recall gap that Zoology finds for fixed-size states. "
       "delta_net, gated_delta_net and rwkv7 reach 100/99.8/97.9, 100/99.8/97.7 and "
       "100/100/99.9 at 2/4/8 pairs (T=64), near dense attention, "
