@@ -19,7 +19,7 @@ The kinds (RULER sec. 3.1, its retrieval and multi-hop tracing families):
   answered by `value`.
 * "multi_key": the same, among `num_distractors` needles with other keys
   (and values) at random places: the key must be matched, not the marker.
-* "multi_value": `num_values` needles with the same key, each with its own
+* "multi_value": `num_answers` needles with the same key, each with its own
   value; the question is answered by every value, in the order they appear.
   The first sits at the depth; the others at random places after it.
 * "variable_tracking": a chain `ASSIGN x1 value`, `ASSIGN x2 x1`, ...,
