@@ -31,20 +31,25 @@ def _model_and_variables(config, seed=0):
   return model, {**variables, "params": perturbed(variables["params"])}, tokens
 
 
-def _assert_decodes_as_its_full_pass(config):
+def _assert_decodes_as_its_full_pass(config, prompt_length=5):
   """A prompt of 5 tokens in one call, then one token at a time, gives the
-  logits of one full causal pass."""
+  logits of one full causal pass (both in one compiled program)."""
   model, variables, tokens = _model_and_variables(config)
-  expected = jit_apply(model, variables, tokens)
   decoder = decoding_model(model)
-  step = jax.jit(lambda cache, tokens: decoder.apply({**variables, "cache": cache}, tokens,
-                                                     mutable=["cache"]))
-  logits, state = step(empty_cache(decoder, B, T), tokens[:, :5])
-  pieces = [logits]
-  for t in range(5, T):
-    logits, state = step(state["cache"], tokens[:, t:t + 1])
-    pieces.append(logits)
-  np.testing.assert_allclose(jnp.concatenate(pieces, axis=1), expected, rtol=1e-4, atol=1e-4)
+
+  def full_and_decoded(variables, tokens):
+    def decode(cache, tokens):
+      logits, state = decoder.apply({**variables, "cache": cache}, tokens, mutable=["cache"])
+      return state["cache"], logits
+
+    cache, prompt_logits = decode(empty_cache(decoder, B, T), tokens[:, :prompt_length])
+    # One token per step: tokens [T - prompt, B, 1] -> logits [T - prompt, B, 1, V].
+    _, step_logits = jax.lax.scan(decode, cache, tokens[:, prompt_length:, None].swapaxes(0, 1))
+    decoded = jnp.concatenate([prompt_logits, step_logits[:, :, 0].swapaxes(0, 1)], axis=1)
+    return model.apply(variables, tokens), decoded
+
+  expected, decoded = jax.jit(full_and_decoded)(variables, tokens)
+  np.testing.assert_allclose(decoded, expected, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("overrides", [
@@ -75,7 +80,9 @@ SHORT_OPTIONS = {"moba": {"block_size": 4, "top_k": 2},
 @pytest.mark.parametrize("name", CAUSAL_MIXERS)
 def test_every_causal_variant_decodes_as_its_full_pass_or_says_why_not(name):
   options = {"max_length": T} if name.startswith("synthesizer") else SHORT_OPTIONS.get(name, {})
-  config = _config(attention=name, attention_options=options)
+  # One layer: each layer keeps its own cache by the same code, which the
+  # two-layer models of the tests above and below decode through.
+  config = _config(attention=name, attention_options=options, num_layers=1)
   refusal = registry.get_variant(name).decoding_refusal
   if refusal is not None:
     with pytest.raises(ValueError, match=f"attention variant '{name}' cannot decode one token "
