@@ -314,3 +314,24 @@ def test_needle_config_trains_the_recall_model_and_reports_accuracy_per_depth(tm
   assert {f"depth{d}_accuracy" for d in (0, 25, 50, 75, 100)} <= set(test)
   with pytest.raises(ValueError, match="names more than one kind or length"):
     _load("needle/needle.py").get_config("dot_product,single,multi_key")
+
+
+def test_length_config_tests_at_twice_four_and_eight_times_the_training_length():
+  """Each position scheme sets the model's position and the evaluation; RoPE's
+  scalings apply at evaluation only; learned positions are tested at T only."""
+  from attention_jax.train.completion import complete_config  # pylint: disable=import-outside-toplevel
+  length = _load("length/length.py")
+  chars = length.get_config("dot_product,alibi")
+  assert (chars.task, chars.task_options.seq_len, chars.model.position) == ("chars", 64, "alibi")
+  assert tuple(chars.length_eval.lengths) == (128, 256, 512)
+  yarn = length.get_config("dot_product,mqar,rope_yarn")
+  assert (yarn.task_options.seq_len, yarn.model.position, yarn.length_eval.rope_scaling) == (
+      32, "rope", "yarn")
+  assert tuple(yarn.length_eval.lengths) == (64, 128, 256)
+  assert yarn.model.to_dict() == length.get_config("dot_product,mqar,rope").model.to_dict()
+  learned = length.get_config("dot_product,mqar,learned")
+  assert learned.model.position == "learned" and tuple(learned.length_eval.lengths) == ()
+  for config in (chars, yarn, learned, length.get_config("gla,mqar,nope")):
+    complete_config(config)  # the length checks pass
+  with pytest.raises(ValueError, match="names more than one task or position"):
+    length.get_config("dot_product,rope,alibi")

@@ -701,3 +701,64 @@ def test_needle_table_draws_a_heatmap_of_length_by_depth_per_kind(tmp_path, monk
   assert set(figures) == {"heatmap_single.png"}  # the other kinds have no finished run
   assert [t.get_text() for t in panels["linear"].get_xticklabels()] == [
       f"depth{d}" for d in depths]
+
+
+LENGTH = str(REPO / "configs" / "tables" / "length.py")
+
+
+def test_length_table_reads_each_runs_metric_by_evaluation_length(tmp_path, monkeypatch):
+  """Rows are a mixer with a position scheme, each cell's command sets them;
+  columns the evaluation lengths; learned positions show their training length
+  only; one plot per task of the metric against the length (fake results)."""
+  from experiments.tables import report
+  table = tables.load_table(LENGTH)
+  out = tmp_path / "out"
+  cells = {(c.key["task"], c.key["variant"]): " ".join(c.command)
+           for c in tables.expand(table, out)}
+  assert len(cells) == 2 * 12
+  yarn = cells[("chars", "dot_product+rope_yarn")]
+  assert "configs/length/length.py|dot_product,chars,method|" in yarn
+  assert '"length_eval": {"lengths": [128, 256, 512], "rope_scaling": "yarn"}' in yarn
+  assert '"position": "rope"' in yarn
+  assert '"lengths": [], "rope_scaling": null' in cells[("mqar", "dot_product+learned")]
+  assert '"window_size": 8' in cells[("mqar", "local+rope")]  # a quarter of 32
+  assert '"position": "none"' in cells[("chars", "gla+nope")]
+
+  def write(task, row, train_length, by_length):
+    results = fake_training_results(0, 0.0)
+    results["config"]["task_options"] = dict(seq_len=train_length)
+    results["metrics"]["test"] = dict(by_length[train_length], step=600)
+    if len(by_length) > 1:
+      results["metrics"]["test_by_length"] = {str(length): dict(m, step=600)
+                                              for length, m in by_length.items()}
+    path = out / "runs" / task / row / "method" / "seed0" / "results.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(results))
+
+  write("chars", "dot_product+alibi", 64, {64: {"bits_per_token": 2.0}, 128: {"bits_per_token": 2.1},
+                                           256: {"bits_per_token": 2.25}})
+  write("chars", "dot_product+learned", 64, {64: {"bits_per_token": 1.9}})
+  write("mqar", "dot_product+rope", 32, {32: {"accuracy": 1.0}, 64: {"accuracy": 0.5}})
+  figures = {}
+  save = report.save_figure
+  monkeypatch.setattr(report, "save_figure",
+                      lambda fig, where, name: figures.setdefault(name, fig) and save(fig, where, name))
+  assert reproduce.main([f"--table={LENGTH}", f"--results={out}", "--norun",
+                         f"--data_dir={tmp_path / 'data'}"]) == 0
+  lines = (out / "table.md").read_text().splitlines()
+  chars = lines.index(next(line for line in lines if line.startswith("## chars: test bits per "
+                                                                      "token by evaluation length")))
+  assert lines[chars + 2] == "| variant | T=64 (1x) | T=128 (2x) | T=256 (4x) |"
+  row = lambda name, start: next(line for line in lines[start:] if line.startswith(f"| {name} |"))
+  assert row("dot_product+alibi", chars) == \
+      "| dot_product+alibi | 2.000 (n=1) | 2.100 (n=1) | 2.250 (n=1) |"
+  assert row("dot_product+learned", chars) == "| dot_product+learned | 1.900 (n=1) | - | - |"
+  mqar = lines.index(next(line for line in lines if line.startswith("## mqar: test accuracy (%)")))
+  assert row("dot_product+rope", mqar) == "| dot_product+rope | 100.0 (n=1) | 50.0 (n=1) |"
+  assert row("gla+nope", mqar) == "| gla+nope | - | - |"
+  assert set(figures) == {"length_chars.png", "length_mqar.png"}
+  lines_drawn = {line.get_label(): line.get_xydata().tolist()
+                 for line in figures["length_chars.png"].axes[0].get_lines()
+                 if not line.get_label().startswith("_")}
+  assert lines_drawn == {"dot_product+alibi": [[64, 2.0], [128, 2.1], [256, 2.25]],
+                         "dot_product+learned": [[64, 1.9]]}

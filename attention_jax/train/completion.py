@@ -17,6 +17,7 @@ from attention_jax import data as lra_data
 from attention_jax import registry
 from attention_jax.models import kinds
 from attention_jax.train.config import apply_attention_preset, check_config
+from attention_jax.train.lengths import check_length_eval
 from attention_jax.train.task_data import task_options
 
 
@@ -55,6 +56,7 @@ def complete_config(config: ml_collections.ConfigDict) -> ml_collections.ConfigD
   if config.model.max_length < info.seq_len:
     raise ValueError(f"model.max_length={config.model.max_length} is shorter than task "
                      f"{config.task!r}'s sequences of {info.seq_len} tokens.")
+  check_length_eval(config, info.seq_len)
   if config.eval_batch_size is None:
     config.eval_batch_size = config.batch_size
   if info.stream and config.eval_batch_size != config.batch_size:

@@ -65,6 +65,10 @@ def default_config(variant: str = "dot_product",
   config.eval_every = 200  # steps between validation passes (and the final step)
   config.eval_steps = placeholder(int)  # batches per validation pass; None: the whole split
   config.test_at_end = True  # evaluate the best checkpoint on the test split
+  # The best checkpoint also tested at these longer lengths (the task made with
+  # `task_options.seq_len` at each), RoPE scaled to each with `rope_scaling`
+  # ("linear", "ntk" or "yarn"); see `train.lengths`.
+  config.length_eval = ml_collections.ConfigDict(dict(lengths=(), rope_scaling=placeholder(str)))
 
   config.log_every = 50  # steps between train-metric records
   config.checkpoint_every = 200  # steps between checkpoints (and the final step)
@@ -177,8 +181,11 @@ def config_differences(saved: Dict[str, Any], current: Dict[str, Any]) -> List[T
       flat(v, f"{p}{k}.").items() if isinstance(v, dict) and f"{p}{k}" not in FREE_FORM
       else [(f"{p}{k}", v)])}
   a, b = flat(saved), flat(current)
-  defaults = dict(flat({"model": default_model_config().to_dict()}),
-                  sequence_shards=default_config().sequence_shards)
+  # Keys added to the trainer's config after a run started, at their defaults.
+  added_keys = default_config()
+  defaults = dict(flat({"model": default_model_config().to_dict(),
+                        "length_eval": added_keys.length_eval.to_dict()}),
+                  sequence_shards=added_keys.sequence_shards)
   added_at_default = {key for key in set(b) - set(a)
                       if key in defaults and _normalise(b[key]) == _normalise(defaults[key])}
   return [(key, a.get(key), b.get(key)) for key in sorted(set(a) | set(b))

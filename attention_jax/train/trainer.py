@@ -40,6 +40,7 @@ from attention_jax import data as lra_data
 from attention_jax.train import partitioning
 from attention_jax.train.checkpoints import Checkpointer
 from attention_jax.train.completion import complete_config
+from attention_jax.train.lengths import prepare_length_evals
 from attention_jax.train.metrics import MetricsLogger, peak_memory
 from attention_jax.train.provenance import device_summary, git_revision
 from attention_jax.train.run import build_run
@@ -126,6 +127,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
                                         seed=config.seed, **host))
 
   abstract_state, shardings = run.abstract_state(example_batch, memory_rows=memory_rows)
+  # The task at the longer lengths of `length_eval` (none by default), its
+  # data made and the model checked now, so that a bad length costs no training.
+  length_evals = prepare_length_evals(config, run, task.info.seq_len, abstract_state,
+                                      shardings, memory_rows)
   checkpointer = Checkpointer(workdir / "checkpoints", keep=config.keep_checkpoints,
                               best_metric="accuracy", best_mode="max",
                               async_save=config.async_checkpoints)
@@ -139,7 +144,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
   eval_step = run.eval_step(shardings, eval_groups=task.info.eval_groups)
 
   # -- Evaluation: a split's batches through the eval step, summed on the device. --
-  def evaluate(state, split: str) -> Dict[str, float]:
+  def evaluate(state, split: str, splits=splits, eval_step=eval_step) -> Dict[str, float]:
     source = splits[split]
     if stream:
       # The split's own streams, from an empty memory (its "filled" counts 0).
@@ -314,6 +319,14 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
       test = evaluate(best_state, "test")
       logger.write(best_step, "test", test)
       results_metrics["test"] = dict(step=best_step, **test)
+    if length_evals:
+      by_length = {str(task.info.seq_len): results_metrics.get("test") or dict(
+          step=best_step, **evaluate(best_state, "test"))}
+      for length_eval in length_evals:
+        test = evaluate(best_state, "test", length_eval.splits, length_eval.eval_step)
+        logger.write(best_step, f"test_length{length_eval.length}", test)
+        by_length[str(length_eval.length)] = dict(step=best_step, **test)
+      results_metrics["test_by_length"] = by_length
   checkpointer.close()
   logger.close()
 

@@ -9,7 +9,9 @@ the module of that kind says what its cells are and what its table shows:
 * `speed`: variants x lengths of `experiments.benchmark_lra_speed`;
 * `kernels`: lengths of `experiments.benchmark_attention`;
 * `architectures`: one smoke config per architecture (its own task and
-  metric) x seeds, against each task's chance level.
+  metric) x seeds, against each task's chance level;
+* `length`: the cells of `accuracy`, each tested at its training length and
+  the longer lengths of its `length_eval` (length generalisation).
 
 Each kind module has the same parts: `REQUIRED` (the config keys it needs),
 `PAPER` (whether the LRA paper's numbers stand beside its cells), `expand`
@@ -26,11 +28,11 @@ from types import ModuleType
 from typing import Any, List, Optional
 
 from attention_jax.train.config import load_config_module
-from experiments.tables import accuracy, architectures, grouped, kernels, speed
+from experiments.tables import accuracy, architectures, grouped, kernels, lengths, speed
 from experiments.tables.cells import Cell
 
 KINDS = {"accuracy": accuracy, "grouped_accuracy": grouped, "speed": speed,
-         "kernels": kernels, "architectures": architectures}
+         "kernels": kernels, "architectures": architectures, "length": lengths}
 
 
 def kind_of(table: Any) -> ModuleType:
