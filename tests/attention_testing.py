@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import functools
 import itertools
 import os
@@ -31,6 +32,24 @@ def _is_traced(value) -> bool:
   return any(isinstance(leaf, (jax.Array, np.ndarray)) for leaf in jax.tree.leaves(value))
 
 
+def _hashable(value):
+  """`value` as a key: lists (e.g. `mutable=["cache"]`) as tuples; a TypeError
+  for what has no hash."""
+  if isinstance(value, (list, tuple)):
+    return tuple(_hashable(v) for v in value)
+  hash(value)
+  return value
+
+
+# The compiled callers by what they fix: a test that applies the same module
+# again (decoding token by token, a loop over inputs of one shape) reuses the
+# jitted function and so its traced and compiled program, where a new jax.jit
+# would trace and lower it again. Bounded, so that a worker does not keep every
+# program of its tests alive.
+_CALLERS: "collections.OrderedDict" = collections.OrderedDict()
+_MAX_CALLERS = 64
+
+
 def _jit_called(fn, *args, **kwargs):
   """`fn(*args, **kwargs)` compiled as one program; the arguments that are not
   arrays or containers (flags, sizes, methods, filters) are fixed, not traced,
@@ -45,7 +64,17 @@ def _jit_called(fn, *args, **kwargs):
     every_arg = [fixed_args[i] if i in fixed_args else next(traced) for i in range(len(args))]
     return fn(*every_arg, **fixed_kwargs, **traced_by_name)
 
-  return jax.jit(call)(*traced_args, **traced_kwargs)
+  try:  # A bound method (`model.apply`) by its function and its module, which hash by value.
+    key = _hashable((getattr(fn, "__func__", fn), getattr(fn, "__self__", None), len(args),
+                     sorted(fixed_args.items()), sorted(fixed_kwargs.items())))
+  except TypeError:
+    return jax.jit(call)(*traced_args, **traced_kwargs)
+  if key not in _CALLERS:
+    _CALLERS[key] = jax.jit(call)
+    if len(_CALLERS) > _MAX_CALLERS:
+      _CALLERS.popitem(last=False)
+  _CALLERS.move_to_end(key)
+  return _CALLERS[key](*traced_args, **traced_kwargs)
 
 
 def jit_init(model, *args, method=None, **kwargs):
