@@ -39,6 +39,7 @@ SOURCES: Dict[str, Optional[str]] = {
     "results/seq2seq_smoke/table.md": "configs/tables/seq2seq_smoke.py",
     "results/zoo_smoke/table.md": "configs/tables/zoo_smoke.py",
     "results/chars/table.md": "configs/tables/chars.py",
+    "results/length/table.md": "configs/tables/length.py",
 }
 
 
