@@ -123,9 +123,13 @@ def prepare_length_evals(config: ml_collections.ConfigDict, run: Any, train_leng
     long_config = config_at_length(config, length, train_length)
     task, splits = prepare_splits(long_config)
     long_run = dataclasses.replace(run, config=long_config, model=build_model(long_config.model))
-    example = next(lra_data.batches(splits["test"], batch_size=config.eval_batch_size, seed=0,
-                                    shuffle=False, process_index=jax.process_index(),
-                                    process_count=jax.process_count()))
+    # The first test batch as evaluation will read it (a stream too short for
+    # its lanes at this length is an error now, not after training).
+    host = dict(process_index=jax.process_index(), process_count=jax.process_count())
+    example = next(lra_data.stream_batches(splits["test"], batch_size=config.batch_size, **host)
+                   if task.info.stream else
+                   lra_data.batches(splits["test"], batch_size=config.eval_batch_size, seed=0,
+                                    shuffle=False, **host))
     long_state, _ = long_run.abstract_state(example, memory_rows=memory_rows)
     trained, longer = _param_shapes(abstract_state), _param_shapes(long_state)
     changed = sorted(name for name in trained.keys() | longer.keys()

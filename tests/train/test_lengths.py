@@ -151,3 +151,16 @@ def test_parameters_sized_by_the_length_are_refused_before_training(tmp_path):
                                        r"length \(.*key_projection"):
     train_and_evaluate(config, tmp_path / "workdir")
   assert not (tmp_path / "workdir" / "checkpoints").exists()
+
+
+def test_a_stream_too_short_for_its_lanes_at_a_length_is_refused_before_training(tmp_path):
+  """The character corpus read at 8x the segment: its test split has fewer
+  segments than the batch has streams, which evaluation could not read."""
+  config = _config(tmp_path, lengths=(512,))
+  config.task = "chars"
+  config.task_options = dict(train_size=20_000, validation_size=4_096, test_size=4_096,
+                             seq_len=64)
+  with pytest.raises(ValueError, match="a stream of batch_size=16 lanes needs at least 16 "
+                                       "examples, got 8"):
+    train_and_evaluate(config, tmp_path / "workdir")
+  assert not (tmp_path / "workdir" / "checkpoints").exists()
