@@ -665,10 +665,20 @@ def test_architectures_table_is_one_config_per_row_against_its_chance_level(tmp_
 NEEDLE = str(REPO / "configs" / "tables" / "needle.py")
 
 
-def test_needle_table_draws_a_heatmap_of_length_by_depth_per_kind(tmp_path, monkeypatch):
+@pytest.fixture
+def drawn_figures(monkeypatch):
+  """`{file name: matplotlib figure}` of every figure the tables save."""
+  from experiments.tables import report  # pylint: disable=import-outside-toplevel
+  figures = {}
+  save = report.save_figure
+  monkeypatch.setattr(report, "save_figure",
+                      lambda fig, where, name: figures.setdefault(name, fig) and save(fig, where, name))
+  return figures
+
+
+def test_needle_table_draws_a_heatmap_of_length_by_depth_per_kind(tmp_path, drawn_figures):
   """Each kind's figure has a panel per variant whose cells are the mean test
   accuracy of (length, depth), blank where no run finished (fake results)."""
-  from experiments.tables import report
   table = tables.load_table(NEEDLE)
   assert set(table.heatmaps) == {"single", "multi_key", "multi_value", "variable_tracking"}
   out = tmp_path / "out"
@@ -684,21 +694,17 @@ def test_needle_table_draws_a_heatmap_of_length_by_depth_per_kind(tmp_path, monk
     path = out / "runs" / task / variant / "method" / "seed0" / "results.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(results))
-  figures = {}
-  save = report.save_figure
-  monkeypatch.setattr(report, "save_figure",
-                      lambda fig, where, name: figures.setdefault(name, fig) and save(fig, where, name))
   assert reproduce.main([f"--table={NEEDLE}", f"--results={out}", "--norun",
                          f"--data_dir={tmp_path / 'data'}"]) == 0
   assert (out / "heatmap_single.png").stat().st_size > 1000
-  panels = {ax.get_title(): ax for ax in figures["heatmap_single.png"].axes if ax.get_title()}
+  panels = {ax.get_title(): ax for ax in drawn_figures["heatmap_single.png"].axes if ax.get_title()}
   dense = panels["dot_product"].images[0].get_array()
   assert [[round(float(x), 1) for x in row] for row in dense] == [
       [100 - d / 10 for d in depths], [90 - d / 10 for d in depths]]
   linear = panels["linear"].images[0].get_array()
   assert [round(float(x), 1) for x in linear[0]] == [40 - d / 10 for d in depths]
   assert linear.mask[1].all() and not linear.mask[0].any()  # T = 128 not run
-  assert set(figures) == {"heatmap_single.png"}  # the other kinds have no finished run
+  assert set(drawn_figures) == {"heatmap_single.png"}  # the other kinds have no finished run
   assert [t.get_text() for t in panels["linear"].get_xticklabels()] == [
       f"depth{d}" for d in depths]
 
@@ -706,11 +712,10 @@ def test_needle_table_draws_a_heatmap_of_length_by_depth_per_kind(tmp_path, monk
 LENGTH = str(REPO / "configs" / "tables" / "length.py")
 
 
-def test_length_table_reads_each_runs_metric_by_evaluation_length(tmp_path, monkeypatch):
+def test_length_table_reads_each_runs_metric_by_evaluation_length(tmp_path, drawn_figures):
   """Rows are a mixer with a position scheme, each cell's command sets them;
   columns the evaluation lengths; learned positions show their training length
   only; one plot per task of the metric against the length (fake results)."""
-  from experiments.tables import report
   table = tables.load_table(LENGTH)
   out = tmp_path / "out"
   cells = {(c.key["task"], c.key["variant"]): " ".join(c.command)
@@ -739,10 +744,6 @@ def test_length_table_reads_each_runs_metric_by_evaluation_length(tmp_path, monk
                                            256: {"bits_per_token": 2.25}})
   write("chars", "dot_product+learned", 64, {64: {"bits_per_token": 1.9}})
   write("mqar", "dot_product+rope", 32, {32: {"accuracy": 1.0}, 64: {"accuracy": 0.5}})
-  figures = {}
-  save = report.save_figure
-  monkeypatch.setattr(report, "save_figure",
-                      lambda fig, where, name: figures.setdefault(name, fig) and save(fig, where, name))
   assert reproduce.main([f"--table={LENGTH}", f"--results={out}", "--norun",
                          f"--data_dir={tmp_path / 'data'}"]) == 0
   lines = (out / "table.md").read_text().splitlines()
@@ -756,9 +757,9 @@ def test_length_table_reads_each_runs_metric_by_evaluation_length(tmp_path, monk
   mqar = lines.index(next(line for line in lines if line.startswith("## mqar: test accuracy (%)")))
   assert row("dot_product+rope", mqar) == "| dot_product+rope | 100.0 (n=1) | 50.0 (n=1) |"
   assert row("gla+nope", mqar) == "| gla+nope | - | - |"
-  assert set(figures) == {"length_chars.png", "length_mqar.png"}
+  assert set(drawn_figures) == {"length_chars.png", "length_mqar.png"}
   lines_drawn = {line.get_label(): line.get_xydata().tolist()
-                 for line in figures["length_chars.png"].axes[0].get_lines()
+                 for line in drawn_figures["length_chars.png"].axes[0].get_lines()
                  if not line.get_label().startswith("_")}
   assert lines_drawn == {"dot_product+alibi": [[64, 2.0], [128, 2.1], [256, 2.25]],
                          "dot_product+learned": [[64, 1.9]]}
