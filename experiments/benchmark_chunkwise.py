@@ -11,13 +11,18 @@ forward+backward (``fwd_bwd``: the gradients of sum(outputs) in q, k and v),
 in three forms on the same q, k, v (B = `--batch`, `--heads` heads, Dk =
 `--key_dim`, Dv = `--value_dim`):
 
-* ``chunkwise``: `engine.chunkwise_form` in chunks of `--chunk_size`;
+* ``chunkwise``: `engine.chunkwise_form` in chunks of `--chunk_size`, or with
+  `--chunkwise_implementation=pallas_gpu` (``pallas_tpu``) the Pallas chunk
+  kernels (`attention_jax.kernels.chunkwise.chunkwise_kernel`), in chunks of
+  `--chunk_size` or, without it, the kernel's default (64 tokens with a decay
+  per head, 16 with one per key dimension);
 * ``recurrent``: `engine.recurrent_form`, one `lax.scan` step per token
   (skipped above `--max_recurrent_length`: it is slow);
 * ``exact_attention``: causal softmax attention,
   `attention_jax.dot_product_attention(implementation="blockwise",
   is_causal=True)`: the portable flash attention, which never builds the
-  T x T logits in either pass (skipped above `--max_exact_length` if given).
+  T x T logits in either pass (skipped above `--max_exact_length` if given);
+  `--exact_implementation=pallas` times our Triton kernel instead (on a GPU).
   Its cell does not depend on the mixer and is measured once per T and mode.
 
 Each mixer gets the engine inputs of its kind (`MIXERS`, `engine_arguments`:
@@ -56,7 +61,7 @@ import json
 import pathlib
 import sys
 import time
-from typing import Any, Dict, Iterator, List, NamedTuple, Optional, Sequence
+from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -64,6 +69,7 @@ from absl import flags
 
 import attention_jax
 from attention_jax import registry
+from attention_jax.kernels.chunkwise import chunkwise_kernel
 from attention_jax.variants.chunkwise import delta_net, engine, parts
 from experiments import benchmark_attention as common
 from experiments import cli
@@ -74,6 +80,8 @@ REPO_ROOT = common.REPO_ROOT
 MB = common.MB
 EXACT = "exact_attention"  # the `mixer` of the exact attention cells
 FORMS = ("chunkwise", "recurrent", EXACT)
+# The chunkwise form's implementations: the engine, or the kernels' backend.
+CHUNKWISE_IMPLEMENTATIONS = {"engine": None, "pallas_gpu": "gpu", "pallas_tpu": "tpu"}
 EXACT_ATTENTION = dict(function="attention_jax.dot_product_attention", implementation="blockwise",
                        is_causal=True, note="the pure-JAX flash attention: online softmax over "
                        "key blocks, O(T) memory in both passes, never a T x T array")
@@ -127,8 +135,16 @@ def define_flags(flag_values: flags.FlagValues, argv: Sequence[str]) -> None:
   flags.DEFINE_integer("key_dim", 64, "key (and query) dim Dk", lower_bound=1,
                        flag_values=flag_values)
   flags.DEFINE_integer("value_dim", 64, "value dim Dv", lower_bound=1, flag_values=flag_values)
-  flags.DEFINE_integer("chunk_size", engine.DEFAULT_CHUNK_SIZE, "C, tokens per chunk of the "
-                       "chunkwise form", lower_bound=1, flag_values=flag_values)
+  flags.DEFINE_integer("chunk_size", None, "C, tokens per chunk of the chunkwise form "
+                       f"(default: {engine.DEFAULT_CHUNK_SIZE} for the engine, the kernel's own "
+                       "for a kernel)", lower_bound=1, flag_values=flag_values)
+  flags.DEFINE_enum("chunkwise_implementation", "engine", list(CHUNKWISE_IMPLEMENTATIONS),
+                    "the chunkwise form: the pure-JAX engine or the Pallas chunk kernels",
+                    flag_values=flag_values)
+  flags.DEFINE_enum("exact_implementation", EXACT_ATTENTION["implementation"],
+                    ["blockwise", "pallas", "pallas_mgpu", "cudnn", "xla"],
+                    "dot_product_attention's implementation for the exact cells",
+                    flag_values=flag_values)
   flags.DEFINE_integer("max_recurrent_length", 16384, "skip the recurrent scan above this T",
                        lower_bound=1, flag_values=flag_values)
   flags.DEFINE_integer("max_exact_length", None, "skip exact attention above this T (default: "
@@ -202,10 +218,15 @@ def make_step(cell: Dict[str, Any]):
   q, k and v, and its inputs."""
   if cell["mixer"] == EXACT:
     forward = lambda q, k, v, gates: attention_jax.dot_product_attention(
-        q, k, v, is_causal=True, implementation=EXACT_ATTENTION["implementation"])
+        q, k, v, is_causal=True, implementation=cell["exact_implementation"])
   else:
-    form = (functools.partial(engine.chunkwise_form, chunk_size=cell["chunk_size"])
-            if cell["form"] == "chunkwise" else engine.recurrent_form)
+    form = engine.recurrent_form
+    if cell["form"] == "chunkwise":
+      backend = CHUNKWISE_IMPLEMENTATIONS[cell["chunkwise_implementation"]]
+      form = (functools.partial(engine.chunkwise_form,
+                                chunk_size=cell["chunk_size"] or engine.DEFAULT_CHUNK_SIZE)
+              if backend is None else
+              functools.partial(chunkwise_kernel, backend=backend, chunk_size=cell["chunk_size"]))
     forward = lambda q, k, v, gates: form(*engine_arguments(cell["mixer"], q, k, v, gates))[0]
   inputs = make_inputs(cell)
   if cell["mode"] == "fwd":
@@ -225,7 +246,9 @@ def make_cells(args: cli.Args, mixers: List[str]) -> Iterator[Dict[str, Any]]:
   """Per T and mode: exact attention once, then each mixer's two forms."""
   shape = dict(batch=args.batch, heads=args.heads, key_dim=args.key_dim,
                value_dim=args.value_dim, dtype=args.dtype, repeats=args.repeats,
-               chunk_size=args.chunk_size)
+               chunk_size=args.chunk_size,
+               chunkwise_implementation=args.chunkwise_implementation,
+               exact_implementation=args.exact_implementation)
   for seq_len in args.lengths:
     for mode in args.modes:
       yield dict(shape, mixer=EXACT, form=EXACT, seq_len=seq_len, mode=mode)
@@ -243,9 +266,12 @@ def skip_reason(cell: Dict[str, Any], args: cli.Args) -> Optional[str]:
   return None
 
 
-def run_cells(cells: List[Dict[str, Any]], args: cli.Args, backend: str) -> List[Dict[str, Any]]:
+def run_cells(cells: List[Dict[str, Any]], args: cli.Args, backend: str,
+              after_each: Callable[[List[Dict[str, Any]]], None] = lambda records: None
+              ) -> List[Dict[str, Any]]:
   """Every cell's record, with `status` "ok", "skipped" or "failed" and, unless
-  ok, the `reason` (the cap, or the error)."""
+  ok, the `reason` (the cap, or the error); `after_each(records so far)` is
+  called after every cell."""
   records = []
   for i, cell in enumerate(cells, 1):
     reason = skip_reason(cell, args)
@@ -266,6 +292,7 @@ def run_cells(cells: List[Dict[str, Any]], args: cli.Args, backend: str) -> List
                else f"{record['status']}: {record['reason'].splitlines()[0][:100]}")
     print(f"[{i}/{len(cells)}] {cell['mixer']}:{cell['form']} T={cell['seq_len']} "
           f"{cell['mode']}: {outcome}", flush=True)
+    after_each(records)
   return records
 
 
@@ -358,10 +385,6 @@ def benchmark(args: cli.Args) -> Dict[str, Any]:
   backend = jax.default_backend()
   mixers = args.mixers or registered_mixers()
   start = time.perf_counter()
-  records = run_cells(list(make_cells(args, mixers)), args, backend)
-  rows = summarize(records)
-  print(format_table(rows))
-
   out = pathlib.Path(args.out or REPO_ROOT / "benchmarks" / f"chunkwise_{backend}.json")
   arguments = {k: v for k, v in vars(args).items() if k != "cell"}
   arguments.update(mixers=mixers, out=str(out))
@@ -369,13 +392,20 @@ def benchmark(args: cli.Args) -> Dict[str, Any]:
       "environment": environment,
       "command": " ".join(["python -m experiments.benchmark_chunkwise"] + args.argv[1:]),
       "arguments": arguments,
-      "exact_attention": EXACT_ATTENTION,
-      "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-      "wall_time_s": time.perf_counter() - start,
-      "summary": rows,
-      "records": records,
+      "exact_attention": dict(EXACT_ATTENTION, implementation=args.exact_implementation),
   }
-  common.write_json(out, payload)
+
+  def write(records: List[Dict[str, Any]], complete: bool = False) -> None:
+    # After every cell: a run stopped early (a lent machine's time running
+    # out) keeps what it measured; `complete` says whether it ended.
+    payload.update(timestamp=datetime.datetime.now(datetime.timezone.utc).isoformat(),
+                   wall_time_s=time.perf_counter() - start, complete=complete,
+                   summary=summarize(records), records=records)
+    common.write_json(out, payload)
+
+  records = run_cells(list(make_cells(args, mixers)), args, backend, after_each=write)
+  write(records, complete=True)
+  print(format_table(payload["summary"]))
   print(f"wrote {len(records)} records to {out} in {payload['wall_time_s']:.0f} s")
   return payload
 

@@ -5,16 +5,25 @@ The committed JSON is made on CPU, from a clean tree, in one run:
   python -m experiments.benchmark_flex --lengths=4096,8192,16384,32768 --heads=2 \
       --head_dim=64 --batch=1 --repeats=3 --out=benchmarks/flex_cpu.json
 
+and on a GPU, with the Triton kernels on both sides, in bfloat16:
+
+  python -m experiments.benchmark_flex --implementation=pallas_gpu --dtype=bfloat16 \
+      --lengths=8192,32768 --heads=8 --head_dim=128 --repeats=10 --out=benchmarks/flex_gpu.json
+
 For each case (`CASES`) at each sequence length T (self-attention, batch
-`--batch`, `--heads` heads of `--head_dim`, float32), in both passes
+`--batch`, `--heads` heads of `--head_dim`, `--dtype`), in both passes
 (``fwd``: the output; ``fwd_bwd``: the gradients of sum(out^2) in q, k and v),
 three forms of the same function are timed:
 
-* ``flex``: `attention_jax.flex_attention(implementation="blockwise")`, with the
-  case's mods from `attention_jax.mods` and a block mask from
-  `create_block_mask` (made once, outside the timed call, and passed in);
-* ``blockwise``: `attention_jax.dot_product_attention(implementation="blockwise")`,
-  the plain kernel, with what it can express: `is_causal`, `local_window_size`,
+* ``flex``: `attention_jax.flex_attention(implementation=--implementation)`
+  ("blockwise", the default, or "pallas_gpu"), with the case's mods from
+  `attention_jax.mods` and a block mask from `create_block_mask` (made once,
+  outside the timed call, and passed in);
+* ``blockwise``: the plain kernel of the same family (recorded under this name
+  whichever it is): `attention_jax.dot_product_attention(implementation=
+  "blockwise")`, or with `--implementation=pallas_gpu` our Triton kernel
+  (`flash_dot_product_attention`) in the flex kernel's blocks, with what it
+  can express: `is_causal`, `local_window_size`,
   `segment_ids`; ALiBi and prefix-LM only through a materialised `[B|1, H|1, T, T]`
   bias or mask (marked "materialised", and skipped above `--max_dense_bytes`);
   "n/a" where it cannot (the soft cap);
@@ -23,8 +32,9 @@ three forms of the same function are timed:
   apply), skipped where the logits and their gradient would pass
   `--max_dense_bytes`; "n/a" for the soft cap, which jax.nn does not have.
 
-Both kernels use the same blocks: the plain kernel's default on this backend
-(`--block_size` overrides it for both). Each form is compiled once (not
+Both kernels use the same blocks: the plain kernel's default forward blocks
+for this implementation, head dim and dtype (`--block_size` overrides it for
+both; flex takes one block size for both passes). Each form is compiled once (not
 timed), run once to warm up, then timed as the median wall time of
 `--repeats` runs with `jax.block_until_ready`. Every record carries the block
 mask's density (the fraction of (query block, key block) tiles the flex kernel
@@ -58,6 +68,8 @@ PASSES = ("fwd", "fwd_bwd")
 FORMS = ("flex", "blockwise", "jax_nn")
 SOFTCAP = 50.0  # Gemma 2's attention soft cap.
 GIB = float(1 << 30)
+# flex_attention's implementations timed here, each with its plain kernel.
+PLAIN_KERNELS = {"blockwise": "blockwise", "pallas_gpu": "pallas"}
 
 
 def define_flags(flag_values: flags.FlagValues, argv: Sequence[str]) -> None:
@@ -82,7 +94,12 @@ def define_flags(flag_values: flags.FlagValues, argv: Sequence[str]) -> None:
                      lower_bound=0, flag_values=flag_values)
   cli.DEFINE_list_of(flags.EnumParser(list(CASES)), "cases", None,
                      "only these cases (default: all)", flag_values)
-  flags.DEFINE_string("out", None, "JSON output (default: benchmarks/flex_cpu.json)",
+  flags.DEFINE_enum("implementation", "blockwise", list(PLAIN_KERNELS),
+                    "flex_attention's implementation; the plain kernel is its counterpart",
+                    flag_values=flag_values)
+  flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "q, k and v's dtype",
+                    flag_values=flag_values)
+  flags.DEFINE_string("out", None, "JSON output (default: benchmarks/flex_<backend>.json)",
                       flag_values=flag_values)
 
 
@@ -101,7 +118,8 @@ class Case:
   """
 
   def __init__(self, name: str, batch: int, heads: int, length: int, window: int,
-               blocks: Tuple[int, int], explicit_blocks: bool):
+               blocks: Tuple[int, int], explicit_blocks: bool,
+               implementation: str = "blockwise"):
     # pylint: disable=import-outside-toplevel
     import attention_jax
     from attention_jax import mods, positional
@@ -113,11 +131,14 @@ class Case:
     self.materialised: Dict[str, int] = {"flex": 0, "blockwise": 0, "jax_nn": 0}
     self.notes: Dict[str, str] = {}
     t = length
+    # pylint: disable-next=import-outside-toplevel
+    from attention_jax.kernels.flash_attention import blockwise as kernel, common as kc
     blockwise = functools.partial(attention_jax.dot_product_attention,
                                   implementation="blockwise")
-    if explicit_blocks:  # --block_size: the plain kernel in those blocks too
-      # pylint: disable-next=import-outside-toplevel
-      from attention_jax.kernels.flash_attention import blockwise as kernel, common as kc
+    if implementation == "pallas_gpu":  # Triton on both sides, in flex's blocks
+      blockwise = functools.partial(attention_jax.kernels.flash_dot_product_attention,
+                                    block_sizes=kc.BlockSizes(*blocks))
+    elif explicit_blocks:  # --block_size: the plain kernel in those blocks too
       blockwise = functools.partial(kernel.blockwise_dot_product_attention,
                                     block_sizes=kc.BlockSizes(*blocks))
     jax_nn = functools.partial(jax.nn.dot_product_attention, implementation="xla")
@@ -182,7 +203,8 @@ class Case:
     self.block_mask = attention_jax.create_block_mask(mask_mod, mask_batch, None, t, t, blocks)
     self.operands["flex"] = self.block_mask
     self.forms["flex"] = lambda q, k, v, x: attention_jax.flex_attention(
-        q, k, v, score_mod=score_mod, block_mask=x, softcap=softcap, implementation="blockwise")
+        q, k, v, score_mod=score_mod, block_mask=x, softcap=softcap,
+        implementation=implementation)
     for form in self.unavailable:
       self.forms[form] = None
 
@@ -211,12 +233,17 @@ def document_ids(batch: int, length: int, seed: int = 0) -> np.ndarray:
   return np.stack(rows)
 
 
-def kernel_blocks(length: int, block_size: Optional[int]):
+def kernel_blocks(length: int, block_size: Optional[int], implementation: str = "blockwise",
+                  head_dim: int = 64, dtype: str = "float32"):
   """The blocks both kernels use at this length: (block_q, block_k)."""
   # pylint: disable-next=import-outside-toplevel
-  from attention_jax.kernels.flash_attention import blockwise, common as kernel_common
-  blocks = (blockwise.default_block_sizes(length, length) if block_size is None
-            else kernel_common.BlockSizes(block_size, block_size))
+  from attention_jax.kernels.flash_attention import blockwise, common as kernel_common, pallas_gpu
+  if block_size is not None:
+    blocks = kernel_common.BlockSizes(block_size, block_size)
+  elif implementation == "pallas_gpu":
+    blocks = pallas_gpu.default_block_sizes_gpu(head_dim, jnp.dtype(dtype))
+  else:
+    blocks = blockwise.default_block_sizes(length, length)
   blocks = blockwise.fitted_block_sizes(blocks, length, length)
   return blocks.block_q, blocks.block_k
 
@@ -263,17 +290,21 @@ def max_abs_difference(a, b) -> float:
 
 def run_case(name: str, length: int, args: cli.Args) -> List[Dict[str, Any]]:
   """The records of one case at one length: one per pass, each with every form."""
-  block_q, block_k = kernel_blocks(length, args.block_size)
+  block_q, block_k = kernel_blocks(length, args.block_size, args.implementation,
+                                   args.head_dim, args.dtype)
   case = Case(name, args.batch, args.heads, length, args.window, (block_q, block_k),
-              explicit_blocks=args.block_size is not None)
+              explicit_blocks=args.block_size is not None, implementation=args.implementation)
   shape = (args.batch, length, args.heads, args.head_dim)
-  q, k, v = (jax.random.normal(key, shape, jnp.float32)
+  q, k, v = (jax.random.normal(key, shape, jnp.dtype(args.dtype))
              for key in jax.random.split(jax.random.key(length), 3))
   density = case.density()
   records = []
+  flex_values = None
   for mode in PASSES:
     record: Dict[str, Any] = dict(case=name, length=length, mode=mode, batch=args.batch,
-                                  heads=args.heads, head_dim=args.head_dim,
+                                  heads=args.heads, head_dim=args.head_dim, dtype=args.dtype,
+                                  implementation=args.implementation,
+                                  plain_kernel=PLAIN_KERNELS[args.implementation],
                                   block_q=block_q, block_k=block_k, density=density,
                                   notes=dict(case.notes))
     for form in FORMS:
@@ -287,15 +318,23 @@ def run_case(name: str, length: int, args: cli.Args) -> List[Dict[str, Any]]:
                             materialised_bytes=need)
         continue
       operand = case.operand(form)
-      result, values = measure(make_step(fn, mode), (q, k, v, operand), args.repeats)
-      del operand
+      try:
+        result, values = measure(make_step(fn, mode), (q, k, v, operand), args.repeats)
+      except Exception as error:  # pylint: disable=broad-except
+        # A form that does not compile or run here (a kernel's lowering
+        # refusing a mod, say) is recorded, and the sweep goes on.
+        record[form] = dict(status=f"failed: {type(error).__name__}: {str(error)[:500]}",
+                            materialised_bytes=need)
+        continue
+      finally:
+        del operand
       record[form] = dict(status="ok", materialised_bytes=need, **result)
       if form == "flex":
         flex_values = values
-      else:  # the same function on both sides: how far from flex's output (gradients)
+      elif flex_values is not None:  # the same function: how far from flex's output (gradients)
         record[form]["max_abs_diff_from_flex"] = max_abs_difference(values, flex_values)
       del values
-    del flex_values
+    flex_values = None
     flex_ms = record["flex"].get("ms")
     blockwise_ms = record["blockwise"].get("ms")
     record["flex_over_blockwise"] = (flex_ms / blockwise_ms
@@ -338,16 +377,12 @@ def benchmark(args: cli.Args) -> Dict[str, Any]:
     print(f"warning: uncommitted changes ({environment['git_revision']}), recorded in the JSON",
           file=sys.stderr)
   cases = args.cases or list(CASES)
-  print(f"B={args.batch} H={args.heads} D={args.head_dim} float32, "
+  print(f"B={args.batch} H={args.heads} D={args.head_dim} {args.dtype}, flex on "
+        f"{args.implementation} against {PLAIN_KERNELS[args.implementation]}, "
         f"{environment['device_kind']} ({environment['cpu_model']}), repeats {args.repeats}",
         flush=True)
   start = time.perf_counter()
-  records = []
-  for length in args.lengths:
-    for name in cases:
-      records += run_case(name, length, args)
-  print(format_tables(records))
-  out = pathlib.Path(args.out or REPO_ROOT / "benchmarks" / "flex_cpu.json")
+  out = pathlib.Path(args.out or REPO_ROOT / "benchmarks" / f"flex_{jax.default_backend()}.json")
   arguments = dict(vars(args), out=str(out), cases=cases)
   payload = dict(
       environment=environment,
@@ -355,12 +390,20 @@ def benchmark(args: cli.Args) -> Dict[str, Any]:
                        + [f"--{k}={','.join(map(str, v)) if isinstance(v, list) else v}"
                           for k, v in sorted(arguments.items()) if v is not None]),
       arguments=arguments,
-      timestamp=datetime.datetime.now(datetime.timezone.utc).isoformat(),
-      wall_time_s=time.perf_counter() - start,
       softcap=SOFTCAP,
-      records=records)
+      records=[])
+  for length in args.lengths:
+    for name in cases:
+      payload["records"] += run_case(name, length, args)
+      # Written after every case: a run stopped early (a lent machine's time
+      # running out) keeps what it measured; `complete` says whether it ended.
+      payload.update(timestamp=datetime.datetime.now(datetime.timezone.utc).isoformat(),
+                     wall_time_s=time.perf_counter() - start, complete=False)
+      common.write_json(out, payload)
+  payload["complete"] = True
   common.write_json(out, payload)
-  print(f"wrote {len(records)} records to {out} in {payload['wall_time_s']:.0f} s")
+  print(format_tables(payload["records"]))
+  print(f"wrote {len(payload['records'])} records to {out} in {payload['wall_time_s']:.0f} s")
   return payload
 
 

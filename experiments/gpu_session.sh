@@ -67,6 +67,29 @@ sanity() {
       2>&1 | tee "$OUT/sanity.log" | tail -30
 }
 
+# The kernels that have only run interpreted before 2026-11-28: flex_attention
+# on the Triton kernels, the chunkwise mixers' Triton chunk kernels, and the
+# two benchmarks' GPU paths.
+tests_new() {
+  ATTENTION_JAX_TEST_XLA_FLAGS=0 timeout 100 $PY -m pytest tests/kernels/test_flex_gpu.py \
+      tests/kernels/test_chunkwise_kernel.py tests/test_benchmark_flex.py \
+      tests/test_benchmark_chunkwise.py -k "gpu or triton or kernel_form" -q -n 8 \
+      -p no:cacheprovider 2>&1 | tee "$OUT/tests_new.log" | tail -25
+}
+
+flex_gpu() {  # #41 item 2: flex on Triton against our plain Triton kernel and jax.nn
+  timeout 200 $PY -m experiments.benchmark_flex --implementation=pallas_gpu --dtype=bfloat16 \
+      --lengths=8192,32768 --heads=8 --head_dim=128 --repeats=10 --max_dense_bytes=17179869184 \
+      --out="$OUT/flex_gpu.json" 2>&1 | tee "$OUT/flex_gpu.log" | tail -22
+}
+
+chunkwise_gpu() {  # #41 item 3: the chunk kernels against our exact (Triton) kernel
+  timeout 150 $PY -m experiments.benchmark_chunkwise --chunkwise_implementation=pallas_gpu \
+      --exact_implementation=pallas --dtype=bfloat16 --batch=8 --heads=16 --key_dim=64 \
+      --value_dim=64 --lengths=2048,8192,32768 --modes=fwd_bwd --max_recurrent_length=1 \
+      --repeats=5 --out="$OUT/chunkwise_gpu.json" 2>&1 | tee "$OUT/chunkwise_gpu.log" | tail -12
+}
+
 tune() {
   timeout 330 $PY -m experiments.tune_block_sizes --seq_len=8192 --head_dims=128,64 \
       --out="$OUT/block_sizes_gpu.json" 2>&1 | tee "$OUT/tune.log" | tail -12
@@ -108,6 +131,20 @@ for length in reversed(m['LENGTHS']):
         --only=variant=$1 --only=length=$2 2>&1 | grep '^{"variant'
   done
   tar cf "$OUT/lra_speed_gpu.tar" $SPEED_RESULTS $SPEED_RESULTS.alone $logs 2>/dev/null
+}
+
+# The speed table's cells the H200 run of 2026-11-27 lacks, each alone on the
+# machine: performer at 1K (cut off), and the Transformer at 4K with the
+# release's attention dropout given 95% of the GPU's memory (XLA's plan was
+# 88.2 GB; the default fraction, 75%, refused it).
+lra_speed_rest() {
+  local table=configs/tables/lra_speed.py
+  timeout 60 $PY -m experiments.reproduce --table=$table --results=$SPEED_RESULTS/ \
+      --only=variant=performer --only=length=1024 2>&1 | grep -h '^{"variant' 
+  XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout 110 $PY -m experiments.reproduce --table=$table \
+      --results=$SPEED_RESULTS/ --only=variant=dot_product --only=length=4096 2>&1 |
+    grep -h -m 3 '^{"variant\|RESOURCE_EXHAUSTED\|Error'
+  tar cf "$OUT/lra_speed_gpu.tar" $SPEED_RESULTS 2>/dev/null
 }
 
 # The full-size ListOps column (configs/tables/lra.py, the paper's model, batch

@@ -6,6 +6,7 @@ import math
 import pathlib
 import sys
 
+import jax
 import numpy as np
 import pytest
 
@@ -105,3 +106,29 @@ def test_each_kind_of_input_is_a_recurrence_the_forms_agree_on(mixer):
   arguments = benchmark_chunkwise.engine_arguments(mixer, *benchmark_chunkwise.make_inputs(cell))
   np.testing.assert_allclose(engine.chunkwise_form(*arguments, chunk_size=8)[0],
                              engine.recurrent_form(*arguments)[0], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("mixer", ["gla", "gated_delta_net"])
+def test_the_kernel_form_computes_the_engine_s_recurrence(mixer):
+  # --chunkwise_implementation=pallas_gpu times the Triton chunk kernels
+  # (interpreted off a GPU); their step equals the engine's on the same inputs.
+  cell = dict(batch=1, seq_len=40, heads=2, key_dim=8, value_dim=8, dtype="float32",
+              mixer=mixer, mode="fwd", chunk_size=16, exact_implementation="blockwise")
+  kernel_step, inputs = benchmark_chunkwise.make_step(
+      dict(cell, form="chunkwise", chunkwise_implementation="pallas_gpu"))
+  engine_step, _ = benchmark_chunkwise.make_step(
+      dict(cell, form="chunkwise", chunkwise_implementation="engine"))
+  assert "pallas_call" in str(jax.make_jaxpr(kernel_step)(*inputs))
+  assert "pallas_call" not in str(jax.make_jaxpr(engine_step)(*inputs))
+  np.testing.assert_allclose(kernel_step(*inputs), engine_step(*inputs), rtol=1e-4, atol=1e-5)
+
+
+def test_the_exact_implementation_is_recorded(tmp_path):
+  out = tmp_path / "exact.json"
+  benchmark_chunkwise.main(["--mixers=gla", "--lengths=64", "--modes=fwd", *SHAPE,
+                            "--exact_implementation=xla", "--max_recurrent_length=1",
+                            "--noisolate", f"--out={out}"])
+  payload = json.loads(out.read_text())
+  assert payload["exact_attention"]["implementation"] == "xla"
+  exact = [r for r in payload["records"] if r["mixer"] == EXACT]
+  assert [r["exact_implementation"] for r in exact] == ["xla"] and exact[0]["status"] == "ok"

@@ -6,8 +6,11 @@ timing or ratio is asserted)."""
 import json
 import math
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
+
+from attention_jax.kernels.flash_attention import blockwise, pallas_gpu
 
 from experiments import benchmark_flex
 
@@ -61,3 +64,36 @@ def test_document_ids_cut_each_row_into_documents(length):
   assert ids.shape == (2, length) and ids[:, 0].tolist() == [0, 0]
   assert np.all(np.diff(ids, axis=1) >= 0)
   assert ids[:, -1].tolist() == [max(2, length // 1024) - 1] * 2
+
+
+def test_the_triton_kernels_on_both_sides(tmp_path):
+  # --implementation=pallas_gpu: flex on the Triton kernels against our plain
+  # Triton kernel in the same blocks (interpreted off a GPU), in bfloat16.
+  out = tmp_path / "flex_gpu.json"
+  benchmark_flex.main(["--implementation=pallas_gpu", "--dtype=bfloat16", "--lengths=32",
+                       "--heads=1", "--head_dim=16", "--repeats=1", "--block_size=16",
+                       "--window=8", "--cases=causal,alibi,softcap", f"--out={out}"])
+  records = json.loads(out.read_text())["records"]
+  assert {(r["case"], r["mode"]) for r in records} == {
+      (case, mode) for case in ("causal", "alibi", "softcap") for mode in benchmark_flex.PASSES}
+  for record in records:
+    assert (record["implementation"], record["plain_kernel"], record["dtype"]) == (
+        "pallas_gpu", "pallas", "bfloat16")
+    assert record["flex"]["status"] == "ok"
+    if record["case"] != "softcap":
+      # bfloat16 inputs: the two kernels agree to bfloat16's rounding.
+      assert record["blockwise"]["max_abs_diff_from_flex"] < 0.1, record
+      assert record["jax_nn"]["max_abs_diff_from_flex"] < 0.1, record
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_the_default_blocks_follow_the_implementation(head_dim):
+  # Triton on both sides: the plain Triton kernel's forward blocks for this
+  # head dim and dtype (not the blockwise kernel's), unless --block_size.
+  gpu = pallas_gpu.default_block_sizes_gpu(head_dim, jnp.bfloat16)
+  assert benchmark_flex.kernel_blocks(8192, None, "pallas_gpu", head_dim, "bfloat16") == (
+      gpu.block_q, gpu.block_k)
+  cpu = blockwise.default_block_sizes(8192, 8192)
+  assert benchmark_flex.kernel_blocks(8192, None, "blockwise", head_dim, "bfloat16") == (
+      cpu.block_q, cpu.block_k)
+  assert benchmark_flex.kernel_blocks(8192, 32, "pallas_gpu", head_dim, "bfloat16") == (32, 32)
