@@ -71,22 +71,22 @@ sanity() {
 # on the Triton kernels, the chunkwise mixers' Triton chunk kernels, and the
 # two benchmarks' GPU paths.
 tests_new() {
-  ATTENTION_JAX_TEST_XLA_FLAGS=0 timeout 100 $PY -m pytest tests/kernels/test_flex_gpu.py \
+  ATTENTION_JAX_TEST_XLA_FLAGS=0 timeout 90 $PY -m pytest tests/kernels/test_flex_gpu.py \
       tests/kernels/test_chunkwise_kernel.py tests/test_benchmark_flex.py \
       tests/test_benchmark_chunkwise.py -k "gpu or triton or kernel_form" -q -n 8 \
       -p no:cacheprovider 2>&1 | tee "$OUT/tests_new.log" | tail -25
 }
 
 flex_gpu() {  # #41 item 2: flex on Triton against our plain Triton kernel and jax.nn
-  timeout 200 $PY -m experiments.benchmark_flex --implementation=pallas_gpu --dtype=bfloat16 \
+  timeout 160 $PY -m experiments.benchmark_flex --implementation=pallas_gpu --dtype=bfloat16 \
       --lengths=8192,32768 --heads=8 --head_dim=128 --repeats=10 --max_dense_bytes=17179869184 \
       --out="$OUT/flex_gpu.json" 2>&1 | tee "$OUT/flex_gpu.log" | tail -22
 }
 
 chunkwise_gpu() {  # #41 item 3: the chunk kernels against our exact (Triton) kernel
-  timeout 150 $PY -m experiments.benchmark_chunkwise --chunkwise_implementation=pallas_gpu \
+  timeout 130 $PY -m experiments.benchmark_chunkwise --chunkwise_implementation=pallas_gpu \
       --exact_implementation=pallas --dtype=bfloat16 --batch=8 --heads=16 --key_dim=64 \
-      --value_dim=64 --lengths=2048,8192,32768 --modes=fwd_bwd --max_recurrent_length=1 \
+      --value_dim=64 --lengths=4096,32768 --modes=fwd_bwd --max_recurrent_length=1 \
       --repeats=5 --out="$OUT/chunkwise_gpu.json" 2>&1 | tee "$OUT/chunkwise_gpu.log" | tail -12
 }
 

@@ -77,17 +77,26 @@ def decayed_products(left: Array, right: Array, left_log: Array, right_log: Arra
 
 
 def unit_lower_inverse(transfer: Array) -> Array:
-  """(I - A)^{-1} for A `[C, C]` strictly lower triangular, by forward
-  substitution: row i of X = I + A X is e_i + sum_{j<i} A_ij X_j, and the rows
-  j < i are final when row i is made."""
+  """(I - A)^{-1} for A `[C, C]` strictly lower triangular.
+
+  A is nilpotent (A^C = 0), so the inverse is I + A + ... + A^(C-1) =
+  (I + A)(I + A^2)(I + A^4)...: ceil(log2 C) factors, each power the square
+  of the last, two products of C x C tiles per factor (the matrix units), and
+  a gradient made of products too. The row-by-row forward substitution this
+  replaces unrolled C - 1 dependent steps into the kernel, and Triton had not
+  compiled the delta rule's kernels at C = 64 after two minutes (H200,
+  2026-11-28).
+  """
   size = transfer.shape[0]
   rows = lax.broadcasted_iota(jnp.int32, (size, size), 0)
   columns = lax.broadcasted_iota(jnp.int32, (size, size), 1)
-  inverse = (rows == columns).astype(jnp.float32)
-  for i in range(1, size):
-    row_of_transfer = jnp.sum(jnp.where(rows == i, transfer, 0.0), axis=0, keepdims=True)
-    new_row = jnp.sum(row_of_transfer.T * inverse, axis=0, keepdims=True)  # A_i X
-    inverse = inverse + jnp.where(rows == i, new_row, 0.0)
+  transfer = transfer.astype(jnp.float32)
+  inverse = (rows == columns).astype(jnp.float32) + transfer
+  power, reach = transfer, 2  # inverse = I + A + ... + A^(reach - 1)
+  while reach < size:
+    power = _dot(power, power)
+    inverse = inverse + _dot(inverse, power)
+    reach *= 2
   return inverse
 
 

@@ -67,7 +67,7 @@ from attention_jax.core import mods, patterns
 from attention_jax.core.inputs import (AttentionInputs, attention_of_empty_sequence,
                                        prepare_inputs, returned_outputs)
 
-from . import common
+from . import common, tile_mods
 
 Array = jnp.ndarray
 
@@ -192,8 +192,9 @@ def _mask_of(cfg: _Config, m: _MaskArrays, batch, head):
   if m.layout is None:
     return None
   if isinstance(cfg.pattern, mods.LiftedMod):
-    consts = common.restored_consts(cfg.pattern, _read(m.mask_consts))
-    mask = lambda q_pos, k_pos: mods.apply(cfg.pattern, consts, batch, head, q_pos, k_pos)
+    arrays = tile_mods.indexed(cfg.pattern, m.mask_consts, [False] * len(m.mask_consts))
+    mask = lambda q_pos, k_pos: tile_mods.apply_on_tile(cfg.pattern, arrays, batch, head,
+                                                        q_pos, k_pos)
   elif cfg.pattern is not None:
     mask = lambda q_pos, k_pos: cfg.pattern(0, head, q_pos, k_pos)
   else:  # a layout alone: its FULL blocks
@@ -206,19 +207,28 @@ def _mask_of(cfg: _Config, m: _MaskArrays, batch, head):
   return of_block
 
 
-def _score_modifier(cfg: _Config, m: _MaskArrays, batch, head):
-  """flex_attention: `(scores, float_consts, q_pos, k_pos) -> logits` (soft cap,
-  then the score_mod), or None when nothing modifies the scores."""
+def _score_modifier(cfg: _Config, m: _MaskArrays, x: common.FlexArrays, batch, head,
+                    by_value: bool = False):
+  """flex_attention: `(scores, float_values, q_pos, k_pos) -> logits` (soft cap,
+  then the score_mod), or None when nothing modifies the scores.
+
+  The score_mod reads its arrays by index (`tile_mods`): from their refs, or
+  with `by_value` its floating arrays from `float_values` (their whole padded
+  values, which the dq kernel differentiates; `()` otherwise).
+  """
   if not cfg.modifies_scores:
     return None
-  other = () if cfg.score_mod is None else _read(m.score_consts)
 
-  def modify(scores, float_consts, q_pos, k_pos):
+  def modify(scores, float_values, q_pos, k_pos):
     if cfg.softcap is not None:
       scores = cfg.softcap * jnp.tanh(scores / cfg.softcap)
     if cfg.score_mod is not None:
-      consts = common.restored_consts(cfg.score_mod, cfg.score_mod.merge(float_consts, other))
-      scores = mods.apply(cfg.score_mod, consts, scores, batch, head, q_pos, k_pos)
+      floating = float_values if by_value else x.score_consts
+      flats = cfg.score_mod.merge(floating, m.score_consts)
+      by_values = cfg.score_mod.merge([by_value] * len(floating),
+                                      [False] * len(m.score_consts))
+      arrays = tile_mods.indexed(cfg.score_mod, flats, by_values)
+      scores = tile_mods.apply_on_tile(cfg.score_mod, arrays, scores, batch, head, q_pos, k_pos)
     return scores
 
   return modify
@@ -331,8 +341,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, bias_ref, m: _MaskArrays, x: common.Fle
   kv_limit = _kv_limit(cfg, m.kv_lengths)
   rows = slice(None)
   in_pattern = _mask_of(cfg, m, batch, head)
-  modify = _score_modifier(cfg, m, batch, head)
-  float_consts = _read(x.score_consts)
+  modify = _score_modifier(cfg, m, x, batch, head)
 
   def visit(j, carry):
     row_max, row_sum, acc = carry
@@ -341,7 +350,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, bias_ref, m: _MaskArrays, x: common.Fle
                             _pairwise_block(bias_ref, rows, keys),
                             _pairwise_block(m.mask, rows, keys), q_ids,
                             None if q_ids is None else kv_ids_of(j), kv_limit,
-                            None if in_pattern is None else in_pattern(j), modify, float_consts)
+                            None if in_pattern is None else in_pattern(j), modify)
     new_max = jnp.maximum(row_max, jnp.max(logits, axis=1))
     # A row with nothing allowed so far keeps max -inf; exponentiate against 0 then.
     safe_max = jnp.where(new_max == -jnp.inf, 0.0, new_max)
@@ -386,7 +395,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, bias_ref, m: _MaskArrays, x: common.FlexArra
   kv_limit = _kv_limit(cfg, m.kv_lengths)
   rows = slice(None)
   in_pattern = _mask_of(cfg, m, batch, head)
-  modify = _score_modifier(cfg, m, batch, head)
+  # The floating arrays whole: differentiated per tile by jax.vjp.
+  modify = _score_modifier(cfg, m, x, batch, head, by_value=True)
   float_consts = _read(x.score_consts)
 
   def visit(j, carry):
@@ -415,8 +425,10 @@ def _dq_kernel(q_ref, k_ref, v_ref, bias_ref, m: _MaskArrays, x: common.FlexArra
     return carry
 
   if dbias_ref is not None and m.visits is not None:
-    # Block-sparse: the visited blocks are not a range; clear the row first.
-    dbias_ref[...] = jnp.zeros(dbias_ref.shape, jnp.float32)
+    # Block-sparse: the visited blocks are not a range; clear the row first,
+    # block by block (a padded row need not be a power of two, as Triton's
+    # arrays must).
+    lax.fori_loop(0, cfg.kv_len // bk, clear_bias_grad, 0)
   overlap = None if q_ids is None else lambda j: _segments_overlap(q_ids, kv_ids_of(j))
   body = _loop_skipping_disjoint(visit, clear_bias_grad, overlap)
   lo, hi = _kv_blocks(cfg, i, bq, bk, kv_limit)
@@ -447,8 +459,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, bias_ref, m: _MaskArrays, x: common.FlexArr
   kv_limit = _kv_limit(cfg, m.kv_lengths)
   cols = slice(None)
   in_pattern = _mask_of(cfg, m, batch, head)
-  modify = _score_modifier(cfg, m, batch, head)
-  float_consts = _read(x.score_consts)
+  modify = _score_modifier(cfg, m, x, batch, head)
 
   def visit(i, carry):
     dk, dv = carry
@@ -457,8 +468,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, bias_ref, m: _MaskArrays, x: common.FlexArr
     logits, modify_vjp = _masked_logits(
         cfg, q, k, i * bq, j * bk, _pairwise_block(bias_ref, queries, cols),
         _pairwise_block(m.mask, queries, cols), None if kv_ids is None else q_ids_of(i), kv_ids,
-        kv_limit, None if in_pattern is None else in_pattern(i), modify, float_consts,
-        differentiate=True)
+        kv_limit, None if in_pattern is None else in_pattern(i), modify, differentiate=True)
     probs = jnp.exp(logits - lse_ref[queries][:, None])
     dv += plgpu.dot(probs.astype(d_out.dtype), d_out, trans_a=True)
     d_probs = plgpu.dot(d_out, v, trans_b=True)
@@ -604,6 +614,8 @@ def _backward(cfg: _Config, q, k, v, bias, x: common.FlexArrays, m: _MaskArrays,
   """
   batch, _, num_heads, head_dim = q.shape
   value_dim = v.shape[-1]
+  if cfg.score_mod is not None:
+    tile_mods.check_differentiable(cfg.score_mod)
   lse, delta = lse.transpose(0, 2, 1), delta.transpose(0, 2, 1)  # [B, H, Tq']
   params = _compiler_params(cfg, max(head_dim, value_dim))
 
@@ -812,12 +824,16 @@ def flash_attention_gpu(inputs: AttentionInputs, block_sizes: Optional[common.Bl
     float_consts, other_consts = score_mod.split(score_consts)
   cfg = dataclasses.replace(cfg, softcap=None if softcap is None else float(softcap),
                             score_mod=score_mod, has_sinks=sinks is not None)
-  kernel_mask_consts = (tuple(map(common.kernel_const, mask_consts))
+  # Flattened (tile_mods reads them by flat offset); the floating ones padded
+  # to a power of two, for the dq kernel loads them whole.
+  kernel_mask_consts = (tuple(map(tile_mods.kernel_array, mask_consts))
                         if block_layout is not None else ())
   m = dataclasses.replace(m, mask_consts=kernel_mask_consts,
-                          score_consts=tuple(map(common.kernel_const, other_consts)))
-  x = common.FlexArrays(sinks=None if sinks is None else jnp.asarray(sinks, jnp.float32),
-                  score_consts=tuple(map(common.kernel_const, float_consts)))
+                          score_consts=tuple(map(tile_mods.kernel_array, other_consts)))
+  x = common.FlexArrays(
+      sinks=None if sinks is None else jnp.asarray(sinks, jnp.float32),
+      score_consts=tuple(tile_mods.kernel_array(c, pad_to_power_of_two=True)
+                         for c in float_consts))
 
   q_len = query.shape[1]
   out, lse = _attention(cfg, (q, k, v, bias, x), m)

@@ -11,14 +11,18 @@ row; the options the Triton kernels refuse. Tiny shapes: the interpreter runs
 every program of the grid one after another.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import attention_jax as aj
+from attention_jax import flex as flex_module
 from attention_jax.core import mods, patterns
 from attention_jax.kernels import BlockSizes
+from attention_jax.kernels.flash_attention import flex as flex_kernels
 from tests.attention_testing import assert_close, outputs_and_grads, random_qkv
 
 B, H, HKV, D = 2, 4, 2, 16
@@ -147,3 +151,35 @@ def test_options_the_triton_kernels_refuse_raise_a_value_error():
   with pytest.raises(ValueError, match=r"powers of two and at least 16"):
     aj.flex_attention(query, key, value, mask_mod=mods.causal_mask, implementation="pallas_gpu",
                       block_sizes=BlockSizes(8, 8))
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_mods_lower_to_triton(case, monkeypatch):
+  """Forward and backward lower with the Triton backend (no GPU needed): the
+  mods' reads of their arrays (slopes[h], a bias table by head and distance,
+  document ids by batch row and position) become loads at computed offsets,
+  or one-hot sums where the dq kernel differentiates them. Triton's lowering
+  has no gather or dynamic_slice (they failed on an H200 before)."""
+  monkeypatch.setitem(flex_module.FLEX_IMPLEMENTATIONS, "pallas_gpu",
+                      functools.partial(flex_kernels.flex_pallas_gpu, interpret=False))
+  attention = _attention(case, "pallas_gpu")
+  loss = lambda *arrays: jnp.sum(attention(*arrays).astype(jnp.float32))
+  arrays = _arrays(case, seed=0)
+  module = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4))).trace(*arrays).lower(
+      lowering_platforms=("cuda",)).as_text()
+  for kernel in ("flash_attention_forward", "flash_attention_dq", "flash_attention_dkv"):
+    assert f'name = "{kernel}"' in module, kernel
+
+
+def test_mods_the_triton_kernels_cannot_read_are_refused_by_name():
+  query, key, value = random_qkv(0, batch=1, q_len=32, kv_len=32, num_heads=2, head_dim=D)
+  table = jnp.arange(4.0)
+  summed = lambda s, b, h, q, k: s + jnp.sum(table)  # a reduction over the array
+  with pytest.raises(NotImplementedError, match="applies `reduce_sum`"):
+    aj.flex_attention(query, key, value, score_mod=summed, implementation="pallas_gpu")
+  big = jnp.zeros((2, 2048))
+  per_position = lambda s, b, h, q, k: s + big[h, k]
+  aj.flex_attention(query, key, value, score_mod=per_position, implementation="pallas_gpu")
+  with pytest.raises(ValueError, match=r"at most 1024; got one of shape \(2, 2048\)"):
+    jax.grad(lambda q: aj.flex_attention(q, key, value, score_mod=per_position,
+                                         implementation="pallas_gpu").sum())(query)
