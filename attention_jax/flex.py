@@ -159,6 +159,9 @@ def flex_attention(query: Array, key: Array, value: Array, *,
       with the mods (causal and the window also skip blocks).
     implementation: "blockwise" (default), "pallas_gpu" (Triton), "pallas_tpu"
       (Mosaic) or "xla" (the dense reference); `FLEX_IMPLEMENTATIONS` lists them.
+      On Triton a mod may only index its arrays (`slopes[h]`, `ids[b, q_idx]`:
+      `kernels/flash_attention/tile_mods.py`), and a floating array it
+      differentiates has at most 1,024 entries.
     block_sizes: the blockwise kernel's blocks (one size for both passes);
       default the block mask's, else 128 x 128.
     return_residual: also return the log-sum-exp `[B, Tq, H]` float32

@@ -154,6 +154,8 @@ def define_flags(flag_values: flags.FlagValues, argv: Sequence[str]) -> None:
                        "memory figures are only indicative)", flag_values=flag_values)
   flags.DEFINE_string("out", None, "JSON output (default: benchmarks/chunkwise_<backend>.json)",
                       flag_values=flag_values)
+  flags.DEFINE_string("from_json", None, "print the table of this saved run and stop (how "
+                      "the README's tables are made)", flag_values=flag_values)
 
 
 # ---------------------------------------------------------------------------
@@ -377,6 +379,13 @@ def benchmark(args: cli.Args) -> Dict[str, Any]:
   if args.cell is not None:  # Child process: one cell, its record on stdout.
     print(json.dumps(measure_cell(json.loads(args.cell), "process")), flush=True)
     return {}
+  if args.from_json:
+    payload = json.loads(pathlib.Path(args.from_json).read_text())
+    environment = payload["environment"]
+    print(f"{args.from_json}: {environment['device_kind']}, git {environment['git_revision']}, "
+          f"exact attention: {payload['exact_attention']['implementation']}")
+    print(format_table(payload["summary"]))
+    return payload
 
   environment = common.environment()
   if (environment["git_revision"] or "").endswith("+dirty"):

@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import datetime
 import functools
+import json
 import pathlib
 import statistics
 import sys
@@ -101,6 +102,8 @@ def define_flags(flag_values: flags.FlagValues, argv: Sequence[str]) -> None:
                     flag_values=flag_values)
   flags.DEFINE_string("out", None, "JSON output (default: benchmarks/flex_<backend>.json)",
                       flag_values=flag_values)
+  flags.DEFINE_string("from_json", None, "print the tables of this saved run and stop (how "
+                      "the README's tables are made)", flag_values=flag_values)
 
 
 # ---------------------------------------------------------------------------
@@ -352,14 +355,15 @@ def _cell(result: Dict[str, Any]) -> str:
 
 
 def format_tables(records: List[Dict[str, Any]]) -> str:
-  """One table per pass: case, length, flex ms, blockwise ms, flex/blockwise,
-  jax.nn ms, density. "*" marks a materialised bias or mask."""
+  """One table per pass: case, length, flex ms, the plain kernel's ms (the
+  records' "blockwise" form), flex / plain, jax.nn ms, density. "*" marks a
+  materialised bias or mask."""
   lines = []
   for mode in PASSES:
     title = "forward" if mode == "fwd" else "forward+backward (grads of sum(out^2) in q, k, v)"
     lines += ["", f"## {title}",
-              f"{'case':<15} {'T':>6} {'flex ms':>10} {'blockwise ms':>13} "
-              f"{'flex/blockwise':>15} {'jax.nn ms':>10} {'density':>8}"]
+              f"{'case':<15} {'T':>6} {'flex ms':>10} {'plain ms':>13} "
+              f"{'flex/plain':>15} {'jax.nn ms':>10} {'density':>8}"]
     for r in (r for r in records if r["mode"] == mode):
       star = "*" if r["blockwise"].get("status") == "ok" and r["blockwise"]["materialised_bytes"] else ""
       ratio = "-" if r["flex_over_blockwise"] is None else f"{r['flex_over_blockwise']:.2f}"
@@ -372,6 +376,12 @@ def format_tables(records: List[Dict[str, Any]]) -> str:
 
 def benchmark(args: cli.Args) -> Dict[str, Any]:
   """Times every case x length x pass x form, prints the tables, writes the JSON."""
+  if args.from_json:
+    payload = json.loads(pathlib.Path(args.from_json).read_text())
+    environment = payload["environment"]
+    print(f"{args.from_json}: {environment['device_kind']}, git {environment['git_revision']}")
+    print(format_tables(payload["records"]))
+    return payload
   environment = common.environment()
   if environment["git_revision"] and environment["git_revision"].endswith("+dirty"):
     print(f"warning: uncommitted changes ({environment['git_revision']}), recorded in the JSON",

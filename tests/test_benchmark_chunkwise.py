@@ -132,3 +132,12 @@ def test_the_exact_implementation_is_recorded(tmp_path):
   assert payload["exact_attention"]["implementation"] == "xla"
   exact = [r for r in payload["records"] if r["mixer"] == EXACT]
   assert [r["exact_implementation"] for r in exact] == ["xla"] and exact[0]["status"] == "ok"
+
+
+def test_a_saved_run_prints_its_table(payload, capsys, tmp_path):
+  saved = tmp_path / "saved.json"
+  saved.write_text(json.dumps(payload))
+  benchmark_chunkwise.main([f"--from_json={saved}"])
+  printed = capsys.readouterr().out
+  assert "exact attention: blockwise" in printed
+  assert all(f"{mixer:<16} {mode:>8}" in printed for mixer in MIXERS for mode in MODES)

@@ -97,3 +97,15 @@ def test_the_default_blocks_follow_the_implementation(head_dim):
   assert benchmark_flex.kernel_blocks(8192, None, "blockwise", head_dim, "bfloat16") == (
       cpu.block_q, cpu.block_k)
   assert benchmark_flex.kernel_blocks(8192, 32, "pallas_gpu", head_dim, "bfloat16") == (32, 32)
+
+
+def test_a_saved_run_prints_its_tables(tmp_path, capsys):
+  out = tmp_path / "flex.json"
+  benchmark_flex.main(["--lengths=32", "--heads=1", "--head_dim=16", "--repeats=1",
+                       "--block_size=16", "--cases=causal", f"--out={out}"])
+  capsys.readouterr()
+  payload = benchmark_flex.main([f"--from_json={out}"])
+  printed = capsys.readouterr().out
+  assert payload["records"] == json.loads(out.read_text())["records"]
+  assert printed.count("causal              32") == 2  # one row per pass
+  assert "flex/plain" in printed
