@@ -57,6 +57,11 @@ def make_mixer(config: ModelConfig, variant: str, **module_kwargs) -> nn.Module:
                        f"({spec.mixer_class.__name__}) has no qkv width to set; leave it None.")
     kwargs["qkv_features"] = config.qkv_dim
   if config.position in positional.RELATIVE_POSITIONS:
+    if "position" not in {f.name for f in dataclasses.fields(spec.mixer_class)}:
+      raise ValueError(
+          f"model.position={config.position!r} is a relative position applied inside the "
+          f"attention layer, and the mixer of {variant!r} ({spec.mixer_class.__name__}) takes "
+          "none; use an absolute one ('learned', 'sinusoidal') or 'none'.")
     kwargs.update(position=config.position, position_options=config.position_options)
   if spec.in_attention_layer:  # the config refuses these for a mixer of its own
     for name, field in (("output_gate", "output_gate"), ("value_residual", "value_residual"),

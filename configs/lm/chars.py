@@ -17,7 +17,8 @@ compressive) carries it from one step to the next, as Dai et al. 2019 train.
 Evaluation runs the split's streams from an empty memory.
 
 The model: a 4-layer decoder of width 128 (4 heads, MLP 512), no dropout,
-with Transformer-XL's relative positions. With `memory_length=128` (the
+with Transformer-XL's relative positions (none for the chunkwise recurrent
+mixers, which, as in their papers, order tokens by their recurrence). With `memory_length=128` (the
 segment length, as the paper trains) each layer attends to the previous
 segment too; with `memory_length=0` it is the same decoder, parameter for
 parameter, seeing one segment at a time: the plain decoder of the same size
@@ -27,6 +28,7 @@ Bits per character ("bits_per_token") is the cross-entropy in bits of the
 127 characters of each segment that a position of the segment predicts.
 """
 
+from attention_jax import registry
 from attention_jax.train.config import attention_preset_of, default_config, parse_config_arg
 
 PRESETS = ()
@@ -43,6 +45,10 @@ def get_config(arg: str = "transformer_xl"):
                       attention_dropout_rate=0.0)
   if variant in ("transformer_xl", "compressive"):
     config.model.attention_options.memory_length = 128
+  if registry.get_variant(variant).family == "chunkwise":
+    # The recurrent mixers order tokens by their recurrence; their papers
+    # add no position encoding (and a relative one has no place in them).
+    config.model.position = "none"
   config.num_train_steps = 3000
   config.batch_size = 16
   config.optimizer.update(learning_rate=2e-3, warmup_steps=200, schedule="cosine",

@@ -1,4 +1,5 @@
-"""Character-level language modelling with and without Transformer-XL's memory.
+"""Character-level language modelling: Transformer-XL with and without its memory,
+and the chunkwise recurrent mixers.
 
   python -m experiments.reproduce --table=configs/tables/chars.py --results=results/chars/
 
@@ -9,7 +10,11 @@ layer (the previous segment, carried from step to step) and once without
 (`memory_length=0`: the same parameters, one segment at a time), 2 seeds.
 Test bits per character, lower is better. The corpus's names recur
 thousands of characters apart, so what the memory buys is what the
-previous segment tells about the current one.
+previous segment tells about the current one. The six chunkwise mixers
+(retention, GLA, Mamba-2, DeltaNet, Gated DeltaNet, RWKV-7) take the same
+decoder with their own layer in place of attention and no position encoding;
+each row sees one segment at a time (their state is not carried across
+segments), so they compare with `no_memory`.
 """
 
 import ml_collections
@@ -19,9 +24,11 @@ def get_config():
   config = ml_collections.ConfigDict()
   config.name = "chars"
   config.kind = "accuracy"
-  config.description = "Character-level LM, bits per character, with and without XL memory (CPU)"
+  config.description = ("Character-level LM, bits per character: XL memory and the chunkwise "
+                        "recurrent mixers (CPU)")
   config.tasks = {"chars": "configs/lm/chars.py"}
-  config.variants = ("transformer_xl", "no_memory")
+  config.variants = ("transformer_xl", "no_memory", "retention", "gla", "mamba2", "delta_net",
+                     "gated_delta_net", "rwkv7")
   config.baselines = {"no_memory": {"variant": "transformer_xl", "overrides": {
       "model": {"attention_options": {"memory_length": 0}}}}}
   config.seeds = (0, 1)

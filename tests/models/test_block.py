@@ -144,6 +144,13 @@ def test_block_passes_relative_position_to_the_mixer():
   assert_close(_apply(_block(position="sinusoidal"), params, x), no_position)
 
 
+def test_a_relative_position_for_a_mixer_without_one_is_refused_by_name():
+  with pytest.raises(ValueError, match=r"model.position='xl_relative' is a relative position "
+                                       r"applied inside the attention layer, and the mixer of "
+                                       r"'gla' \(GatedLinearAttention\) takes none"):
+    _params(_block(attention="gla", position="xl_relative"), _inputs())
+
+
 def test_block_hands_the_carry_on():
   x = _inputs()
   other = {"not_mine": jnp.arange(3.0)}
