@@ -763,3 +763,101 @@ def test_length_table_reads_each_runs_metric_by_evaluation_length(tmp_path, draw
                  if not line.get_label().startswith("_")}
   assert lines_drawn == {"dot_product+alibi": [[64, 2.0], [128, 2.1], [256, 2.25]],
                          "dot_product+learned": [[64, 1.9]]}
+
+
+SWEPT_RECALL = """
+import ml_collections
+def get_config():
+  c = ml_collections.ConfigDict()
+  c.name = "swept"
+  c.kind = "grouped_accuracy"
+  c.tasks = {"mqar_T32": "configs/recall/recall.py:mqar,T32"}
+  c.variants = ("dot_product", "linear")
+  c.seeds = (0, 1)
+  c.presets = ()
+  c.paper = False
+  c.learning_rates = (None, 3e-3)
+  return c
+"""
+
+
+def test_a_learning_rate_sweep_reports_each_row_at_its_best_rate(tmp_path):
+  table_path = write_table(tmp_path, SWEPT_RECALL)
+  out = tmp_path / "out"
+  cells = tables.expand(tables.load_table(table_path), out)
+  assert len(cells) == 2 * 2 * 2  # seeds x variants x rates
+  runs = out.resolve() / "runs" / "mqar_T32" / "dot_product" / "method"
+  own = next(c for c in cells if c.key == dict(task="mqar_T32", variant="dot_product",
+                                               preset="method", seed=0, learning_rate=None))
+  swept = next(c for c in cells if c.key["learning_rate"] == 3e-3 and c.key["seed"] == 0
+               and c.key["variant"] == "dot_product")
+  # The config's own rate keeps the workdir of a table without a sweep.
+  assert own.workdir == runs / "seed0"
+  assert not any(arg.startswith("--config.optimizer") for arg in own.command)
+  assert swept.workdir == runs / "lr0.003" / "seed0"
+  assert "--config.optimizer.learning_rate=0.003" in swept.command
+
+  def write(variant, rate, seed, validation, per_pairs):
+    results = fake_training_results(seed, sum(per_pairs.values()) / len(per_pairs))
+    results["config"]["optimizer"] = dict(learning_rate=rate or 1e-3)
+    results["metrics"]["best_validation"]["accuracy"] = validation
+    results["metrics"]["test"].update({f"pairs{p}_accuracy": a for p, a in per_pairs.items()})
+    folder = out / "runs" / "mqar_T32" / variant / "method"
+    path = (folder / f"lr{rate:g}" if rate else folder) / f"seed{seed}" / "results.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(results))
+
+  # dot_product: bimodal at its config's rate, learns at 3e-3 -> 3e-3 is reported.
+  write("dot_product", None, 0, 0.40, {2: 0.5, 4: 0.3})
+  write("dot_product", None, 1, 0.95, {2: 1.0, 4: 0.9})
+  write("dot_product", 3e-3, 0, 0.99, {2: 1.0, 4: 0.98})
+  write("dot_product", 3e-3, 1, 0.97, {2: 1.0, 4: 0.94})
+  # linear: better at its config's rate; 3e-3 has one seed only.
+  write("linear", None, 0, 0.50, {2: 0.6, 4: 0.4})
+  write("linear", None, 1, 0.52, {2: 0.6, 4: 0.44})
+  write("linear", 3e-3, 0, 0.20, {2: 0.3, 4: 0.1})
+  assert reproduce.main([f"--table={table_path}", f"--results={out}", "--norun",
+                         f"--data_dir={tmp_path / 'data'}"]) == 0
+  lines = (out / "table.md").read_text().splitlines()
+  assert "| dot_product | 100.0 ± 0.0 (n=2) | 96.0 ± 2.8 (n=2) | 98.0 ± 1.4 (n=2) |" in lines
+  assert "| linear | 60.0 ± 0.0 (n=2) | 42.0 ± 2.8 (n=2) | 51.0 ± 1.4 (n=2) |" in lines
+  section = lines[lines.index("## Learning rate of each row"):]
+  assert "| dot_product | 0.003 (best of 2 run) |" in section
+  assert "| linear | 0.001 (best of 2 run) |" in section
+  with (out / "table.csv").open() as f:
+    chosen = {(r["variant"], r["group"]): r["learning_rate"] for r in csv.DictReader(f)}
+  assert chosen[("dot_product", "all")] == "0.003" and chosen[("linear", "all")] == "0.001"
+
+
+@pytest.mark.parametrize("body, message", [
+    (SWEPT_RECALL.replace("(None, 3e-3)", "(1e-3, -1.0)"),
+     r"learning_rates must hold positive numbers or None .* got -1.0"),
+    (SWEPT_RECALL.replace("(None, 3e-3)", "(1e-3, 1e-3)"), r"learning_rates lists a rate twice"),
+    (SWEPT_RECALL.replace('"grouped_accuracy"', '"length"').replace(
+        'c.paper = False', 'c.paper = False\n  c.lengths = (64,)'),
+     r"learning_rates: a table of kind 'length' has no learning-rate sweep"),
+])
+def test_a_bad_learning_rate_sweep_is_refused_by_name(tmp_path, body, message):
+  with pytest.raises(ValueError, match=message):
+    tables.load_table(write_table(tmp_path, body))
+
+
+def test_an_accuracy_table_sweep_names_each_row_s_rate(tmp_path):
+  table_path = write_table(tmp_path, SWEPT_RECALL.replace('"grouped_accuracy"', '"accuracy"'))
+  out = tmp_path / "out"
+  for rate, seed, validation, test in ((None, 0, 0.3, 0.31), (3e-3, 0, 0.9, 0.88),
+                                       (3e-3, 1, 0.8, 0.82)):
+    results = fake_training_results(seed, test)
+    results["config"]["optimizer"] = dict(learning_rate=rate or 1e-3)
+    results["metrics"]["best_validation"]["accuracy"] = validation
+    folder = out / "runs" / "mqar_T32" / "dot_product" / "method"
+    path = (folder / f"lr{rate:g}" if rate else folder) / f"seed{seed}" / "results.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(results))
+  assert reproduce.main([f"--table={table_path}", f"--results={out}", "--norun",
+                         f"--data_dir={tmp_path / 'data'}"]) == 0
+  lines = (out / "table.md").read_text().splitlines()
+  assert "| dot_product | 85.0 ± 4.2 (n=2) |" in lines
+  assert ("| mqar_T32 | dot_product | method | 85.0 ± 7.1 (n=2) | 0.003 (best of 2 run) | "
+          "10.0 ± 0.0 (n=2) | 300 ± 0 (n=2) host RSS |") in lines
+  assert "| mqar_T32 | linear | method | - | - | - | - |" in lines

@@ -53,6 +53,11 @@ def check_table(table: Any) -> None:
   if missing:
     raise ValueError(f"a table of kind {kind!r} needs {', '.join(KINDS[kind].REQUIRED)}; it "
                      f"lacks {', '.join(missing)}.")
+  if table.get("learning_rates") and not getattr(KINDS[kind], "SWEEPS_LEARNING_RATE", False):
+    raise ValueError(f"learning_rates: a table of kind {kind!r} has no learning-rate sweep; "
+                     "the accuracy kinds do.")
+  if getattr(KINDS[kind], "SWEEPS_LEARNING_RATE", False):
+    accuracy.learning_rates(table)  # its own errors, before any cell runs
 
 
 def load_table(path: str | pathlib.Path) -> Any:

@@ -25,6 +25,14 @@ runs them (a ConfigDict sorts the keys of `tasks`); `not_run`, `{variant: reason
 table leaves out, listed under it with the reason (never dropped silently).
 With the majority class known, the table says which variants beat it in
 every seed.
+
+`learning_rates`, optional, sweeps the optimiser's rate as Zoology does: a
+cell per rate (`--config.optimizer.learning_rate`, in `.../lr<rate>/seed<k>`;
+a rate of None is the task config's own, in the `.../seed<k>` a table without
+a sweep uses, so its finished cells count), and each row reports the rate
+whose finished seeds have the best mean best-validation metric (ties: the
+rate listed first; `lower_is_better=True` for a loss such as bits per
+character), with the rate it chose (`selected_runs`).
 """
 
 from __future__ import annotations
@@ -42,6 +50,7 @@ from experiments.tables.cells import Cell, read_results
 
 REQUIRED = ("name", "tasks", "variants", "seeds")
 PAPER = True  # the LRA paper's number stands beside each measured one
+SWEEPS_LEARNING_RATE = True  # `learning_rates` (see the module docstring)
 CELL_CONFIG = "configs/tables/cell.py"
 
 
@@ -96,6 +105,29 @@ def attention_presets(table: Any) -> Tuple[str, ...]:
   return presets
 
 
+def learning_rates(table: Any) -> Tuple[Optional[float], ...]:
+  """The table's learning-rate sweep (None: the task config's own rate); `(None,)`
+  without one.
+
+  Raises:
+    ValueError: naming `learning_rates`, for a rate that is not a positive
+      number or None, or a rate listed twice.
+  """
+  rates = tuple(table.get("learning_rates", ()) or (None,))
+  for rate in rates:
+    if rate is not None and (isinstance(rate, bool) or not isinstance(rate, (int, float))
+                             or not rate > 0):
+      raise ValueError(f"learning_rates must hold positive numbers or None (the config's own "
+                       f"rate), got {rate!r} in {rates}.")
+  if len(set(rates)) != len(rates):
+    raise ValueError(f"learning_rates lists a rate twice: {rates}.")
+  return rates
+
+
+def sweeps_learning_rate(table: Any) -> bool:
+  return learning_rates(table) != (None,)
+
+
 def expand(table: Any, runs: pathlib.Path, *, data_dir: str = "data",
            batch_size: Optional[int] = None) -> List[Cell]:
   """The cells, seed-major (a stopped run has whole seeds first), one per
@@ -118,14 +150,62 @@ def expand(table: Any, runs: pathlib.Path, *, data_dir: str = "data",
         for preset in attention_presets(table):
           if preset not in variant_presets(variant):
             continue  # the table shows "-" for a preset the variant does not have
-          workdir = runs / task / label / preset / f"seed{seed}"
-          flags = (f"--config.seed={seed}", f"--config.data_dir={data_dir}",
-                   "--config.progress=False", *table.get("flags", ()))
-          cells.append(Cell(
-              key=dict(task=task, variant=label, preset=preset, seed=seed), workdir=workdir,
-              command=training_command(config_file, variant, (*presets, *task_presets, preset),
-                                       workdir, flags, cell_overrides)))
+          for rate in learning_rates(table):
+            key = dict(task=task, variant=label, preset=preset, seed=seed)
+            workdir = runs / task / label / preset
+            flags = (f"--config.seed={seed}", f"--config.data_dir={data_dir}",
+                     "--config.progress=False", *table.get("flags", ()))
+            if sweeps_learning_rate(table):
+              key["learning_rate"] = rate
+            if rate is not None:
+              workdir = workdir / f"lr{rate:g}"
+              flags += (f"--config.optimizer.learning_rate={rate!r}",)
+            workdir = workdir / f"seed{seed}"
+            cells.append(Cell(
+                key=key, workdir=workdir,
+                command=training_command(config_file, variant,
+                                         (*presets, *task_presets, preset), workdir, flags,
+                                         cell_overrides)))
   return cells
+
+
+def selected_runs(table: Any, cells: Sequence[Cell]
+                  ) -> Dict[Tuple[str, str, str], Dict[str, Any]]:
+  """Per (task, variant, preset), the finished runs the row reports: every run
+  without a sweep; with one, those of the rate whose runs have the best mean
+  best-validation metric (Zoology's protocol: each model at its best rate).
+
+  Returns:
+    `{(task, variant, preset): {"runs": [results], "learning_rate": the
+    chosen rate as the runs' config has it (None without a sweep or a
+    finished run), "rates_finished": how many rates have a finished run}}`,
+    every row present, with no runs before any finished.
+  """
+  metric = table.get("metric", "accuracy")
+  sign = -1.0 if table.get("lower_is_better", False) else 1.0
+  by_rate: Dict[Tuple[str, str, str], Dict[Any, List[Dict[str, Any]]]] = {}
+  for cell in cells:
+    row = (cell.key["task"], cell.key["variant"], cell.key["preset"])
+    runs = by_rate.setdefault(row, {}).setdefault(cell.key.get("learning_rate"), [])
+    results = read_results(cell.results_path)
+    if results is not None and "metrics" in results:
+      runs.append(results)
+  selected = {}
+  for row, rates in by_rate.items():
+    finished = {rate: runs for rate, runs in rates.items() if runs}
+    chosen: List[Dict[str, Any]] = []
+    if finished:
+      def score(runs):
+        values = [r["metrics"].get("best_validation", {}).get(metric) for r in runs]
+        values = [v for v in values if v is not None]
+        return sign * sum(values) / len(values) if values else -math.inf
+      # max keeps the first of equal scores: the rate listed first.
+      chosen = max(finished.values(), key=score)
+    rate = None
+    if chosen and sweeps_learning_rate(table):
+      rate = chosen[0].get("config", {}).get("optimizer", {}).get("learning_rate")
+    selected[row] = dict(runs=chosen, learning_rate=rate, rates_finished=len(finished))
+  return selected
 
 
 def _merged(base: Mapping[str, Any], update: Mapping[str, Any]) -> Dict[str, Any]:
@@ -143,15 +223,9 @@ def summarize(table: Any, cells: Sequence[Cell]) -> List[Dict[str, Any]]:
   (MiB), and the paper's number."""
   metric = table.get("metric", "accuracy")
   scale = 100 if table.get("percent", True) else 1
-  groups: Dict[Tuple[str, str, str], List[Dict[str, Any]]] = {}
-  for cell in cells:
-    group = (cell.key["task"], cell.key["variant"], cell.key["preset"])
-    groups.setdefault(group, [])
-    results = read_results(cell.results_path)
-    if results is not None and "metrics" in results:
-      groups[group].append(results)
   rows = []
-  for (task, variant, preset), runs in groups.items():
+  for (task, variant, preset), selected in selected_runs(table, cells).items():
+    runs = selected["runs"]
     metrics = [r["metrics"] for r in runs]
     tests = [scale * m["test"][metric] for m in metrics if "test" in m]
     rows.append(dict(
@@ -164,6 +238,7 @@ def summarize(table: Any, cells: Sequence[Cell]) -> List[Dict[str, Any]]:
                                   if m.get("peak_memory_bytes")]),
         memory_source=next((m.get("memory_source") for m in metrics), None),
         seeds=[r["config"]["seed"] for r in runs],
+        learning_rate=selected["learning_rate"], rates_finished=selected["rates_finished"],
         paper=lra_paper.accuracy(variant, task) if table.get("paper", True) else None))
   return rows
 
@@ -272,9 +347,13 @@ def markdown(table: Any, rows: Sequence[Dict[str, Any]], data_dir: str = "data")
   if not_run:
     lines += ["", "## Not run here", "", *report.markdown_head(["variant", "reason"]),
               *(report.markdown_row([variant, reason]) for variant, reason in not_run.items())]
-  lines += ["", f"## Best validation {metric}{unit}, train steps/s and peak memory (MiB)", "",
-            *report.markdown_head(["task", "variant", "preset", f"best validation{unit}",
-                                   "steps/s", "peak memory (MiB)"])]
+  sweep = sweeps_learning_rate(table)
+  lines += ["", f"## Best validation {metric}{unit}, train steps/s and peak memory (MiB)", ""]
+  if sweep:
+    lines += [learning_rate_note(table), ""]
+  lines += report.markdown_head(["task", "variant", "preset", f"best validation{unit}",
+                                 *(["learning rate"] if sweep else []),
+                                 "steps/s", "peak memory (MiB)"])
   for task in tasks:
     for variant in ordered_variants(table, rows):
       for preset in presets:
@@ -282,9 +361,26 @@ def markdown(table: Any, rows: Sequence[Dict[str, Any]], data_dir: str = "data")
         source = " host RSS" if row.get("memory_source") == "host_rss" else ""
         lines.append(report.markdown_row([
             task, variant, preset, report.spread_text(row.get("validation"), digits=digits),
+            *([rate_text(row)] if sweep else []),
             report.spread_text(row.get("steps_per_s")),
             report.spread_text(row.get("memory_mib"), digits=0) + source]))
   return lines
+
+
+def learning_rate_note(table: Any) -> str:
+  """What a swept table's rows report, in one line."""
+  rates = ", ".join("the config's own" if r is None else f"{r:g}" for r in learning_rates(table))
+  direction = "lowest" if table.get("lower_is_better", False) else "best"
+  return (f"Each row reports the learning rate, of {rates}, whose finished seeds have the "
+          f"{direction} mean best-validation {table.get('metric', 'accuracy').replace('_', ' ')} "
+          "(Zoology's protocol); its rate and how many rates had finished runs:")
+
+
+def rate_text(row: Mapping[str, Any]) -> str:
+  """A row's chosen rate, "0.003 (best of 2 run)"; "-" before any run."""
+  if row.get("learning_rate") is None:
+    return "-"
+  return f"{row['learning_rate']:g} (best of {row['rates_finished']} run)"
 
 
 def plot(table: Any, rows: Sequence[Dict[str, Any]], out: pathlib.Path) -> List[str]:

@@ -22,10 +22,11 @@ import re
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from experiments.tables import accuracy, report
-from experiments.tables.cells import Cell, read_results
+from experiments.tables.cells import Cell
 
 REQUIRED = accuracy.REQUIRED
 PAPER = False
+SWEEPS_LEARNING_RATE = True  # as the accuracy kind: `accuracy.selected_runs`
 expand = accuracy.expand
 OVERALL = "all"  # the column of a task's accuracy over every group
 
@@ -45,20 +46,16 @@ def summarize(table: Any, cells: Sequence[Cell]) -> List[Dict[str, Any]]:
   """One row per (task, variant, preset, group), the group "all" included:
   the spread of test accuracy (%) over seeds."""
   metric = table.get("metric", "accuracy")
-  runs: Dict[Tuple[str, str, str], List[Dict[str, float]]] = {}
-  for cell in cells:
-    key = (cell.key["task"], cell.key["variant"], cell.key["preset"])
-    runs.setdefault(key, [])
-    results = read_results(cell.results_path)
-    if results is not None and "test" in results.get("metrics", {}):
-      runs[key].append(results["metrics"]["test"])
   rows = []
-  for (task, variant, preset), tests in runs.items():
+  for (task, variant, preset), selected in accuracy.selected_runs(table, cells).items():
+    tests = [r["metrics"]["test"] for r in selected["runs"] if "test" in r["metrics"]]
     groups = _groups(tests[0], metric) if tests else []
     for group in (*groups, OVERALL):
       name = metric if group == OVERALL else f"{group}_{metric}"
       rows.append(dict(task=task, variant=variant, preset=preset, group=group,
-                       test=report.spread([100 * t[name] for t in tests if name in t])))
+                       test=report.spread([100 * t[name] for t in tests if name in t]),
+                       learning_rate=selected["learning_rate"],
+                       rates_finished=selected["rates_finished"]))
   return rows
 
 
@@ -95,6 +92,18 @@ def markdown(table: Any, rows: Sequence[Dict[str, Any]], data_dir: str = "data")
                accuracy.ordered_variants(table, _overall_rows(rows)), columns,
                lambda variant, column: report.spread_text(
                    by.get((column[0], variant, column[1], column[2]), {}).get("test")))]
+  if accuracy.sweeps_learning_rate(table):
+    # One column per task and preset: the rate its row reports.
+    rate_columns = [(task, preset) for task in accuracy.task_names(table)
+                    for preset in accuracy.attention_presets(table)]
+    lines += ["", "## Learning rate of each row", "", accuracy.learning_rate_note(table), "",
+              *report.markdown_head(["variant", *(" ".join([task, *([preset] if several_presets
+                                                                      else [])])
+                                                  for task, preset in rate_columns)]),
+              *report.variant_rows(
+                  accuracy.ordered_variants(table, _overall_rows(rows)), rate_columns,
+                  lambda variant, column: accuracy.rate_text(
+                      by.get((column[0], variant, column[1], OVERALL), {})))]
   not_run = accuracy.plain(table.get("not_run", {})) or {}
   if not_run:
     lines += ["", "## Not run here", "", *report.markdown_head(["variant", "reason"]),
