@@ -18,6 +18,7 @@ from attention_jax import registry
 from attention_jax.models import kinds
 from attention_jax.train.config import apply_attention_preset, check_config
 from attention_jax.train.lengths import check_length_eval
+from attention_jax.train.pretrain import check_pretrain
 from attention_jax.train.task_data import task_options
 
 
@@ -57,6 +58,7 @@ def complete_config(config: ml_collections.ConfigDict) -> ml_collections.ConfigD
     raise ValueError(f"model.max_length={config.model.max_length} is shorter than task "
                      f"{config.task!r}'s sequences of {info.seq_len} tokens.")
   check_length_eval(config, info.seq_len)
+  check_pretrain(config)
   if config.eval_batch_size is None:
     config.eval_batch_size = config.batch_size
   if info.stream and config.eval_batch_size != config.batch_size:

@@ -69,6 +69,12 @@ def default_config(variant: str = "dot_product",
   # `task_options.seq_len` at each), RoPE scaled to each with `rope_scaling`
   # ("linear", "ntk" or "yarn"); see `train.lengths`.
   config.length_eval = ml_collections.ConfigDict(dict(lengths=(), rope_scaling=placeholder(str)))
+  # Self-pretraining (`train.pretrain`): with objective "causal", a language-
+  # modelling phase on the task's own inputs in <workdir>/pretrain/ first, its
+  # encoder handed to the classifier; learning_rate, warmup_steps: None, the run's.
+  config.pretrain = ml_collections.ConfigDict(dict(
+      objective=placeholder(str), num_train_steps=0, learning_rate=placeholder(float),
+      warmup_steps=placeholder(int)))
 
   config.log_every = 50  # steps between train-metric records
   config.checkpoint_every = 200  # steps between checkpoints (and the final step)
@@ -184,7 +190,8 @@ def config_differences(saved: Dict[str, Any], current: Dict[str, Any]) -> List[T
   # Keys added to the trainer's config after a run started, at their defaults.
   added_keys = default_config()
   defaults = dict(flat({"model": default_model_config().to_dict(),
-                        "length_eval": added_keys.length_eval.to_dict()}),
+                        "length_eval": added_keys.length_eval.to_dict(),
+                        "pretrain": added_keys.pretrain.to_dict()}),
                   sequence_shards=added_keys.sequence_shards)
   added_at_default = {key for key in set(b) - set(a)
                       if key in defaults and _normalise(b[key]) == _normalise(defaults[key])}

@@ -37,7 +37,7 @@ import ml_collections
 import numpy as np
 
 from attention_jax import data as lra_data
-from attention_jax.train import partitioning
+from attention_jax.train import partitioning, pretrain
 from attention_jax.train.checkpoints import Checkpointer
 from attention_jax.train.completion import complete_config
 from attention_jax.train.lengths import prepare_length_evals
@@ -110,9 +110,17 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
   check_workdir_path(workdir)
   config = complete_config(config)
   run = build_run(config)
+  # Self-pretraining's first phase, checked now like the run itself.
+  phase = pretrain.checked_phase(config) if pretrain.enabled(config) else None
   claim_workdir(workdir, config, overwrite)
   if (workdir / RESULTS_FILE).is_file():  # This run finished before.
     return json.loads((workdir / RESULTS_FILE).read_text())
+  # Self-pretraining: the first phase is a run of its own in <workdir>/pretrain/
+  # (resumed, or read back when finished); its encoder starts this one.
+  pretrained = None
+  if phase is not None:
+    pretrained = (phase, train_and_evaluate(phase, workdir / pretrain.PRETRAIN_DIR,
+                                            overwrite=overwrite, handle_signals=handle_signals))
 
   # -- Data and state: restored from the latest checkpoint, or initialised. --
   task, splits = prepare_splits(config)
@@ -138,6 +146,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
   if restored is None:
     state, _ = run.init_state(example_batch, memory_rows=memory_rows)
     start_step = 0
+    if pretrained is not None:  # the handover, once: a resumed run has its own checkpoint
+      phase_state, phase_shardings = build_run(pretrained[0]).abstract_state(
+          example_batch, memory_rows=memory_rows)
+      state = pretrain.hand_over(state, pretrain.pretrained_encoder(
+          workdir, phase_state, phase_shardings))
   else:
     state, start_step = restored
   train_step = run.train_step(shardings)
@@ -333,6 +346,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
   results = dict(config=config.to_dict(), git_revision=git_revision(),
                  devices=device_summary(), mesh=dict(run.mesh.shape), num_train_steps=total,
                  resumed_from=start_step or None,
+                 **({} if pretrained is None else dict(pretrain=dict(
+                     workdir=str(workdir / pretrain.PRETRAIN_DIR),
+                     num_train_steps=pretrained[1]["num_train_steps"],
+                     validation=pretrained[1]["metrics"]["validation"]))),
                  finished=datetime.datetime.now(datetime.timezone.utc).isoformat(),
                  metrics=results_metrics)
   if jax.process_index() == 0:

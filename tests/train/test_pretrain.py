@@ -1,0 +1,141 @@
+"""Self-pretraining (`attention_jax.train.pretrain`): a causal language-modelling
+phase on the task's inputs in <workdir>/pretrain/, its encoder handed to the
+classifier; either phase resumes to the parameters of an uninterrupted run."""
+
+import json
+import pathlib
+import shutil
+
+import jax
+import numpy as np
+import pytest
+
+from attention_jax.train import pretrain
+from attention_jax.train.trainer import train_and_evaluate
+from tests.train import tiny_config
+
+PRETRAIN_STEPS = 8
+STEPS = 12
+
+
+def _config(tmp_path, **pretrain_options):
+  config = tiny_config.get_config()
+  config.data_dir = str(tmp_path / "data")
+  config.num_train_steps = STEPS
+  config.pretrain.update(dict(objective="causal", num_train_steps=PRETRAIN_STEPS,
+                              learning_rate=1e-2), **pretrain_options)
+  return config
+
+
+def _params(workdir, step):
+  """Checkpoint `step`'s parameters as NumPy arrays, read without a template."""
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+  with ocp.CheckpointManager(pathlib.Path(workdir) / "checkpoints") as manager:
+    restored = manager.restore(step)
+  state = restored["default"] if "default" in restored else restored
+  params = state["params"] if isinstance(state, dict) else state.params
+  return jax.tree.map(np.asarray, params)
+
+
+def _assert_equal_trees(a, b):
+  assert jax.tree.structure(a) == jax.tree.structure(b)
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    np.testing.assert_array_equal(x, y)
+
+
+@pytest.fixture(scope="module")
+def pretrained_run(tmp_path_factory):
+  tmp_path = tmp_path_factory.mktemp("pretrained")
+  workdir = tmp_path / "workdir"
+  return tmp_path, workdir, train_and_evaluate(_config(tmp_path), workdir)
+
+
+def test_the_first_phase_is_a_language_model_of_the_task_s_inputs(pretrained_run):
+  _, workdir, results = pretrained_run
+  phase = json.loads((workdir / "pretrain" / "results.json").read_text())
+  assert phase["config"]["model"]["kind"] == "language_model"
+  assert phase["config"]["task"] == "listops" and phase["num_train_steps"] == PRETRAIN_STEPS
+  assert phase["config"]["optimizer"]["learning_rate"] == 1e-2
+  assert results["config"]["model"]["kind"] == "classifier"
+  assert results["pretrain"]["num_train_steps"] == PRETRAIN_STEPS
+  assert results["pretrain"]["validation"] == phase["metrics"]["validation"]
+  # The classifier's encoder and the language model's share names and shapes.
+  lm, classifier = _params(workdir / "pretrain", PRETRAIN_STEPS), _params(workdir, STEPS)
+  assert jax.tree.structure(lm["encoder"]) == jax.tree.structure(classifier["encoder"])
+  assert "lm_head" in lm and "head" in classifier
+
+
+def test_the_classifier_starts_from_the_pretrained_encoder(tmp_path, pretrained_run):
+  # With a learning rate of ~0 the classifier's encoder stays what it was handed.
+  source, workdir, _ = pretrained_run
+  config = _config(source)
+  config.optimizer.learning_rate = 1e-12  # (weight decay is scaled by it too)
+  still = tmp_path / "still"
+  shutil.copytree(workdir / "pretrain", still / "pretrain")
+  # (The first phase's config is unchanged by the classifier's optimizer: it
+  # has its own learning rate, so its finished run is reused.)
+  train_and_evaluate(config, still)
+  handed = _params(still / "pretrain", PRETRAIN_STEPS)["encoder"]
+  for a, b in zip(jax.tree.leaves(handed), jax.tree.leaves(_params(still, STEPS)["encoder"])):
+    np.testing.assert_allclose(a, b, atol=1e-6)
+
+
+@pytest.mark.parametrize("phase", ["pretrain", "classify"])
+def test_a_run_stopped_in_either_phase_resumes_to_the_same_parameters(tmp_path, pretrained_run,
+                                                                      phase):
+  source, workdir, results = pretrained_run
+  copy = tmp_path / "workdir"
+  shutil.copytree(workdir, copy)
+  # What a run killed after the phase's first kept checkpoint leaves: that
+  # phase's later checkpoints and results gone (and, stopped in the first
+  # phase, none of the second's files but its claim).
+  stopped = copy / "pretrain" if phase == "pretrain" else copy
+  (stopped / "results.json").unlink()
+  kept = sorted(int(p.name) for p in (stopped / "checkpoints").iterdir() if p.name.isdigit())
+  cut = kept[0]
+  assert cut < (PRETRAIN_STEPS if phase == "pretrain" else STEPS)
+  for step in kept[1:]:
+    shutil.rmtree(stopped / "checkpoints" / str(step))
+  if phase == "pretrain":
+    for path in copy.iterdir():
+      if path.name not in ("pretrain", "config.json"):
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
+  resumed = train_and_evaluate(_config(source), copy)
+  phase_results = json.loads((copy / "pretrain" / "results.json").read_text())
+  if phase == "pretrain":
+    assert phase_results["resumed_from"] == cut and resumed["resumed_from"] is None
+  else:
+    assert resumed["resumed_from"] == cut
+  _assert_equal_trees(_params(workdir, STEPS), _params(copy, STEPS))
+  _assert_equal_trees(_params(workdir / "pretrain", PRETRAIN_STEPS),
+                      _params(copy / "pretrain", PRETRAIN_STEPS))
+  assert resumed["metrics"]["test"] == results["metrics"]["test"]
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(objective="masked"), r"pretrain.objective must be None or one of \('causal',\), "
+                               r"got 'masked'"),
+    (dict(num_train_steps=0), r"pretrain.num_train_steps must be a positive int"),
+])
+def test_bad_pretraining_options_are_refused_by_name(tmp_path, change, message):
+  with pytest.raises(ValueError, match=message):
+    train_and_evaluate(_config(tmp_path, **change), tmp_path / "run")
+  assert not (tmp_path / "run").exists()
+
+
+def test_a_model_kind_without_the_classifier_s_encoder_is_refused(tmp_path):
+  config = _config(tmp_path)
+  config.model.kind = "funnel"
+  with pytest.raises(ValueError, match=r"model.kind='funnel' has no such encoder"):
+    pretrain.check_pretrain(config)
+
+
+def test_a_variant_without_a_causal_form_is_refused_before_anything_is_written(tmp_path):
+  config = tiny_config.get_config("linformer")
+  config.data_dir = str(tmp_path / "data")
+  config.pretrain.update(objective="causal", num_train_steps=4)
+  with pytest.raises(ValueError, match=r"pretrain.objective='causal' trains "
+                                       r"model.attention='linformer' as a language model first: "
+                                       r".*'linformer' has no causal form"):
+    train_and_evaluate(config, tmp_path / "run")
+  assert not (tmp_path / "run").exists()
