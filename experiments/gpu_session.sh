@@ -83,6 +83,17 @@ flex_gpu() {  # #41 item 2: flex on Triton against our plain Triton kernel and j
       --out="$OUT/flex_gpu.json" 2>&1 | tee "$OUT/flex_gpu.log" | tail -22
 }
 
+chunkwise_delta_gpu() {  # the delta rule's kernels asked for 344 KB of shared memory at
+  # C = 64 (the H200 gives a block 227 KB): smaller chunks, each a file of its own
+  for chunk in 32 16; do
+    timeout 100 $PY -m experiments.benchmark_chunkwise --chunkwise_implementation=pallas_gpu \
+        --exact_implementation=pallas --dtype=bfloat16 --batch=8 --heads=16 --key_dim=64 \
+        --value_dim=64 --lengths=4096,32768 --modes=fwd_bwd --max_recurrent_length=1 \
+        --mixers=delta_net,gated_delta_net --chunk_size=$chunk --repeats=5 \
+        --out="$OUT/chunkwise_delta_c$chunk.json" 2>&1 | tail -6
+  done
+}
+
 chunkwise_gpu() {  # #41 item 3: the chunk kernels against our exact (Triton) kernel
   timeout 130 $PY -m experiments.benchmark_chunkwise --chunkwise_implementation=pallas_gpu \
       --exact_implementation=pallas --dtype=bfloat16 --batch=8 --heads=16 --key_dim=64 \
