@@ -3,7 +3,6 @@ phase on the task's inputs in <workdir>/pretrain/, its encoder handed to the
 classifier; either phase resumes to the parameters of an uninterrupted run."""
 
 import json
-import pathlib
 import shutil
 
 import jax
@@ -13,6 +12,7 @@ import pytest
 from attention_jax.train import pretrain
 from attention_jax.train.trainer import train_and_evaluate
 from tests.train import tiny_config
+from tests.train.saved_params import checkpoint_params
 
 PRETRAIN_STEPS = 8
 STEPS = 12
@@ -25,16 +25,6 @@ def _config(tmp_path, **pretrain_options):
   config.pretrain.update(dict(objective="causal", num_train_steps=PRETRAIN_STEPS,
                               learning_rate=1e-2), **pretrain_options)
   return config
-
-
-def _params(workdir, step):
-  """Checkpoint `step`'s parameters as NumPy arrays, read without a template."""
-  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
-  with ocp.CheckpointManager(pathlib.Path(workdir) / "checkpoints") as manager:
-    restored = manager.restore(step)
-  state = restored["default"] if "default" in restored else restored
-  params = state["params"] if isinstance(state, dict) else state.params
-  return jax.tree.map(np.asarray, params)
 
 
 def _assert_equal_trees(a, b):
@@ -60,7 +50,8 @@ def test_the_first_phase_is_a_language_model_of_the_task_s_inputs(pretrained_run
   assert results["pretrain"]["num_train_steps"] == PRETRAIN_STEPS
   assert results["pretrain"]["validation"] == phase["metrics"]["validation"]
   # The classifier's encoder and the language model's share names and shapes.
-  lm, classifier = _params(workdir / "pretrain", PRETRAIN_STEPS), _params(workdir, STEPS)
+  lm = checkpoint_params(workdir / "pretrain", PRETRAIN_STEPS)
+  classifier = checkpoint_params(workdir, STEPS)
   assert jax.tree.structure(lm["encoder"]) == jax.tree.structure(classifier["encoder"])
   assert "lm_head" in lm and "head" in classifier
 
@@ -75,8 +66,9 @@ def test_the_classifier_starts_from_the_pretrained_encoder(tmp_path, pretrained_
   # (The first phase's config is unchanged by the classifier's optimizer: it
   # has its own learning rate, so its finished run is reused.)
   train_and_evaluate(config, still)
-  handed = _params(still / "pretrain", PRETRAIN_STEPS)["encoder"]
-  for a, b in zip(jax.tree.leaves(handed), jax.tree.leaves(_params(still, STEPS)["encoder"])):
+  handed = checkpoint_params(still / "pretrain", PRETRAIN_STEPS)["encoder"]
+  kept = checkpoint_params(still, STEPS)["encoder"]
+  for a, b in zip(jax.tree.leaves(handed), jax.tree.leaves(kept)):
     np.testing.assert_allclose(a, b, atol=1e-6)
 
 
@@ -106,9 +98,9 @@ def test_a_run_stopped_in_either_phase_resumes_to_the_same_parameters(tmp_path, 
     assert phase_results["resumed_from"] == cut and resumed["resumed_from"] is None
   else:
     assert resumed["resumed_from"] == cut
-  _assert_equal_trees(_params(workdir, STEPS), _params(copy, STEPS))
-  _assert_equal_trees(_params(workdir / "pretrain", PRETRAIN_STEPS),
-                      _params(copy / "pretrain", PRETRAIN_STEPS))
+  _assert_equal_trees(checkpoint_params(workdir, STEPS), checkpoint_params(copy, STEPS))
+  _assert_equal_trees(checkpoint_params(workdir / "pretrain", PRETRAIN_STEPS),
+                      checkpoint_params(copy / "pretrain", PRETRAIN_STEPS))
   assert resumed["metrics"]["test"] == results["metrics"]["test"]
 
 

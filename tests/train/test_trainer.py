@@ -26,6 +26,7 @@ TINY = ROOT / "tests" / "train" / "tiny_config.py"
 
 sys.path.insert(0, str(TINY.parent))
 import tiny_config  # pylint: disable=g-import-not-at-top,wrong-import-position
+from saved_params import checkpoint_params  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 
 def _config(tmp_path, **overrides):
@@ -34,16 +35,6 @@ def _config(tmp_path, **overrides):
   for key, value in overrides.items():
     config[key] = value
   return config
-
-
-def _final_params(workdir, step):
-  """The parameters of checkpoint `step`, as NumPy arrays, read without a template."""
-  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
-  with ocp.CheckpointManager(pathlib.Path(workdir) / "checkpoints") as manager:
-    restored = manager.restore(step)
-  state = restored["default"] if "default" in restored else restored
-  params = state["params"] if isinstance(state, dict) else state.params
-  return jax.tree.map(np.asarray, params)
 
 
 def _assert_same_run(results_a, results_b):
@@ -166,8 +157,8 @@ def test_sigkill_at_any_moment_then_restart_reaches_the_uninterrupted_result(fin
   # still have been writing the one before the kill).
   assert resumed["resumed_from"] in (4, 8, 12) and resumed["resumed_from"] <= killed_after
   _assert_same_run(reference, resumed)
-  for a, b in zip(jax.tree.leaves(_final_params(reference_workdir, 24)),
-                  jax.tree.leaves(_final_params(workdir, 24))):
+  for a, b in zip(jax.tree.leaves(checkpoint_params(reference_workdir, 24)),
+                  jax.tree.leaves(checkpoint_params(workdir, 24))):
     np.testing.assert_array_equal(a, b)
   # The train records of the steps redone after the restart are not duplicated.
   steps = [r["step"] for r in metrics.read_metrics(workdir) if r["split"] == "train"]
@@ -223,8 +214,8 @@ def test_a_signal_checkpoints_the_current_step_and_the_same_command_resumes_exac
   resumed = json.loads((workdir / "results.json").read_text())
   assert resumed["resumed_from"] == stopped
   _assert_same_run(reference, resumed)
-  for a, b in zip(jax.tree.leaves(_final_params(reference_workdir, 24)),
-                  jax.tree.leaves(_final_params(workdir, 24))):
+  for a, b in zip(jax.tree.leaves(checkpoint_params(reference_workdir, 24)),
+                  jax.tree.leaves(checkpoint_params(workdir, 24))):
     np.testing.assert_array_equal(a, b)
   reference_losses = {r["step"]: r["loss"] for r in metrics.read_metrics(reference_workdir,
                                                                          "train")}
