@@ -16,12 +16,13 @@ from attention_jax.models.encoder_decoder import TransformerEncoderDecoder
 from attention_jax.models.funnel import FunnelTransformer
 from attention_jax.models.hierarchical import HierarchicalTransformer
 from attention_jax.models.kinds import KINDS, MODEL_KINDS, ModelKind, get_kind
-from attention_jax.models.language_model import LanguageModel
+from attention_jax.models.language_model import LanguageModel, MaskedLanguageModel
 from attention_jax.models.seq2seq import RNNEncoderDecoder
 from attention_jax.models.stack import LayerStack, initial_carry, run_layers
 from attention_jax.models.vit import VisionTransformer
 
-Model = Union[SequenceClassifier, DualEncoderClassifier, LanguageModel, RNNEncoderDecoder,
+Model = Union[SequenceClassifier, DualEncoderClassifier, LanguageModel, MaskedLanguageModel,
+              RNNEncoderDecoder,
               TransformerEncoderDecoder, VisionTransformer, FunnelTransformer,
               HierarchicalTransformer]
 
@@ -34,7 +35,8 @@ def build_model(config: Union[Mapping[str, Any], ModelConfig]) -> Model:
   "classifier" is a `SequenceClassifier`, "dual_classifier" a
   `DualEncoderClassifier`, "language_model" a `LanguageModel` (which ignores
   the classifier keys `num_classes`, `pooling` and `head_mlp_dim`),
-  "rnn_seq2seq" an `RNNEncoderDecoder` (which reads only the keys its
+  "masked_language_model" a `MaskedLanguageModel` (the same, its encoder
+  run both ways), "rnn_seq2seq" an `RNNEncoderDecoder` (which reads only the keys its
   docstring lists), "transformer_seq2seq" a `TransformerEncoderDecoder`;
   "vit" a `VisionTransformer`, "funnel" a `FunnelTransformer`,
   "hierarchical" a `HierarchicalTransformer` (the `builder` of each in
@@ -51,7 +53,7 @@ def build_model(config: Union[Mapping[str, Any], ModelConfig]) -> Model:
 
 __all__ = ["Block", "DualEncoderClassifier", "Encoder", "FunnelTransformer",
            "HierarchicalTransformer", "KINDS", "LanguageModel", "LayerStack", "MODEL_KINDS",
-           "ModelConfig", "ModelKind", "POOLINGS", "REMAT_POLICIES", "RESIDUALS",
-           "RNNEncoderDecoder", "SequenceClassifier", "TransformerEncoderDecoder",
+           "MaskedLanguageModel", "ModelConfig", "ModelKind", "POOLINGS", "REMAT_POLICIES",
+           "RESIDUALS", "RNNEncoderDecoder", "SequenceClassifier", "TransformerEncoderDecoder",
            "VectorEncoder", "VisionTransformer", "build_model",
            "default_model_config", "get_kind", "initial_carry", "make_mixer", "run_layers"]

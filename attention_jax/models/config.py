@@ -137,6 +137,8 @@ class ModelConfig:
       with `attention`; False: the final encoder states are its only context.
     beam_size: the RNN encoder-decoder's decoding in evaluation: 1 greedy,
       more a beam search of that many hypotheses.
+    mask_rate: the masked language model's share of real tokens replaced by
+      [MASK] (and scored) in each sequence, in (0, 1); BERT's is 0.15.
     cross_attention: the Transformer encoder-decoder's attention to the
       source, a variant with a cross-attention form; None: `attention`.
     transparent_attention: the Transformer decoder's layer j attends to a
@@ -208,6 +210,7 @@ class ModelConfig:
   rnn_cell: str = "gru"
   decoder_attention: bool = True
   beam_size: int = 1
+  mask_rate: float = 0.15
   cross_attention: Optional[str] = None
   transparent_attention: bool = False
   decode: bool = False
@@ -371,6 +374,8 @@ class ModelConfig:
     for name in ("dropout_rate", "attention_dropout_rate"):
       if not 0.0 <= getattr(self, name) < 1.0:
         raise ValueError(f"model.{name} must be in [0, 1), got {getattr(self, name)!r}.")
+    if isinstance(self.mask_rate, bool) or not 0.0 < self.mask_rate < 1.0:
+      raise ValueError(f"model.mask_rate must be in (0, 1), got {self.mask_rate!r}.")
     if self.qkv_dim is not None and (not isinstance(self.qkv_dim, int) or self.qkv_dim < 1
                                      or self.qkv_dim % self.num_heads):
       raise ValueError(f"model.qkv_dim must be a positive multiple of num_heads="

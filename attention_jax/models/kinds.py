@@ -24,7 +24,7 @@ from attention_jax.models.config import ModelConfig
 from attention_jax.models.encoder_decoder import TransformerEncoderDecoder
 from attention_jax.models.funnel import FunnelTransformer
 from attention_jax.models.hierarchical import HierarchicalTransformer
-from attention_jax.models.language_model import LanguageModel
+from attention_jax.models.language_model import LanguageModel, MaskedLanguageModel
 from attention_jax.models.seq2seq import RNNEncoderDecoder
 from attention_jax.models.vit import VisionTransformer
 
@@ -57,6 +57,8 @@ class ModelKind:
       causal-only variant cannot run; "" when nothing does.
     encodes_vectors: an encoder of it reads vectors (image patches, chunk
       vectors) rather than tokens, which a word embedding cannot encode.
+    added_tokens: ids it appends to the task's vocabulary (the masked
+      language model's [MASK], the last id), counted in `model.vocab_size`.
   """
 
   name: str
@@ -68,6 +70,7 @@ class ModelKind:
   causal: str = ""
   bidirectional: str = "its encoder"
   encodes_vectors: bool = False
+  added_tokens: int = 0
 
 
 # The order is that of the error that lists the kinds.
@@ -96,6 +99,10 @@ KINDS = {kind.name: kind for kind in (
     ModelKind("hierarchical", HierarchicalTransformer, "classify", ("sequence",),
               fields=_CLASSIFIER_FIELDS + ("chunk_length", "sentence_layers"),
               encodes_vectors=True),
+    # Trained on the tokens of one-sequence tasks (self-pretraining's
+    # "masked" objective, `train.pretrain`); its encoder is the classifier's.
+    ModelKind("masked_language_model", MaskedLanguageModel, "masked_token", ("sequence",),
+              fields=("mask_rate",), stacked=True, added_tokens=1),
 )}
 MODEL_KINDS = tuple(KINDS)
 

@@ -40,17 +40,21 @@ def complete_config(config: ml_collections.ConfigDict) -> ml_collections.ConfigD
   if config.model.kind not in fitting:
     raise ValueError(f"task {config.task!r} needs model.kind {' or '.join(map(repr, fitting))}, "
                      f"got {config.model.kind!r}.")
-  filled = dict(vocab_size=info.vocab_size, num_classes=info.num_classes,
-                max_length=info.seq_len)
+  kind = kinds.get_kind(config.model.kind)
+  # The ids a kind adds (the masked language model's [MASK]) come after the task's.
+  vocab_size = info.vocab_size + kind.added_tokens
+  filled = dict(vocab_size=vocab_size, num_classes=info.num_classes, max_length=info.seq_len)
   for key, value in filled.items():
     if config.model[key] is None:
       config.model[key] = value
-  if config.model.vocab_size < info.vocab_size:
+  if config.model.vocab_size < vocab_size:
+    added = f" and the {kind.added_tokens} id(s) model.kind={kind.name!r} adds" * bool(
+        kind.added_tokens)
     raise ValueError(f"model.vocab_size={config.model.vocab_size} is smaller than task "
-                     f"{config.task!r}'s vocabulary of {info.vocab_size} tokens.")
-  # A model predicting the next token of its input has the vocabulary for
+                     f"{config.task!r}'s vocabulary of {info.vocab_size} tokens{added}.")
+  # A model predicting the tokens of its input has the vocabulary for
   # classes, whatever labels the task has.
-  if (kinds.get_kind(config.model.kind).objective != "next_token"
+  if (kind.objective not in ("next_token", "masked_token")
       and config.model.num_classes != info.num_classes):
     raise ValueError(f"model.num_classes={config.model.num_classes} but task {config.task!r} "
                      f"has {info.num_classes} classes.")

@@ -69,12 +69,13 @@ def default_config(variant: str = "dot_product",
   # `task_options.seq_len` at each), RoPE scaled to each with `rope_scaling`
   # ("linear", "ntk" or "yarn"); see `train.lengths`.
   config.length_eval = ml_collections.ConfigDict(dict(lengths=(), rope_scaling=placeholder(str)))
-  # Self-pretraining (`train.pretrain`): with objective "causal", a language-
-  # modelling phase on the task's own inputs in <workdir>/pretrain/ first, its
-  # encoder handed to the classifier; learning_rate, warmup_steps: None, the run's.
+  # Self-pretraining (`train.pretrain`): with objective "causal" or "masked", a
+  # language-modelling phase on the task's own inputs in <workdir>/pretrain/
+  # first, its encoder handed to the classifier; learning_rate, warmup_steps:
+  # None, the run's; mask_rate: the masked objective's share of masked tokens.
   config.pretrain = ml_collections.ConfigDict(dict(
       objective=placeholder(str), num_train_steps=0, learning_rate=placeholder(float),
-      warmup_steps=placeholder(int)))
+      warmup_steps=placeholder(int), mask_rate=0.15))
 
   config.log_every = 50  # steps between train-metric records
   config.checkpoint_every = 200  # steps between checkpoints (and the final step)

@@ -9,6 +9,11 @@ flax as `method=`, so the same function initialises the model
 eval steps. `targets(batch) -> (labels, weights)` gives integer labels of the
 logits' leading shape and a float weight per label (0 for padding), so one
 weighted cross-entropy scores a label per sequence and a label per token alike.
+
+An objective may `prepare` the batch first, making what the model reads and
+what it is scored on from the batch (the masked language model's corrupted
+inputs); the train step, the eval step and initialisation call it before the
+model and the targets see the batch.
 """
 
 from __future__ import annotations
@@ -30,6 +35,8 @@ ModelCall = Callable[[nn.Module, Batch, bool], jax.Array]
 Targets = Callable[[Batch], Tuple[jax.Array, jax.Array]]
 # (model, variables, batch) -> {name: sum over the batch}, computed in evaluation.
 EvalSums = Callable[[nn.Module, Any, Batch], Dict[str, jax.Array]]
+# (batch, key or None, the model) -> the batch with what the model reads added.
+Prepare = Callable[[Batch, Optional[jax.Array], nn.Module], Batch]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +52,10 @@ class Objective:
     eval_sums: what evaluation adds up besides the teacher-forced loss and
       accuracy: `{"<metric>_correct": ..., "<metric>_count": ...}` pairs,
       which `summarize_eval` reports as "<metric>_accuracy" (e.g. decoding).
+    prepare: `(batch, key, model) -> batch`, what `model_call` and `targets`
+      read made from the batch; `key` is the train step's
+      "masking" key, None in evaluation and initialisation. None: the batch
+      as it is.
   """
 
   name: str
@@ -52,6 +63,11 @@ class Objective:
   targets: Targets
   sequence_keys: Tuple[str, ...] = ("inputs",)
   eval_sums: Optional[EvalSums] = None
+  prepare: Optional[Prepare] = None
+
+  def prepared(self, batch: Batch, key: Optional[jax.Array], model: nn.Module) -> Batch:
+    """`prepare(batch, key, model)`, or the batch when there is none."""
+    return batch if self.prepare is None else self.prepare(batch, key, model)
 
 
 def _classify(module: nn.Module, batch: Batch, deterministic: bool) -> jax.Array:
@@ -92,6 +108,42 @@ def _next_tokens(batch: Batch) -> Tuple[jax.Array, jax.Array]:
   return labels, weights
 
 
+def _masked_inputs(batch: Batch, key: Optional[jax.Array], model: nn.Module) -> Batch:
+  """Adds "masked_inputs" `[B, T]`: each real token of `inputs` replaced with
+  probability `model.config.mask_rate` by the [MASK] id (the vocabulary's
+  last, `vocab_size - 1`), and "masked" `[B, T]` bool: the replaced positions.
+
+  BERT's corruption without its 10% random and 10% kept tokens: those keep a
+  model that is fine-tuned on unmasked text from trusting [MASK]; here the
+  classifier only inherits the encoder. With `key` (training) the positions
+  are drawn afresh each step; without (evaluation), each example's follow
+  from its own tokens, so a split scores the same in any batching.
+  """
+  tokens = batch["inputs"]
+  if key is None:
+    weights = jnp.arange(1, tokens.shape[1] + 1, dtype=jnp.uint32) * jnp.uint32(2654435761)
+    digests = jnp.sum(tokens.astype(jnp.uint32) * weights, axis=1)  # [B], wrapping
+    uniform = jax.vmap(lambda digest: jax.random.uniform(
+        jax.random.fold_in(jax.random.key(0), digest), tokens.shape[1:]))(digests)
+  else:
+    uniform = jax.random.uniform(key, tokens.shape)
+  masked = (uniform < model.config.mask_rate) & (tokens != PAD_ID)
+  return dict(batch, masked_inputs=jnp.where(masked, model.config.vocab_size - 1, tokens),
+              masked=masked)
+
+
+def _masked_token_logits(module: nn.Module, batch: Batch, deterministic: bool) -> jax.Array:
+  """`[B, T]` masked inputs -> `[B, T, V]` logits of each position's token."""
+  return module(batch["masked_inputs"], padding_mask=batch["inputs"] != PAD_ID,
+                deterministic=deterministic)
+
+
+def _masked_tokens(batch: Batch) -> Tuple[jax.Array, jax.Array]:
+  """Labels: the original tokens; weighted by the example weight at the masked
+  positions, 0 elsewhere."""
+  return batch["inputs"], batch["masked"].astype(jnp.float32) * batch["weight"][:, None]
+
+
 def _teacher_forced(module: nn.Module, batch: Batch, deterministic: bool) -> jax.Array:
   """`[B, Ts]` inputs and `[B, Tt]` targets -> `[B, Tt, V]` logits of each
   target token given the ones before it."""
@@ -125,6 +177,7 @@ OBJECTIVES: Dict[str, Objective] = {objective.name: objective for objective in (
     Objective("classify_pair", _classify_pair, _example_labels,
               sequence_keys=("inputs", "inputs2")),
     Objective("next_token", _next_token_logits, _next_tokens),
+    Objective("masked_token", _masked_token_logits, _masked_tokens, prepare=_masked_inputs),
     Objective("teacher_forced", _teacher_forced, _target_tokens,
               sequence_keys=("inputs", "targets"), eval_sums=_decoded),
 )}

@@ -54,7 +54,8 @@ def init_batch(example_batch: Mapping[str, Any], rows: int = 1) -> Dict[str, jax
 def _init_state(rng: jax.Array, *, model: nn.Module, optimizer: optax.GradientTransformation,
                 batch: Dict[str, jax.Array], objective: Objective, boxed: bool,
                 carry_memory: bool = False) -> TrainState:
-  variables = model.init({"params": rng}, batch, True, method=objective.model_call)
+  variables = model.init({"params": rng}, objective.prepared(batch, None, model), True,
+                         method=objective.model_call)
   if not boxed:
     variables = nn.meta.unbox(variables)
   params = variables["params"]

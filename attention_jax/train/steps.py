@@ -85,6 +85,9 @@ def make_train_step(model: nn.Module, optimizer: optax.GradientTransformation, m
 
   def train_step(state: TrainState, batch: Batch) -> Tuple[TrainState, Metrics]:
     rngs = step_rngs(seed, state.step, rng_streams)
+    if objective.prepare is not None:
+      batch = objective.prepare(batch, step_rngs(seed, state.step, ("masking",))["masking"],
+                                model)
 
     def loss_fn(params):
       logits, updates = model.apply(
@@ -133,6 +136,7 @@ def make_eval_step(model: nn.Module, mesh: Mesh, state_shardings: TrainState, *,
 
   def eval_step(state: TrainState, batch: Batch) -> Metrics:
     variables = {"params": state.params, **state.collections}
+    batch = objective.prepared(batch, None, model)
     if carries_memory:
       logits, updates = model.apply(variables, batch, True, method=objective.model_call,
                                     mutable=[MEMORY_COLLECTION])

@@ -115,12 +115,6 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
   claim_workdir(workdir, config, overwrite)
   if (workdir / RESULTS_FILE).is_file():  # This run finished before.
     return json.loads((workdir / RESULTS_FILE).read_text())
-  # Self-pretraining: the first phase is a run of its own in <workdir>/pretrain/
-  # (resumed, or read back when finished); its encoder starts this one.
-  pretrained = None
-  if phase is not None:
-    pretrained = (phase, train_and_evaluate(phase, workdir / pretrain.PRETRAIN_DIR,
-                                            overwrite=overwrite, handle_signals=handle_signals))
 
   # -- Data and state: restored from the latest checkpoint, or initialised. --
   task, splits = prepare_splits(config)
@@ -139,6 +133,16 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
   # data made and the model checked now, so that a bad length costs no training.
   length_evals = prepare_length_evals(config, run, task.info.seq_len, abstract_state,
                                       shardings, memory_rows)
+  # Self-pretraining: the first phase is a run of its own in <workdir>/pretrain/
+  # (resumed, or read back when finished); its encoder starts this one, which
+  # checks now that it can take it.
+  pretrained = None
+  if phase is not None:
+    phase_state, phase_shardings = build_run(phase).abstract_state(example_batch,
+                                                                   memory_rows=memory_rows)
+    pretrain.check_handover(abstract_state.params["encoder"], phase_state.params["encoder"])
+    pretrained = train_and_evaluate(phase, workdir / pretrain.PRETRAIN_DIR, overwrite=overwrite,
+                                    handle_signals=handle_signals)
   checkpointer = Checkpointer(workdir / "checkpoints", keep=config.keep_checkpoints,
                               best_metric="accuracy", best_mode="max",
                               async_save=config.async_checkpoints)
@@ -147,8 +151,6 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
     state, _ = run.init_state(example_batch, memory_rows=memory_rows)
     start_step = 0
     if pretrained is not None:  # the handover, once: a resumed run has its own checkpoint
-      phase_state, phase_shardings = build_run(pretrained[0]).abstract_state(
-          example_batch, memory_rows=memory_rows)
       state = pretrain.hand_over(state, pretrain.pretrained_encoder(
           workdir, phase_state, phase_shardings))
   else:
@@ -348,8 +350,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib
                  resumed_from=start_step or None,
                  **({} if pretrained is None else dict(pretrain=dict(
                      workdir=str(workdir / pretrain.PRETRAIN_DIR),
-                     num_train_steps=pretrained[1]["num_train_steps"],
-                     validation=pretrained[1]["metrics"]["validation"]))),
+                     num_train_steps=pretrained["num_train_steps"],
+                     validation=pretrained["metrics"]["validation"]))),
                  finished=datetime.datetime.now(datetime.timezone.utc).isoformat(),
                  metrics=results_metrics)
   if jax.process_index() == 0:

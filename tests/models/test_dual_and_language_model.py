@@ -111,7 +111,7 @@ def test_build_model_makes_each_kind_and_refuses_a_non_causal_language_model():
   with pytest.raises(ValueError, match=r"unknown model kind 'seq2seq'\. Did you mean "
                      r"'rnn_seq2seq'\? Valid names are: classifier, dual_classifier, "
                      r"language_model, rnn_seq2seq, transformer_seq2seq, vit, funnel, "
-                     r"hierarchical\."):
+                     r"hierarchical, masked_language_model\."):
     build_model({**common, "kind": "seq2seq"})
   with pytest.raises(ValueError, match="'linformer' has no causal form"):
     build_model({**common, "kind": "language_model", "attention": "linformer"})

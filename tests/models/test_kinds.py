@@ -31,7 +31,8 @@ def test_build_model_builds_the_kinds_builder():
 
 
 @pytest.mark.parametrize("info, expected", [
-    (dict(), ("classifier", "vit", "funnel", "hierarchical", "language_model")),
+    (dict(), ("classifier", "vit", "funnel", "hierarchical", "masked_language_model",
+              "language_model")),
     (dict(dual=True), ("dual_classifier",)),
     (dict(target_len=8), ("rnn_seq2seq", "transformer_seq2seq")),
     (dict(stream=True), ("language_model",)),

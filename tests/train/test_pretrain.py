@@ -1,15 +1,19 @@
-"""Self-pretraining (`attention_jax.train.pretrain`): a causal language-modelling
-phase on the task's inputs in <workdir>/pretrain/, its encoder handed to the
-classifier; either phase resumes to the parameters of an uninterrupted run."""
+"""Self-pretraining (`attention_jax.train.pretrain`): a causal or masked
+language-modelling phase on the task's inputs in <workdir>/pretrain/, its
+encoder handed to the classifier; either phase resumes to the parameters of an
+uninterrupted run."""
 
 import json
 import shutil
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from attention_jax.models import ModelConfig
 from attention_jax.train import pretrain
+from attention_jax.train.objectives import PAD_ID, OBJECTIVES
 from attention_jax.train.trainer import train_and_evaluate
 from tests.train import tiny_config
 from tests.train.saved_params import checkpoint_params
@@ -105,9 +109,11 @@ def test_a_run_stopped_in_either_phase_resumes_to_the_same_parameters(tmp_path, 
 
 
 @pytest.mark.parametrize("change, message", [
-    (dict(objective="masked"), r"pretrain.objective must be None or one of \('causal',\), "
-                               r"got 'masked'"),
+    (dict(objective="denoising"), r"pretrain.objective must be None or one of \('causal', "
+                                  r"'masked'\), got 'denoising'"),
     (dict(num_train_steps=0), r"pretrain.num_train_steps must be a positive int"),
+    (dict(objective="masked", mask_rate=1.0), r"pretrain.mask_rate must be in \(0, 1\) with "
+                                              r"pretrain.objective='masked', got 1.0"),
 ])
 def test_bad_pretraining_options_are_refused_by_name(tmp_path, change, message):
   with pytest.raises(ValueError, match=message):
@@ -131,3 +137,68 @@ def test_a_variant_without_a_causal_form_is_refused_before_anything_is_written(t
                                        r".*'linformer' has no causal form"):
     train_and_evaluate(config, tmp_path / "run")
   assert not (tmp_path / "run").exists()
+
+
+def test_masked_pretraining_hands_over_the_encoder_without_the_mask_row(tmp_path):
+  # A classifier whose learning rate is ~0 keeps what it was handed: the
+  # masked language model's encoder, its token embedding cut to the task's ids.
+  config = _config(tmp_path, objective="masked", mask_rate=0.3)
+  config.optimizer.learning_rate = 1e-12
+  workdir = tmp_path / "workdir"
+  train_and_evaluate(config, workdir)
+  phase = json.loads((workdir / "pretrain" / "results.json").read_text())["config"]["model"]
+  classifier = json.loads((workdir / "results.json").read_text())["config"]["model"]
+  assert phase["kind"] == "masked_language_model" and phase["mask_rate"] == 0.3
+  assert phase["vocab_size"] == classifier["vocab_size"] + 1  # [MASK]
+  handed = checkpoint_params(workdir / "pretrain", PRETRAIN_STEPS)["encoder"]
+  kept = checkpoint_params(workdir, STEPS)["encoder"]
+  embedding = handed["token_embedding"]["embedding"]
+  handed["token_embedding"]["embedding"] = embedding[:classifier["vocab_size"]]
+  for a, b in zip(jax.tree.leaves(handed), jax.tree.leaves(kept)):
+    np.testing.assert_allclose(a, b, atol=1e-6)
+
+
+def test_an_encoder_the_classifier_cannot_take_is_refused_before_the_phase_trains(tmp_path):
+  # Linformer's projections are sized by the length, which the classifier's
+  # [CLS] makes one longer: the masked phase (which runs it both ways, as the
+  # causal one cannot) would train an encoder that cannot be handed over.
+  config = tiny_config.get_config("linformer")
+  config.data_dir = str(tmp_path / "data")
+  config.model.attention_options.projected_length = 8
+  config.pretrain.update(objective="masked", num_train_steps=4)
+  with pytest.raises(ValueError, match=r"encoder parameter \['block_0'\]\['attention'\]"
+                                       r".*has shape \(40, 8\), the classifier's \(41, 8\)"):
+    train_and_evaluate(config, tmp_path / "run")
+  assert not (tmp_path / "run" / "pretrain").exists()
+
+
+def _masking(batch, key=None, mask_rate=0.25, vocab_size=11):
+  model = type("Model", (), {"config": ModelConfig(vocab_size=vocab_size, mask_rate=mask_rate)})
+  return OBJECTIVES["masked_token"].prepared(batch, key, model)
+
+
+def test_the_masked_objective_masks_real_tokens_at_its_rate_and_scores_only_them():
+  rng = np.random.default_rng(0)
+  lengths = rng.integers(1, 64, size=256)
+  tokens = np.where(np.arange(64) < lengths[:, None], rng.integers(1, 10, size=(256, 64)), PAD_ID)
+  batch = dict(inputs=jnp.asarray(tokens, jnp.int32), weight=jnp.ones(256).at[-1].set(0.0))
+  out = _masking(batch, jax.random.key(3))
+  masked, corrupted = np.asarray(out["masked"]), np.asarray(out["masked_inputs"])
+  assert not masked[tokens == PAD_ID].any()
+  np.testing.assert_array_equal(corrupted[masked], 10)  # [MASK]: the last id
+  np.testing.assert_array_equal(corrupted[~masked], tokens[~masked])
+  rate = masked.sum() / (tokens != PAD_ID).sum()
+  assert abs(rate - 0.25) < 0.02, rate  # ~8,000 real tokens: 5 standard errors
+  labels, weights = OBJECTIVES["masked_token"].targets(out)
+  np.testing.assert_array_equal(labels, tokens)
+  np.testing.assert_array_equal(weights, masked * np.asarray(batch["weight"])[:, None])
+  # Training draws new positions with each step's key; evaluation's follow
+  # from each example alone, whatever its batch.
+  assert (np.asarray(_masking(batch, jax.random.key(4))["masked"]) != masked).any()
+  evaluated = np.asarray(_masking(batch)["masked"])
+  alone = np.asarray(_masking(dict(inputs=batch["inputs"][5:6], weight=batch["weight"][5:6]))[
+      "masked"])
+  np.testing.assert_array_equal(alone[0], evaluated[5])
+  assert (evaluated[0] != evaluated[1]).any()
+  with pytest.raises(ValueError, match=r"model.mask_rate must be in \(0, 1\), got 0.0"):
+    ModelConfig(vocab_size=11, mask_rate=0.0)
