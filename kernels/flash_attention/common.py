@@ -16,7 +16,7 @@ from typing import Callable, Optional, Tuple, Union
 import jax
 import jax.numpy as jnp
 
-from attention_jax.core import masks, mods
+from attention_jax.core import masks
 from attention_jax.core.softmax import MASKED_LOGSUMEXP
 
 Array = jnp.ndarray
@@ -198,25 +198,6 @@ class FlexArrays:
 
 jax.tree_util.register_dataclass(FlexArrays, data_fields=["sinks", "score_consts"],
                                  meta_fields=[])
-
-
-def kernel_const(x: Array) -> Array:
-  """A mod's array as a Pallas kernel input: bool as int8, a scalar as `[1]`
-  (`restored_consts` undoes both inside the kernel)."""
-  x = jnp.asarray(x)
-  if x.dtype == jnp.bool_:
-    x = x.astype(jnp.int8)
-  return x.reshape((1,)) if x.ndim == 0 else x
-
-
-def restored_consts(lifted: mods.LiftedMod, values) -> Tuple[Array, ...]:
-  """The mod's constants as its jaxpr takes them, from `kernel_const`'s."""
-  restored = []
-  for value, var in zip(values, lifted.jaxpr.constvars):
-    aval = var.aval
-    value = value.reshape(aval.shape)
-    restored.append(value != 0 if aval.dtype == jnp.bool_ else value.astype(aval.dtype))
-  return tuple(restored)
 
 
 def einsum_float32(subscripts: str, a: Array, b: Array) -> Array:

@@ -137,7 +137,7 @@ class _MaskArrays:
   visits_by_key: Optional[Array] = None
   visit_counts_by_key: Optional[Array] = None
   # flex_attention: the arrays a lifted mask mod closes over and the score
-  # mod's arrays that are not differentiated, whole (`common.kernel_const`).
+  # mod's arrays that are not differentiated, flattened (`tile_mods.kernel_array`).
   mask_consts: Tuple[Array, ...] = ()
   score_consts: Tuple[Array, ...] = ()
 

@@ -49,23 +49,25 @@ per (batch row, head) and per query block (key block for the dk/dv pass), the
 list of blocks to visit, scalar-prefetched; the grid's last axis is as long
 as the longest list (`max_visits`: the full number of blocks when the layout
 is traced). In a visited block the mask mod decides (a static pattern, or a
-`mods.LiftedMod` whose arrays are kernel inputs read whole), except where the
-block is FULL. flex_attention's score changes run on each tile after the
-scale and bias: `softcap`, then the lifted score_mod over its arrays (kernel
-inputs, whole); the backward kernels differentiate both on the tile with
-`jax.vjp`, and the dq pass accumulates each program's part of the gradients
-of the score_mod's floating arrays in its own `[B, H, nq, 1, size]` output
-block (flattened: Mosaic wants a block's last two dims whole), summed
-outside (no atomics). Sinks (`[H]`, one logit per head, passed
-replicated over a `(8, 128)` tile) start the forward's running max at the
-sink and its running sum at 1; their gradient needs no kernel. Checked by
-lowering only (no TPU here): static masks, softcap, sinks and score_mods of
-arithmetic on the indices and on whole closed-over arrays (a scalar
-temperature) lower to Mosaic; a mod that indexes its arrays by a traced head
-or position does not (`slopes[h]` is a dynamic_slice of a VMEM value,
-document ids and bias tables are gathers, their VJPs scatter-adds): those
-would need the arrays in SMEM, read through the ref by the program's head
-(a mod evaluated on refs, not values), and run in interpret mode only.
+`mods.LiftedMod`), except where the block is FULL. flex_attention's score
+changes run on each tile after the scale and bias: `softcap`, then the
+lifted score_mod. A lifted mod's program is walked on the tile
+(`tile_mods`, as in the Triton kernels): its non-floating arrays are
+flattened into SMEM and read one entry at a time, its floating ones (the
+differentiated score_mod arrays) are `[1, n]` VMEM values read by one-hot
+sums at one offset; the backward kernels differentiate the score change on
+the tile with `jax.vjp`, and the dq pass accumulates each program's part of
+the gradients of the floating arrays in its own `[B, H, nq, 1, n]` output
+block (Mosaic wants a block's last two dims whole), summed outside (no
+atomics). So a compiled kernel reads a mod's arrays by the program's batch
+row and head (ALiBi's `slopes[h]`, a per-head temperature, `table[h, 3]`)
+and uses small ones whole; a read per query or key position (document ids,
+a relative-bias table indexed by distance) is a gather Mosaic cannot do,
+refused at trace time, and runs in interpret mode only. Sinks (`[H]`, one
+logit per head, passed replicated over a `(8, 128)` tile) start the
+forward's running max at the sink and its running sum at 1; their gradient
+needs no kernel. Checked by lowering to Mosaic on CPU (no TPU here), forward
+and backward.
 """
 
 from __future__ import annotations
@@ -85,7 +87,7 @@ from attention_jax.core import mods, patterns
 from attention_jax.core.inputs import (AttentionInputs, attention_of_empty_sequence,
                                        prepare_inputs, returned_outputs)
 
-from . import common
+from . import common, tile_mods
 
 Array = jnp.ndarray
 
@@ -156,7 +158,7 @@ class _MaskArrays:
   by_query: Optional[Tuple[Array, Array, Array]] = None
   by_key: Optional[Tuple[Array, Array, Array]] = None
   # flex_attention: the arrays a lifted mask mod closes over and the score
-  # mod's arrays that are not differentiated, whole (`common.kernel_const`).
+  # mod's arrays that are not differentiated, flat in SMEM (`_smem_array`).
   mask_consts: Tuple[Array, ...] = ()
   score_consts: Tuple[Array, ...] = ()
 
@@ -168,12 +170,28 @@ jax.tree_util.register_dataclass(
     meta_fields=[])
 
 
+def _named_refs(refs: Dict[str, Any], prefix: str) -> Tuple[Any, ...]:
+  """The refs of the operands named `prefix0`, `prefix1`, ... in order."""
+  found = []
+  while f"{prefix}{len(found)}" in refs:
+    found.append(refs[f"{prefix}{len(found)}"])
+  return tuple(found)
+
+
 def _named_consts(refs: Dict[str, Any], prefix: str) -> Tuple[Array, ...]:
   """The values of the operands named `prefix0`, `prefix1`, ... in order."""
-  values = []
-  while f"{prefix}{len(values)}" in refs:
-    values.append(refs[f"{prefix}{len(values)}"][...])
-  return tuple(values)
+  return tuple(ref[...] for ref in _named_refs(refs, prefix))
+
+
+def _indexed(cfg: _Static, lifted: mods.LiftedMod, flats, by_value) -> Tuple[Any, ...]:
+  """A mod's arrays as `tile_mods` reads them: the floating ones (`by_value`)
+  from their `[1, n]` values by one-hot sums, the others from their SMEM refs.
+  Mosaic loads one SMEM entry at a time, so a compiled kernel reads them at
+  one index per program (`slopes[h]`, `table[h, 3]`); per-position reads
+  (`ids[b, q_idx]`) are gathers, which only the interpreter runs."""
+  gathers = "value" if cfg.interpret else "none"
+  return tuple(dataclasses.replace(array, gathers=gathers)
+               for array in tile_mods.indexed(lifted, flats, by_value))
 
 
 def _flat_visit_lists(layout: Array) -> Tuple[Array, Array, Array]:
@@ -302,8 +320,10 @@ def _block_spec(kind: str, shape: Tuple[int, ...], block_q: int, block_k: int,
   elif kind == "kv_ids":  # [B, 8, Tk]
     block = (None, SUBLANES, block_k)
     index = lambda c: (c.batch, 0, c.kv_block)
-  elif kind == "whole":  # a mod's array, whole, for every step
+  elif kind == "whole":  # a mod's floating array `[1, n]`, whole, for every step
     return pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
+  elif kind == "smem":  # a mod's other array, flattened, in SMEM: read one entry at a time
+    return pl.BlockSpec(memory_space=pltpu.SMEM)
   elif kind == "sink":  # [H, 8, 128]: the head's sink logit, replicated over a tile
     block = (None, SUBLANES, LANES)
     index = lambda c: (c.head, 0, 0)
@@ -362,14 +382,16 @@ def _score_modifier(cfg: _Static, refs: Dict[str, Any], c: _Coords):
   scores."""
   if not cfg.modifies_scores:
     return None
-  other = _named_consts(refs, "score_const") if cfg.score_mod is not None else ()
+  other = _named_refs(refs, "score_const")
 
   def modify(scores, float_consts, q_pos, k_pos):
     if cfg.softcap is not None:
       scores = cfg.softcap * jnp.tanh(scores / cfg.softcap)
     if cfg.score_mod is not None:
-      consts = common.restored_consts(cfg.score_mod, cfg.score_mod.merge(float_consts, other))
-      scores = mods.apply(cfg.score_mod, consts, scores, c.batch, c.head, q_pos, k_pos)
+      arrays = _indexed(cfg, cfg.score_mod, cfg.score_mod.merge(float_consts, other),
+                        cfg.score_mod.merge([True] * len(float_consts), [False] * len(other)))
+      scores = tile_mods.apply_on_tile(cfg.score_mod, arrays, scores, c.batch, c.head, q_pos,
+                                       k_pos)
     return scores
 
   return modify
@@ -430,9 +452,10 @@ def _in_pattern(cfg: _Static, c: _Coords, sparse_refs, by_query: bool, refs: Dic
     index = (row * num_kv_blocks + c.kv_block) * num_q_blocks + c.q_block
   full = layout_ref[index] == patterns.FULL
   if isinstance(cfg.pattern, mods.LiftedMod):
-    consts = common.restored_consts(cfg.pattern, _named_consts(refs, "mask_const"))
-    return lambda q_pos, k_pos: full | mods.apply(cfg.pattern, consts, c.batch, c.head, q_pos,
-                                                  k_pos)
+    consts = _named_refs(refs, "mask_const")
+    arrays = _indexed(cfg, cfg.pattern, consts, [False] * len(consts))
+    return lambda q_pos, k_pos: full | tile_mods.apply_on_tile(cfg.pattern, arrays, c.batch,
+                                                               c.head, q_pos, k_pos)
   return lambda q_pos, k_pos: full | cfg.pattern(0, c.head, q_pos, k_pos)
 
 
@@ -617,8 +640,8 @@ def _mask_operands(cfg: _Static, bias: Optional[Array],
   if masks.q_segment_ids is not None:
     operands += [("q_ids", "q_ids", masks.q_segment_ids),
                  ("kv_ids", "kv_ids", masks.kv_segment_ids)]
-  operands += [(f"mask_const{i}", "whole", x) for i, x in enumerate(masks.mask_consts)]
-  operands += [(f"score_const{i}", "whole", x) for i, x in enumerate(masks.score_consts)]
+  operands += [(f"mask_const{i}", "smem", x) for i, x in enumerate(masks.mask_consts)]
+  operands += [(f"score_const{i}", "smem", x) for i, x in enumerate(masks.score_consts)]
   return operands
 
 
@@ -906,7 +929,7 @@ def flash_attention_tpu(inputs: AttentionInputs,
                               sparse_steps=tuple(max(1, int(n)) for n in max_visits))
     sparse = dict(by_query=_flat_visit_lists(block_layout),
                   by_key=_flat_visit_lists(block_layout.swapaxes(2, 3)),
-                  mask_consts=(tuple(map(common.kernel_const, mask_consts))
+                  mask_consts=(tuple(map(_smem_array, mask_consts))
                                if isinstance(pattern, mods.LiftedMod) else ()))
 
   # [B, T, H, D] -> [B, H, T, D], padded to whole blocks.
@@ -924,15 +947,24 @@ def flash_attention_tpu(inputs: AttentionInputs,
     float_consts, other_consts = score_mod.split(score_consts)
   cfg = dataclasses.replace(cfg, softcap=None if softcap is None else float(softcap),
                             score_mod=score_mod, has_sinks=sinks is not None)
+  # The floating ones (differentiated) as `[1, n]` values; the others flat in SMEM.
   masks = dataclasses.replace(_mask_arrays(inputs, q_multiple, kv_multiple), **sparse,
-                              score_consts=tuple(map(common.kernel_const, other_consts)))
+                              score_consts=tuple(map(_smem_array, other_consts)))
   x = common.FlexArrays(sinks=None if sinks is None else jnp.asarray(sinks, jnp.float32),
-                  score_consts=tuple(map(common.kernel_const, float_consts)))
+                        score_consts=tuple(jnp.reshape(c, (1, -1)) for c in float_consts))
 
   out, lse = _attention(cfg, (q, k, v, bias, x), masks)  # [B, H, Tq', Dv], [B, H, Tq']
   return common.attention_outputs(out[:, :, :q_len].transpose(0, 2, 1, 3),
                                   lse[:, :, :q_len].transpose(0, 2, 1),
                                   inputs.query_seq_lengths, return_residual)
+
+
+def _smem_array(x: Array) -> Array:
+  """A mod's array as an SMEM operand: flattened, in 32 bits (SMEM's word)."""
+  x = jnp.asarray(x).reshape(-1)
+  if jnp.issubdtype(x.dtype, jnp.inexact):
+    return x.astype(jnp.float32)
+  return x.astype(jnp.int32)
 
 
 def _pad_pairwise(x: Array, q_multiple: int, kv_multiple: int) -> Array:

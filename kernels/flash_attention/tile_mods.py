@@ -20,8 +20,15 @@ the flat offset it computes:
   cannot write. The array is padded to a power of two (Triton's shapes).
 
 Indices are clamped into the array (as `lax.dynamic_slice` clamps its
-starts); a mod is expected to index in bounds. A primitive outside these
-(a reduction over a mod's array, a sort) is refused by name.
+starts); a mod is expected to index in bounds. An array used whole (a scalar
+temperature) is read entry by entry, up to `MAX_WHOLE` entries; a primitive
+that changes shape on tiles (a reduction, a sort) is refused by name.
+
+The Mosaic TPU kernels use the same walk (`Indexed.gathers=False`): their
+non-floating arrays are in SMEM, read one entry at a time, and their
+floating ones are `[1, P]` values read by one-hot sums at one offset, so a
+compiled Mosaic kernel reads a mod's arrays by the program's batch row and
+head only; a per-position read is refused at trace time.
 """
 
 from __future__ import annotations
@@ -45,6 +52,8 @@ _CALLS = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr", "core_ca
 # Above this many entries, a differentiated array indexed per position would
 # make a [bq, bk, size] one-hot tile in the dq kernel.
 MAX_ONE_HOT = 1024
+# An array a mod uses whole (not indexed) is read entry by entry, up to this size.
+MAX_WHOLE = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,22 +62,42 @@ class Indexed:
   read through a ref or, `by_value`, from its loaded value by one-hot sums.
 
   Attributes:
-    flat: the ref of the flattened array, or (`by_value`) its value `[P]`.
-    shape, dtype: the array as the mod indexes it (bool stored as int8).
+    flat: the ref of the flattened array, or (`by_value`) its value `[P]` or
+      `[1, P]`.
+    shape, dtype: the array as the mod indexes it (bool stored in a wider int).
+    by_value: read from `flat`'s value by one-hot sums.
+    gathers: how a tile of offsets is read from the ref: "ref", a load at
+      them (Triton's pointers); "value", the ref's whole value indexed (the
+      TPU interpreter, which loads no ref at a tile of offsets); "none": not
+      at all (Mosaic reads one SMEM entry at a time).
   """
 
   flat: Any
   shape: Tuple[int, ...]
   dtype: Any
   by_value: bool = False
+  gathers: str = "ref"
 
   def read(self, flat_index: Array) -> Array:
     """The entries at `flat_index` (any broadcasting tile shape, int32)."""
-    if self.by_value:
-      size = self.flat.shape[0]
+    if jnp.ndim(flat_index) and self.gathers == "none":
+      raise NotImplementedError(
+          f"the Mosaic TPU kernels read a mod's arrays at one index per program (slopes[h], "
+          f"table[h, 3]); this mod reads one of shape {self.shape} at a tile of indices "
+          f"{jnp.shape(flat_index)} (per query or key position), a gather Mosaic cannot do. "
+          "Use implementation='blockwise' for it (or interpret mode).")
+    if self.by_value and not jnp.ndim(flat_index):
+      # One offset: a one-hot sum over the `[1, P]` row, which Mosaic lays out.
+      row = self.flat.reshape(1, -1)
+      hits = lax.broadcasted_iota(jnp.int32, row.shape, 1) == flat_index
+      entries = jnp.sum(jnp.where(hits, row, jnp.zeros((), row.dtype)))
+    elif self.by_value:
+      flat = self.flat.reshape(-1)
       hits = flat_index[..., None] == lax.broadcasted_iota(
-          jnp.int32, flat_index.shape + (size,), flat_index.ndim)
-      entries = jnp.sum(jnp.where(hits, self.flat, jnp.zeros((), self.flat.dtype)), axis=-1)
+          jnp.int32, flat_index.shape + (flat.shape[0],), flat_index.ndim)
+      entries = jnp.sum(jnp.where(hits, flat, jnp.zeros((), flat.dtype)), axis=-1)
+    elif jnp.ndim(flat_index) and self.gathers == "value":
+      entries = self.flat[...][flat_index]
     else:
       entries = self.flat[flat_index]
     if self.dtype == jnp.bool_:
@@ -163,9 +192,8 @@ def _equation(eqn, values: list) -> list:
       return [_dynamic_slice(values[0], values[1:], eqn.params["slice_sizes"])]
     if name == "gather" and isinstance(values[0], Indexed):
       return [_gather(values[0], values[1], eqn.params)]
-    raise NotImplementedError(
-        f"the Triton kernels read a mod's arrays by indexing them (x[i], x[b, q_idx]); this "
-        f"mod applies `{name}` to one. Use implementation='blockwise' for it.")
+    # An array used whole (a scalar temperature, `table * 2`): its entries, read one by one.
+    values = [_whole(v, name) if isinstance(v, Indexed) else v for v in values]
   shape_rule = _SHAPE_RULES.get(name)
   if shape_rule is not None:
     return [shape_rule(eqn, *values)]
@@ -174,7 +202,7 @@ def _equation(eqn, values: list) -> list:
   if any(aval.shape != in_shapes[0] for aval in out_avals) or \
       any(shape != in_shapes[0] for shape in in_shapes):
     raise NotImplementedError(
-        f"the Triton kernels evaluate a mod's program entry by entry; `{name}` changes its "
+        f"the Pallas kernels evaluate a mod's program entry by entry; `{name}` changes its "
         f"operands' shape {in_shapes} -> {[a.shape for a in out_avals]}. Use "
         "implementation='blockwise' for this mod.")
   shape = out_avals[0].shape
@@ -186,6 +214,20 @@ def _equation(eqn, values: list) -> list:
     for result, tile in zip(results, out if eqn.primitive.multiple_results else [out]):
       result[index] = tile
   return results
+
+
+def _whole(array: Indexed, primitive: str) -> np.ndarray:
+  """Every entry of `array` as a tile (one read each), for `primitive` to use it whole."""
+  size = int(np.prod(array.shape))
+  if size > MAX_WHOLE:
+    raise NotImplementedError(
+        f"the Pallas kernels read a mod's arrays by indexing them (x[i], x[b, q_idx]) or, up to "
+        f"{MAX_WHOLE} entries, whole; this mod applies `{primitive}` to one of shape "
+        f"{array.shape}. Use implementation='blockwise' for it.")
+  out = np.empty(array.shape, object)
+  for offset, index in enumerate(np.ndindex(*array.shape)):
+    out[index] = array.read(jnp.int32(offset))
+  return out
 
 
 def _flat_index(array: Indexed, index: Sequence[Any]) -> Array:

@@ -7,7 +7,8 @@ learned slopes under a causal mask; a learned relative-bias table under a
 document block mask made per batch row under `jit`, so a traced layout; a
 sliding window with soft-capping and sinks over grouped heads and Tq != Tk; a
 data-dependent mask without a block mask, with causal, lengths and a bias);
-the options the TPU kernels refuse; a lowering to Mosaic. Mosaic's blocks are large (queries a
+the options the TPU kernels refuse; lowerings to Mosaic, where a mod reads
+its arrays by head (SMEM, or one-hot sums at one offset) and not per position. Mosaic's blocks are large (queries a
 multiple of 32, keys of 128) and TPU interpret mode simulates every grid step
 one after another, so the shapes are small: two key blocks of 128, D = 16.
 """
@@ -132,24 +133,48 @@ def test_options_the_mosaic_kernels_refuse_raise_a_value_error():
                       block_sizes=BlockSizes(32, 32))
 
 
-def test_mods_without_indexing_lower_to_mosaic_for_tpu():
-  """A static window, softcap, sinks and a score_mod over a closed-over scalar
-  (differentiated) lower to three Mosaic custom calls, forward and backward.
-  (A mod that indexes its arrays by head or position, ALiBi's `slopes[h]`,
-  runs in interpret mode only: see pallas_tpu.py.)"""
-  def loss(query, key, value, temperature, sinks):
-    inputs, _ = prepare_inputs(query, key, value, None, None)
-    options = prepare_flex_inputs(inputs, mask_mod=mods.sliding_window(40, 0), softcap=2.0,
-                                  sinks=sinks, score_mod=lambda s, b, h, q, k: s * temperature)
-    out = flex.flex_pallas_tpu(inputs, options, BlockSizes(128, 128), interpret=False)
-    return jnp.sum(out.astype(jnp.float32))
-
+def _export_for_tpu(loss, *extra):
   qkv = jax.ShapeDtypeStruct((1, 256, H, 128), jnp.bfloat16)
-  args = (qkv, qkv, qkv, jax.ShapeDtypeStruct((), jnp.float32),
-          jax.ShapeDtypeStruct((H,), jnp.float32))
   device = jax.sharding.AbstractDevice(device_kind="TPU v5e", num_cores=1, platform="tpu")
   with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",),
                                                                 abstract_device=device)):
-    exported = export.export(jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4))),
-                             platforms=("tpu",))(*args)
+    return export.export(jax.jit(jax.grad(loss, argnums=tuple(range(3 + len(extra))))),
+                         platforms=("tpu",))(qkv, qkv, qkv, *extra)
+
+
+def _compiled_mosaic_loss(**flex_options):
+  def loss(query, key, value, *arrays):
+    inputs, _ = prepare_inputs(query, key, value, None, None)
+    options = prepare_flex_inputs(inputs, **{
+        name: option(*arrays) if callable(option) and name != "mask_mod" else option
+        for name, option in flex_options.items()})
+    out = flex.flex_pallas_tpu(inputs, options, BlockSizes(128, 128), interpret=False)
+    return jnp.sum(out.astype(jnp.float32))
+  return loss
+
+
+def test_mods_that_read_their_arrays_by_head_lower_to_mosaic_for_tpu():
+  """A static window, softcap, sinks and a score_mod over a closed-over scalar
+  temperature and learned ALiBi slopes read by head (`slopes[h]`: an SMEM
+  read or a one-hot sum at one offset, differentiated) lower to three Mosaic
+  custom calls, forward and backward (they failed on `dynamic_slice` before
+  the mods were walked on the tile)."""
+  score_mod = lambda temperature, slopes, sinks: (
+      lambda s, b, h, q, k: s * temperature + slopes[h] * (k - q))
+  loss = _compiled_mosaic_loss(mask_mod=mods.sliding_window(40, 0), softcap=2.0,
+                               sinks=lambda temperature, slopes, sinks: sinks,
+                               score_mod=score_mod)
+  scalar, per_head = (jax.ShapeDtypeStruct(shape, jnp.float32) for shape in ((), (H,)))
+  exported = _export_for_tpu(loss, scalar, per_head, per_head)
   assert exported.mlir_module().count("tpu_custom_call") == 3
+
+
+def test_a_mod_that_reads_its_arrays_per_position_is_refused_for_compiled_mosaic():
+  # Document ids read at each query and key position are a gather, which
+  # Mosaic cannot do (the interpreter can: the document cases above).
+  docs = jnp.asarray(np.arange(256) // 100, jnp.int32)[None]
+  loss = _compiled_mosaic_loss(mask_mod=mods.document_mask(docs))
+  with pytest.raises(NotImplementedError, match=r"Mosaic TPU kernels read a mod's arrays at one "
+                                                r"index per program .* of shape \(1, 256\) at a "
+                                                r"tile of indices"):
+    _export_for_tpu(loss)
