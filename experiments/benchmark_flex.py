@@ -35,8 +35,11 @@ three forms of the same function are timed:
 Both kernels use the same blocks: the plain kernel's default forward blocks
 for this implementation, head dim and dtype (`--block_size` overrides it for
 both; flex takes one block size for both passes). Each form is compiled once (not
-timed), run once to warm up, then timed as the median wall time of
-`--repeats` runs with `jax.block_until_ready`. Every record carries the block
+timed) and run once to warm up; then the forms are timed in `--repeats`
+rounds, each round running every form once in turn (with
+`jax.block_until_ready`), and each reports its median wall time: on a shared
+machine whose speed drifts during a cell, the forms meet the same drift, so
+their ratio holds where the times wander. Every record carries the block
 mask's density (the fraction of (query block, key block) tiles the flex kernel
 visits), the ratio flex / blockwise, measured in this run, and each peer's
 largest absolute difference from flex's output (fwd) or gradients (fwd_bwd),
@@ -269,20 +272,28 @@ def dense_bytes(form: str, case: Case, mode: str, batch: int, heads: int, length
   return per_pass * logits + extra + bias_grad
 
 
-def measure(step: Callable, inputs: tuple, repeats: int) -> tuple:
-  """Compile once (timed apart), run once to warm up (its result is returned,
-  for the comparison of the forms), then the median of `repeats` timed runs
-  (as `benchmark_attention.time_runs`)."""
+def compile_and_warm(step: Callable, inputs: tuple) -> Dict[str, Any]:
+  """Compile once (timed apart) and run once to warm up; its result is kept,
+  for the comparison of the forms."""
   start = time.perf_counter()
   compiled = step.lower(*inputs).compile()
   compile_s = time.perf_counter() - start
   values = jax.block_until_ready(compiled(*inputs))
-  times = []
+  return dict(run=functools.partial(compiled, *inputs), compile_s=compile_s, values=values)
+
+
+def time_in_rounds(runs: Dict[str, Callable], repeats: int) -> Dict[str, List[float]]:
+  """`repeats` rounds, each running every form once in turn, and each form's
+  wall times (ms): a drift of the machine's speed during the cell (another
+  process, frequency scaling) meets every form alike, so the ratios of their
+  medians hold where the times themselves wander."""
+  times: Dict[str, List[float]] = {form: [] for form in runs}
   for _ in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(compiled(*inputs))
-    times.append((time.perf_counter() - start) * 1e3)
-  return dict(ms=statistics.median(times), times_ms=times, compile_s=compile_s), values
+    for form, run in runs.items():
+      start = time.perf_counter()
+      jax.block_until_ready(run())
+      times[form].append((time.perf_counter() - start) * 1e3)
+  return times
 
 
 def max_abs_difference(a, b) -> float:
@@ -310,6 +321,7 @@ def run_case(name: str, length: int, args: cli.Args) -> List[Dict[str, Any]]:
                                   plain_kernel=PLAIN_KERNELS[args.implementation],
                                   block_q=block_q, block_k=block_k, density=density,
                                   notes=dict(case.notes))
+    prepared: Dict[str, Dict[str, Any]] = {}
     for form in FORMS:
       fn = case.forms[form]
       if fn is None:
@@ -320,23 +332,24 @@ def run_case(name: str, length: int, args: cli.Args) -> List[Dict[str, Any]]:
         record[form] = dict(status=f"skipped: would materialise {need / GIB:.1f} GiB",
                             materialised_bytes=need)
         continue
-      operand = case.operand(form)
       try:
-        result, values = measure(make_step(fn, mode), (q, k, v, operand), args.repeats)
+        prepared[form] = compile_and_warm(make_step(fn, mode), (q, k, v, case.operand(form)))
       except Exception as error:  # pylint: disable=broad-except
         # A form that does not compile or run here (a kernel's lowering
         # refusing a mod, say) is recorded, and the sweep goes on.
         record[form] = dict(status=f"failed: {type(error).__name__}: {str(error)[:500]}",
                             materialised_bytes=need)
         continue
-      finally:
-        del operand
-      record[form] = dict(status="ok", materialised_bytes=need, **result)
-      if form == "flex":
-        flex_values = values
-      elif flex_values is not None:  # the same function: how far from flex's output (gradients)
-        record[form]["max_abs_diff_from_flex"] = max_abs_difference(values, flex_values)
-      del values
+      record[form] = dict(status="ok", materialised_bytes=need,
+                          compile_s=prepared[form]["compile_s"])
+    times = time_in_rounds({form: p["run"] for form, p in prepared.items()}, args.repeats)
+    flex_values = prepared["flex"]["values"] if "flex" in prepared else None
+    for form, p in prepared.items():
+      record[form].update(ms=statistics.median(times[form]), times_ms=times[form])
+      if form != "flex" and flex_values is not None:
+        # The same function: how far from flex's output (gradients).
+        record[form]["max_abs_diff_from_flex"] = max_abs_difference(p["values"], flex_values)
+    del prepared
     flex_values = None
     flex_ms = record["flex"].get("ms")
     blockwise_ms = record["blockwise"].get("ms")
