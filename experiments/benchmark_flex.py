@@ -35,11 +35,13 @@ three forms of the same function are timed:
 Both kernels use the same blocks: the plain kernel's default forward blocks
 for this implementation, head dim and dtype (`--block_size` overrides it for
 both; flex takes one block size for both passes). Each form is compiled once (not
-timed) and run once to warm up; then the forms are timed in `--repeats`
-rounds, each round running every form once in turn (with
-`jax.block_until_ready`), and each reports its median wall time: on a shared
-machine whose speed drifts during a cell, the forms meet the same drift, so
-their ratio holds where the times wander. Every record carries the block
+timed) and run once to warm up; then flex and the plain kernel are timed in
+`--repeats` rounds, each round running both once (with
+`jax.block_until_ready`), first one then the other, the order reversed every
+other round, and each reports its median wall time: on a shared machine
+whose speed drifts during a cell, both meet the same drift, so their ratio
+holds where the times wander. jax.nn is timed apart, after them: run between
+them, its gigabytes of logits slowed the kernel that followed. Every record carries the block
 mask's density (the fraction of (query block, key block) tiles the flex kernel
 visits), the ratio flex / blockwise, measured in this run, and each peer's
 largest absolute difference from flex's output (fwd) or gradients (fwd_bwd),
@@ -70,6 +72,8 @@ REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 CASES = ("causal", "sliding_window", "document", "alibi", "softcap", "prefix_lm")
 PASSES = ("fwd", "fwd_bwd")
 FORMS = ("flex", "blockwise", "jax_nn")
+# The forms timed in rounds together (`time_in_rounds`): flex and its plain kernel.
+PAIRED = ("flex", "blockwise")
 SOFTCAP = 50.0  # Gemma 2's attention soft cap.
 GIB = float(1 << 30)
 # flex_attention's implementations timed here, each with its plain kernel.
@@ -283,15 +287,18 @@ def compile_and_warm(step: Callable, inputs: tuple) -> Dict[str, Any]:
 
 
 def time_in_rounds(runs: Dict[str, Callable], repeats: int) -> Dict[str, List[float]]:
-  """`repeats` rounds, each running every form once in turn, and each form's
-  wall times (ms): a drift of the machine's speed during the cell (another
-  process, frequency scaling) meets every form alike, so the ratios of their
-  medians hold where the times themselves wander."""
+  """`repeats` rounds, each running every form once, in turns whose order is
+  reversed every other round, and each form's wall times (ms): a drift of the
+  machine's speed during the cell (another process, frequency scaling) meets
+  every form alike, and so does whatever one form leaves the next (freed
+  buffers, cold caches), so the ratios of their medians hold where the times
+  themselves wander."""
   times: Dict[str, List[float]] = {form: [] for form in runs}
-  for _ in range(repeats):
-    for form, run in runs.items():
+  order = list(runs)
+  for round_index in range(repeats):
+    for form in (order if round_index % 2 == 0 else order[::-1]):
       start = time.perf_counter()
-      jax.block_until_ready(run())
+      jax.block_until_ready(runs[form]())
       times[form].append((time.perf_counter() - start) * 1e3)
   return times
 
@@ -342,7 +349,16 @@ def run_case(name: str, length: int, args: cli.Args) -> List[Dict[str, Any]]:
         continue
       record[form] = dict(status="ok", materialised_bytes=need,
                           compile_s=prepared[form]["compile_s"])
-    times = time_in_rounds({form: p["run"] for form, p in prepared.items()}, args.repeats)
+    # flex and its plain kernel, the ratio of interest, in rounds together;
+    # jax.nn apart: its materialised logits (gigabytes) slowed whichever kernel
+    # ran after it (the sliding window at 16K, forward+backward, on this 2-core
+    # CPU: flex at 1.59x the plain kernel's time with jax.nn in the rounds,
+    # 0.99x with the two alone).
+    paired = {form: p["run"] for form, p in prepared.items() if form in PAIRED}
+    times = time_in_rounds(paired, args.repeats)
+    for form, p in prepared.items():
+      if form not in PAIRED:
+        times.update(time_in_rounds({form: p["run"]}, args.repeats))
     flex_values = prepared["flex"]["values"] if "flex" in prepared else None
     for form, p in prepared.items():
       record[form].update(ms=statistics.median(times[form]), times_ms=times[form])
