@@ -186,7 +186,8 @@ def test_one_block_whatever_the_number_of_steps():
   assert shapes[0] == shapes[1] == shapes[2]
 
 
-@pytest.mark.parametrize("kind", ["classifier", "dual_classifier", "language_model"])
+@pytest.mark.parametrize("kind", ["classifier", "dual_classifier", "language_model",
+                                  "masked_language_model"])
 def test_every_stacked_model_kind_trains_with_the_ponder_cost(kind):
   config = _config(kind=kind, num_classes=3, dropout_rate=0.1, remat_policy="full")
   model = build_model(config)
