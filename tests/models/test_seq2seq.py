@@ -165,8 +165,8 @@ def test_a_classification_task_refuses_the_seq2seq_model_and_back(tmp_path):
   config = _tiny_config()
   config.task, config.task_options = "listops", {}
   with pytest.raises(ValueError, match="task 'listops' needs model.kind 'classifier' or 'vit' "
-                                       "or 'funnel' or 'hierarchical' or 'language_model', got "
-                                       "'rnn_seq2seq'"):
+                                       "or 'funnel' or 'hierarchical' or 'masked_language_model' "
+                                       "or 'language_model', got 'rnn_seq2seq'"):
     train_and_evaluate(config, tmp_path / "a", handle_signals=False)
   config = _tiny_config()
   config.model.kind = "classifier"
