@@ -43,9 +43,12 @@ def get_config():
       "corpus's trigram level (a 3-gram model's conditional entropy on 1 M training "
       "characters is 3.03 bits): they have not learned the 2,000-word vocabulary, which "
       "limits what a memory of names can add",
-      "The chunkwise mixers, seed 0 (from a clean clone at f4ab882; seed 1, gated_delta_net "
-      "and rwkv7 not yet run): mamba2 2.900, gla 2.954, delta_net 2.962 and retention 3.040 "
-      "bits per character, against 2.959 +- 0.002 for the same decoder's attention one "
-      "segment at a time (no_memory): at this budget the recurrences match attention over "
-      "a segment, and retention's fixed decay is the one that falls behind")
+      "The chunkwise mixers (clean clones at f4ab882 and 572d964; rwkv7, and seed 1 of gla, "
+      "mamba2 and gated_delta_net, not yet run): mamba2 2.900, gated_delta_net 2.882, gla "
+      "2.954, delta_net 2.962 and 2.950 (seeds 0 and 1), retention 3.040 and 3.024 bits per "
+      "character, against 2.959 +- 0.002 for the same decoder's attention one segment at a "
+      "time (no_memory): at this budget the gated recurrences (mamba2, gated_delta_net) are "
+      "ahead of attention over a segment, gla and the plain delta rule level with it, and "
+      "retention's fixed decay falls behind",
+  )
   return config
