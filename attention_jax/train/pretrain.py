@@ -81,7 +81,7 @@ def check_pretrain(config: ml_collections.ConfigDict) -> None:
     raise ValueError(f"pretrain.num_train_steps must be a positive int with "
                      f"pretrain.objective={options.objective!r}, got "
                      f"{options.num_train_steps!r}.")
-  rate = options.get("mask_rate", 0.15)
+  rate = options.mask_rate
   if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 < rate < 1:
     raise ValueError(f"pretrain.mask_rate must be in (0, 1) with pretrain.objective="
                      f"{options.objective!r}, got {rate!r}.")
@@ -104,7 +104,7 @@ def pretrain_config(config: ml_collections.ConfigDict) -> ml_collections.ConfigD
   if phase.model.vocab_size is not None:  # None: the task's, and the kind's ids
     phase.model.vocab_size += kind.added_tokens
   if kind.added_tokens:
-    phase.model.mask_rate = options.get("mask_rate", 0.15)
+    phase.model.mask_rate = options.mask_rate
   phase.num_train_steps = options.num_train_steps
   if options.learning_rate is not None:
     phase.optimizer.learning_rate = options.learning_rate
