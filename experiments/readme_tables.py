@@ -40,6 +40,7 @@ SOURCES: Dict[str, Optional[str]] = {
     "results/zoo_smoke/table.md": "configs/tables/zoo_smoke.py",
     "results/chars/table.md": "configs/tables/chars.py",
     "results/length/table.md": "configs/tables/length.py",
+    "results/needle/table.md": "configs/tables/needle.py",
     "results/pretrain_smoke/table.md": "configs/tables/pretrain_smoke.py",
 }
 

@@ -707,6 +707,18 @@ def test_needle_table_draws_a_heatmap_of_length_by_depth_per_kind(tmp_path, draw
   assert set(drawn_figures) == {"heatmap_single.png"}  # the other kinds have no finished run
   assert [t.get_text() for t in panels["linear"].get_xticklabels()] == [
       f"depth{d}" for d in depths]
+  # The markdown: the same figure as a section per kind, a row per variant and length.
+  lines = (out / "table.md").read_text().splitlines()
+  single = lines.index("## single: test accuracy (%) per needle depth: mean ± std (n seeds)")
+  assert lines[single + 2] == "| variant | task | " + " | ".join(
+      f"depth{d}" for d in depths) + " | all |"
+  assert lines[single + 4] == ("| dot_product | single_T64 | 100.0 (n=1) | 97.5 (n=1) | "
+                               "95.0 (n=1) | 92.5 (n=1) | 90.0 (n=1) | 100.0 (n=1) |")
+  assert lines[single + 5].startswith("| dot_product | single_T128 | 90.0 (n=1) | 87.5 (n=1) |")
+  assert lines[single + 6].startswith("| forgetting | single_T64 | - |")
+  linear = next(line for line in lines if line.startswith("| linear | single_T128 |"))
+  assert linear == "| linear | single_T128 | " + " | ".join(["-"] * 6) + " |"
+  assert "## multi_key: test accuracy (%) per needle depth: mean ± std (n seeds)" in lines
 
 
 LENGTH = str(REPO / "configs" / "tables" / "length.py")

@@ -49,7 +49,9 @@ def get_config():
   config.description = "Causal mixers of each family on needle retrieval (CPU)"
   config.tasks = {task_name(kind, length): f"configs/needle/needle.py:{kind},T{length}"
                   for kind in needle.KINDS for length in LENGTHS}
-  config.task_order = tuple(config.tasks)
+  # The kinds in RULER's order, each at every length (`tasks` sorts its keys).
+  config.task_order = tuple(task_name(kind, length) for kind in needle.KINDS
+                            for length in LENGTHS)
   config.variants = tuple(v for family in FAMILIES.values() for v in family)
   config.seeds = (0,)
   config.presets = ()

@@ -12,7 +12,8 @@ plots' x axis (default "group"); a group name ending in a number ("pairs8")
 is plotted at that number. `heatmaps`, optional, `{name: (task, ...)}`,
 draws instead one figure per name, `heatmap_<name>.png`: a panel per variant
 with its tasks as rows and the groups as columns, coloured by mean accuracy
-(the needle table: lengths by needle depth).
+(the needle table: lengths by needle depth), and the markdown the same
+tables: a section per name, a row per variant and task.
 """
 
 from __future__ import annotations
@@ -86,12 +87,15 @@ def markdown(table: Any, rows: Sequence[Dict[str, Any]], data_dir: str = "data")
   names = [" ".join([task, *([preset] if several_presets else []), group])
            for task, preset, group in columns]
   metric = table.get("metric", "accuracy").replace("_", " ")
-  lines = [f"## Test {metric} (%) per group: mean ± std (n seeds)", "",
-           *report.markdown_head(["variant", *names]),
-           *report.variant_rows(
-               accuracy.ordered_variants(table, _overall_rows(rows)), columns,
-               lambda variant, column: report.spread_text(
-                   by.get((column[0], variant, column[1], column[2]), {}).get("test")))]
+  if table.get("heatmaps"):
+    lines = _heatmap_sections(table, rows, by, metric)
+  else:
+    lines = [f"## Test {metric} (%) per group: mean ± std (n seeds)", "",
+             *report.markdown_head(["variant", *names]),
+             *report.variant_rows(
+                 accuracy.ordered_variants(table, _overall_rows(rows)), columns,
+                 lambda variant, column: report.spread_text(
+                     by.get((column[0], variant, column[1], column[2]), {}).get("test")))]
   if accuracy.sweeps_learning_rate(table):
     # One column per task and preset: the rate its row reports.
     rate_columns = [(task, preset) for task in accuracy.task_names(table)
@@ -109,6 +113,30 @@ def markdown(table: Any, rows: Sequence[Dict[str, Any]], data_dir: str = "data")
     lines += ["", "## Not run here", "", *report.markdown_head(["variant", "reason"]),
               *(report.markdown_row([variant, reason]) for variant, reason in not_run.items())]
   return lines
+
+
+def _heatmap_sections(table: Any, rows: Sequence[Dict[str, Any]], by: Dict[tuple, Any],
+                      metric: str) -> List[str]:
+  """A section per heatmap, its figure as a table: a row per variant and task
+  (the needle table: per length), the groups and "all" as columns. One table
+  of every task by every group would be some thirty columns wide."""
+  preset = accuracy.attention_presets(table)[0]
+  variants = accuracy.ordered_variants(table, _overall_rows(rows))
+  lines: List[str] = []
+  order = accuracy.task_names(table)
+  # In the order of the tasks (a ConfigDict sorts its keys by name).
+  for name, tasks in sorted(accuracy.plain(table.heatmaps).items(),
+                            key=lambda item: min(map(order.index, item[1]))):
+    groups = list(dict.fromkeys(g for t, p, g in _columns(table, rows)
+                                if t in tasks and p == preset and g != OVERALL))
+    lines += [f"## {name}: test {metric} (%) per {table.get('group_axis', 'group')}: "
+              "mean ± std (n seeds)", "",
+              *report.markdown_head(["variant", "task", *groups, OVERALL])]
+    lines += [report.markdown_row([variant, task, *(
+        report.spread_text(by.get((task, variant, preset, group), {}).get("test"))
+        for group in (*groups, OVERALL))]) for variant in variants for task in tasks]
+    lines.append("")
+  return lines[:-1]
 
 
 def _position(group: str, index: int) -> float:
