@@ -2,8 +2,8 @@ r"""flex_attention against jax.nn and our plain blockwise kernel, on the same ma
 
 The committed JSON is made on CPU, from a clean tree, in one run:
 
-  python -m experiments.benchmark_flex --lengths=4096,8192,16384,32768 --heads=2 \
-      --head_dim=64 --batch=1 --repeats=3 --out=benchmarks/flex_cpu.json
+  python -m experiments.benchmark_flex --lengths=4096,8192,16384,32768 --heads=1 \
+      --head_dim=64 --batch=1 --repeats=5 --out=benchmarks/flex_cpu.json
 
 and on a GPU, with the Triton kernels on both sides, in bfloat16:
 
@@ -36,7 +36,7 @@ Both kernels use the same blocks: the plain kernel's default forward blocks
 for this implementation, head dim and dtype (`--block_size` overrides it for
 both; flex takes one block size for both passes). Each form is compiled once (not
 timed) and run once to warm up; then flex and the plain kernel are timed in
-`--repeats` rounds, each round running both once (with
+`--repeats` rounds after an untimed one, each round running both once (with
 `jax.block_until_ready`), first one then the other, the order reversed every
 other round, and each reports its median wall time: on a shared machine
 whose speed drifts during a cell, both meet the same drift, so their ratio
@@ -287,14 +287,20 @@ def compile_and_warm(step: Callable, inputs: tuple) -> Dict[str, Any]:
 
 
 def time_in_rounds(runs: Dict[str, Callable], repeats: int) -> Dict[str, List[float]]:
-  """`repeats` rounds, each running every form once, in turns whose order is
-  reversed every other round, and each form's wall times (ms): a drift of the
+  """An untimed round, then `repeats` rounds, each running every form once, in
+  turns whose order is reversed every other round, and each form's wall times
+  (ms): a drift of the
   machine's speed during the cell (another process, frequency scaling) meets
   every form alike, and so does whatever one form leaves the next (freed
   buffers, cold caches), so the ratios of their medians hold where the times
   themselves wander."""
   times: Dict[str, List[float]] = {form: [] for form in runs}
   order = list(runs)
+  # One untimed round first, in the order of the last timed round's turn: the
+  # first call after another program's warm-up (jax.nn's gigabytes freed, say)
+  # ran up to 30% slow, and with three rounds that one call moved a median.
+  for form in order[::-1]:
+    jax.block_until_ready(runs[form]())
   for round_index in range(repeats):
     for form in (order if round_index % 2 == 0 else order[::-1]):
       start = time.perf_counter()
