@@ -15,8 +15,43 @@ function never pulls in a module and the layers can build on the registry.
 """
 
 import importlib
+import importlib.util
+import pathlib
+import sys
 
-from attention_jax import registry
+
+def _import_checkout_kernels() -> None:
+  """In a source checkout, `attention_jax.kernels` is the checkout's own kernels/.
+
+  setup.cfg installs kernels/ (beside this package) as attention_jax.kernels. An
+  editable install maps that name to the checkout it was installed from, so a
+  second checkout run with the same environment (a clean clone making a table)
+  imported its own attention_jax but the first checkout's kernels, and recorded
+  its own git revision for the mix. Where this package sits in a checkout (a
+  setup.cfg and kernels/ beside it), the kernels are loaded from there; an
+  installed wheel has attention_jax/kernels/ inside and is left to the import
+  system.
+  """
+  root = pathlib.Path(__file__).resolve().parent.parent
+  init = root / "kernels" / "__init__.py"
+  name = f"{__name__}.kernels"
+  if name in sys.modules or not (root / "setup.cfg").is_file() or not init.is_file():
+    return
+  spec = importlib.util.spec_from_file_location(name, init,
+                                                submodule_search_locations=[str(init.parent)])
+  module = importlib.util.module_from_spec(spec)
+  sys.modules[name] = module
+  try:
+    spec.loader.exec_module(module)
+  except BaseException:
+    del sys.modules[name]
+    raise
+  globals()["kernels"] = module
+
+
+_import_checkout_kernels()
+
+from attention_jax import registry  # pylint: disable=wrong-import-position
 from attention_jax.core import make_attention_mask, masked_softmax, reference_attention
 from attention_jax.registry import get_variant, list_variants, preset_options, variant_options
 from attention_jax import kernels  # registers the blockwise and Pallas implementations

@@ -1,6 +1,7 @@
 """attention_jax.kernels is installed from kernels/, editable or not, and no top-level `kernels`."""
 
 import pathlib
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -13,6 +14,24 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 def test_editable_install_maps_kernels_into_the_package():
   assert pathlib.Path(attention_jax.kernels.__file__).resolve() == ROOT / "kernels" / "__init__.py"
+
+
+def test_a_second_checkout_run_with_this_environment_imports_its_own_kernels(tmp_path):
+  # The editable install maps attention_jax.kernels to this checkout; another
+  # checkout (a clean clone making a table) must not mix its package with these kernels.
+  checkout = tmp_path / "checkout"
+  for part in ("attention_jax", "kernels"):
+    shutil.copytree(ROOT / part, checkout / part,
+                    ignore=shutil.ignore_patterns("__pycache__"))
+  shutil.copy(ROOT / "setup.cfg", checkout / "setup.cfg")
+  probe = ("import attention_jax, attention_jax.kernels.flash_attention.blockwise as blockwise;"
+           "print(attention_jax.__file__); print(attention_jax.kernels.__file__);"
+           "print(blockwise.__file__)")
+  out = subprocess.run([sys.executable, "-c", probe], check=True, capture_output=True,
+                       text=True, cwd=checkout).stdout.split()
+  assert [pathlib.Path(path).resolve() for path in out] == [
+      checkout / "attention_jax" / "__init__.py", checkout / "kernels" / "__init__.py",
+      checkout / "kernels" / "flash_attention" / "blockwise.py"]
 
 
 def test_plain_install_into_a_fresh_venv_imports_attention_jax_kernels(tmp_path):
