@@ -7,6 +7,7 @@ to add none (on an accelerator, whose XLA version may not know the CPU flags).
 """
 
 import atexit
+import gc
 import os
 import shutil
 import tempfile
@@ -50,3 +51,20 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 import jax  # pylint: disable=wrong-import-position
 
 jax.config.update("jax_default_matmul_precision", "highest")
+
+
+def pytest_collection_finish(session):
+  """The cyclic garbage collector off the objects that live for the session.
+
+  A worker ends holding some 2.5 million tracked objects (JAX's trace, lowering
+  and executable caches, the imported modules), and each full collection walks
+  them all: 32-41 s per worker of a 1,013 s suite at cc6e573 (gc callbacks on
+  both xdist workers). Freezing what exists after collection and collecting
+  young objects less often leaves tests/variants at 3 s of collection per worker
+  instead of 19 (407 s against 425 s wall, one run each; peak memory unchanged,
+  4.6 GB a worker): objects without cycles are still freed by reference counts.
+  """
+  del session
+  gc.collect()
+  gc.freeze()
+  gc.set_threshold(20_000, 20, 10)
