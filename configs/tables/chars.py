@@ -43,8 +43,8 @@ def get_config():
       "corpus's trigram level (a 3-gram model's conditional entropy on 1 M training "
       "characters is 3.03 bits): they have not learned the 2,000-word vocabulary, which "
       "limits what a memory of names can add",
-      "The chunkwise mixers (clean clones at f4ab882, 572d964 and 756e725; seed 1 of rwkv7 not "
-      "yet run): rwkv7 2.881, gated_delta_net 2.882 and 2.845, mamba2 2.900 "
+      "The chunkwise mixers (clean clones at f4ab882, 572d964, 756e725 and cc6e573): rwkv7 "
+      "2.881 and 2.875, gated_delta_net 2.882 and 2.845, mamba2 2.900 "
       "and 2.905, gla 2.954 and 2.968 (seeds 0 and 1), delta_net 2.962 and 2.950, retention "
       "3.040 and 3.024 bits per character, against 2.959 +- 0.002 for the same decoder's "
       "attention one segment at a time (no_memory): at this budget the recurrences with a "
