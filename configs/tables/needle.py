@@ -62,12 +62,14 @@ def get_config():
   config.heatmaps = {kind: tuple(task_name(kind, length) for length in LENGTHS)
                      for kind in needle.KINDS}
   config.notes = (
-      "Partial, one seed: single needle at T=128 (10 of the 11 mixers, from a clean clone at "
-      "c8dcff5; mamba2 not yet run); multi-key, multi-value and variable tracking at T=64 "
-      "(all 11, from a clean clone at 664d087); single at T=64, 6 of 11; the other tasks at "
-      "T=128 not yet run",
+      "Partial, one seed: single needle at T=64 and T=128 (all 11 mixers, from clean clones "
+      "at 664d087, c8dcff5 and a7dc6e2); multi-key, multi-value and variable tracking at "
+      "T=64 (all 11, from a clean clone at 664d087); those three at T=128 not yet run",
+      "Single needle at T=64: every mixer but the windows and memory_compressed finds it at "
+      "every depth (100%), gla included; memory_compressed misses it at the very end "
+      "(100/100/100/100/3)",
       "Single needle at T=128, test accuracy at depths 0/0.25/0.5/0.75/1: dot_product, "
-      "forgetting, nsa, gated_delta_net, linear and performer find it at every depth "
+      "forgetting, nsa, gated_delta_net, mamba2, linear and performer find it at every depth "
       "(100%); the windowed rows only where the needle lies inside their window of the "
       "question at the end (local, a window of 32: 2/2/86/100/100; longformer, 16: "
       "2/2/4/100/100); memory_compressed misses it at the very end (100/100/100/100/5); gla "
