@@ -64,7 +64,13 @@ def get_config():
   config.notes = (
       "Partial, one seed: single needle at T=64 and T=128 (all 11 mixers, from clean clones "
       "at 664d087, c8dcff5 and a7dc6e2); multi-key, multi-value and variable tracking at "
-      "T=64 (all 11, from a clean clone at 664d087); those three at T=128 not yet run",
+      "T=64 (all 11, from a clean clone at 664d087); multi-key at T=128, 9 of 11 (a7dc6e2; "
+      "gated_delta_net and mamba2 not yet run); multi-value and variable tracking at T=128 "
+      "not yet run",
+      "Multi-key at T=128, depths 0/0.25/0.5/0.75/1: dot_product 94/86/86/87/89, linear "
+      "98/92/87/88/90 and performer 91/86/82/80/86 hold it; forgetting (2/2/2/4/98) and the "
+      "windows find only needles near the question; gla is at chance (8-12); nsa "
+      "98/42/78/88/92 and memory_compressed 99/50/16/22/2 lose the middle",
       "Single needle at T=64: every mixer but the windows and memory_compressed finds it at "
       "every depth (100%), gla included; memory_compressed misses it at the very end "
       "(100/100/100/100/3)",
