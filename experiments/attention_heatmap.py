@@ -13,6 +13,7 @@ the alignment is the anti-diagonal.
 
 from __future__ import annotations
 
+import functools
 import pathlib
 import sys
 from typing import Sequence
@@ -47,6 +48,7 @@ def symbols(tokens: np.ndarray) -> list:
 def heatmap(args: cli.Args) -> int:
   """Draws the heatmap; 0 on success, 2 when the run is not an attentive seq2seq one."""
   logging.set_verbosity(logging.WARNING)  # orbax logs every step of a restore
+  import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   from attention_jax.models import decoding  # pylint: disable=import-outside-toplevel
   from attention_jax.train.restore import restore_run  # pylint: disable=import-outside-toplevel
@@ -59,7 +61,8 @@ def heatmap(args: cli.Args) -> int:
   example = run.splits["test"].gather(np.array([args.example]))
   inputs, targets = jnp.asarray(example["inputs"]), jnp.asarray(example["targets"])
   tokens = decoding.decode(run.model, run.variables, inputs, max_length=targets.shape[1])
-  _, state = run.model.apply(run.variables, inputs, tokens, mutable=["intermediates"])
+  teacher_forced = jax.jit(functools.partial(run.model.apply, mutable=["intermediates"]))
+  _, state = teacher_forced(run.variables, inputs, tokens)
   (weights,) = state["intermediates"]["step"]["attention"]["attention_weights"]
   source, output = symbols(np.asarray(inputs[0])), symbols(np.asarray(tokens[0]))
   weights = np.asarray(weights)[0, :len(output), :, 0, :len(source)].mean(axis=1)  # over heads

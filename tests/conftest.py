@@ -9,6 +9,8 @@ to add none (on an accelerator, whose XLA version may not know the CPU flags).
 import atexit
 import gc
 import os
+import pathlib
+import re
 import shutil
 import tempfile
 
@@ -49,6 +51,7 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 # the tests check the algorithms at float32 tolerances, so they ask for float32
 # (the kernels' dots follow this setting like XLA's). No effect on CPU.
 import jax  # pylint: disable=wrong-import-position
+import pytest  # pylint: disable=wrong-import-position
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -68,3 +71,38 @@ def pytest_collection_finish(session):
   gc.collect()
   gc.freeze()
   gc.set_threshold(20_000, 20, 10)
+
+
+# A module-scoped fixture matches this (tests/**/test_*.py); its file runs whole on
+# one xdist worker (below).
+MODULE_FIXTURE = re.compile(r"@pytest\.fixture\(scope=[\"']module[\"']")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+  """xdist's "load" scheduling, except that a file with a module-scoped fixture
+  goes whole to one worker.
+
+  Those fixtures are the costly ones (a subprocess on 8 simulated devices, a
+  benchmark run, a trained checkpoint: 5-30 s each), and under "load" a file's
+  tests land on both workers, each of which builds the fixture: the 8-device
+  runner cost 24 s and 34 s on the two workers of one suite run at c471434.
+  (xdist's own `--dist loadgroup` would do this from `xdist_group` marks, but
+  pytest-xdist 3.8 renames the node ids through an attribute pytest 9.2 no
+  longer reads, so its groups never form.) Files go first, largest first, then
+  the other tests one by one in collection order, as "loadgroup" orders them.
+  """
+  if config.getvalue("dist") != "load":  # another --dist asked for by name
+    return None
+  from xdist.scheduler import LoadScopeScheduling  # pylint: disable=import-outside-toplevel
+  tests = pathlib.Path(__file__).parent
+  shared = {path.relative_to(tests.parent).as_posix() for path in tests.rglob("test_*.py")
+            if MODULE_FIXTURE.search(path.read_text())}
+
+  class SharedFixtureScheduling(LoadScopeScheduling):
+
+    def _split_scope(self, nodeid):
+      path = nodeid.split("::", 1)[0]
+      return path if path in shared else nodeid
+
+  return SharedFixtureScheduling(config, log)

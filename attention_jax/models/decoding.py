@@ -12,6 +12,7 @@ emitted EOS (or padding) it emits padding (0) and its score stops changing.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Tuple
 
 import flax.linen as nn
@@ -102,6 +103,15 @@ def decode(model: nn.Module, variables: Any, inputs: Array, max_length: int,
   if limit is not None and max_length > limit:
     raise ValueError(f"max_length={max_length} decoding steps do not fit the model's buffer of "
                      f"{limit} tokens (model.max_length).")
+  return _decode(model, variables, inputs, max_length, beam_size)
+
+
+# One program for the encoder, the scan and the choice of the best beam: run op
+# by op, each of the ops around the scan is compiled on its own (a seq2seq test
+# decoding a small model spent seconds compiling them).
+@functools.partial(jax.jit, static_argnums=(0, 3, 4))
+def _decode(model: nn.Module, variables: Any, inputs: Array, max_length: int,
+            beam_size: int) -> Array:
   if beam_size == 1:
     return greedy_decode(model, variables, inputs, max_length)
   return beam_search(model, variables, inputs, max_length, beam_size)

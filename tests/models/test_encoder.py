@@ -163,7 +163,7 @@ def test_encoder_dropout_needs_rng_and_acts_only_when_not_deterministic():
   tokens = _tokens()
   encoder = _encoder(dropout_rate=0.2)
   variables = _init(encoder, tokens)
-  reference = _encoder().apply(variables, tokens)
+  reference = jit_apply(_encoder(), variables, tokens)
   assert_close(jit_apply(encoder, variables, tokens), reference)
   dropped = jit_apply(encoder, variables, tokens, deterministic=False,
                       rngs={"dropout": jax.random.PRNGKey(0)})
@@ -218,8 +218,7 @@ def test_cls_pooling_reads_the_prepended_embedding_at_position_zero():
   params = variables["params"]
   assert params["cls"].shape == (1, 1, E)
   # The encoder run by hand on [cls, tokens], its first output through the head.
-  encoded = _encoder().apply({"params": params["encoder"]}, tokens,
-                                   prefix=params["cls"])
+  encoded = jit_apply(_encoder(), {"params": params["encoder"]}, tokens, prefix=params["cls"])
   assert encoded.shape == (B, T + 1, E)
   hidden = jax.nn.relu(encoded[:, 0] @ params["head_hidden"]["kernel"]
                        + params["head_hidden"]["bias"])
@@ -232,8 +231,8 @@ def test_mean_pooling_equals_the_masked_mean_of_encoder_outputs():
   padding_mask = _suffix_padding([T, 5])
   model = SequenceClassifier(_small(num_classes=3, pooling="mean"))
   params = _init_perturbed(model, tokens)["params"]
-  encoded = _encoder().apply({"params": params["encoder"]}, tokens,
-                                   padding_mask=padding_mask)
+  encoded = jit_apply(_encoder(), {"params": params["encoder"]}, tokens,
+                      padding_mask=padding_mask)
   pooled = jnp.stack([encoded[0].mean(0), encoded[1, :5].mean(0)])
   expected = pooled @ params["head"]["kernel"] + params["head"]["bias"]
   assert_close(jit_apply(model, {"params": params}, tokens, padding_mask=padding_mask), expected,
@@ -250,7 +249,7 @@ def test_unknown_pooling_raises():
 
 
 def test_params_carry_logical_axis_names():
-  boxed = _classifier("cls").init(jax.random.PRNGKey(0), _tokens())["params"]
+  boxed = jax.eval_shape(_classifier("cls").init, jax.random.PRNGKey(0), _tokens())["params"]
   leaves = jax.tree.leaves(boxed, is_leaf=lambda x: isinstance(x, nn.Partitioned))
   assert all(isinstance(leaf, nn.Partitioned) for leaf in leaves)
   specs = nn.get_partition_spec(boxed)

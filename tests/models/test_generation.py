@@ -180,8 +180,8 @@ def test_sampled_generation_follows_its_key_and_top_k_one_is_greedy():
 def test_a_token_past_the_cache_is_an_error():
   model, variables, tokens = _model_and_variables(_config())
   decoder = decoding_model(model)
-  _, state = decoder.apply({**variables, "cache": empty_cache(decoder, B, 4)}, tokens[:, :4],
-                           mutable=["cache"])
+  _, state = jit_apply(decoder, {**variables, "cache": empty_cache(decoder, B, 4)},
+                       tokens[:, :4], mutable=["cache"])
   with pytest.raises(ValueError, match="the KV cache holds 4 tokens and 4 are in it"):
     decoder.apply({**variables, **state}, tokens[:, 4:5], mutable=["cache"])
   # Under jit the index is traced: the check runs as a callback and aborts.

@@ -9,7 +9,7 @@ import pytest
 from attention_jax.models import Block, LayerStack, ModelConfig
 from attention_jax.models.stack import unstack_scanned
 from attention_jax.train.steps import sown_losses
-from attention_testing import jit_apply, perturbed, small_stack_config
+from attention_testing import jit_apply, jit_init, perturbed, small_stack_config
 
 B, T, E = 2, 8, 16
 
@@ -23,12 +23,13 @@ def _x(seed=0):
 
 
 def _params(config):
-  return perturbed(nn.meta.unbox(LayerStack(config).init(jax.random.PRNGKey(1), _x())["params"]))
+  variables = jit_init(LayerStack(config), jax.random.PRNGKey(1), _x())
+  return perturbed(nn.meta.unbox(variables["params"]))
 
 
 def _apply(config, params, x, *, deterministic, seed=0):
-  return LayerStack(config).apply({"params": params}, x, deterministic=deterministic,
-                                  rngs={"dropout": jax.random.PRNGKey(seed)})[0]
+  return jit_apply(LayerStack(config), {"params": params}, x, deterministic=deterministic,
+                   rngs={"dropout": jax.random.PRNGKey(seed)})[0]
 
 
 @pytest.mark.parametrize("scan_layers", [False, True])
@@ -71,8 +72,9 @@ def test_rate_one_in_training_is_the_identity_with_zero_gradients(overrides):
 def test_a_skipped_block_is_not_computed():
   # The block sits in a branch of a conditional that XLA runs only when taken.
   config = _config(layer_drop_rate=0.5)
-  jaxpr = jax.make_jaxpr(lambda p, x: _apply(config, p, x, deterministic=False))(
-      _params(config), _x())
+  jaxpr = jax.make_jaxpr(lambda p, x: LayerStack(config).apply(
+      {"params": p}, x, deterministic=False, rngs={"dropout": jax.random.PRNGKey(0)}))(
+          _params(config), _x())
   conditionals = [eqn for eqn in jaxpr.jaxpr.eqns if eqn.primitive.name == "cond"]
   assert len(conditionals) == config.num_layers
   assert all("dot_general" in str(eqn.params["branches"][1]) for eqn in conditionals)

@@ -92,7 +92,7 @@ def test_scan_needs_whole_periods():
 
 def test_scanned_parameters_carry_a_layers_axis():
   config = _config(scan_layers=True)
-  boxed = LayerStack(config).init(jax.random.PRNGKey(0), _x())["params"]
+  boxed = jax.eval_shape(LayerStack(config).init, jax.random.PRNGKey(0), _x())["params"]
   kernel = boxed["blocks"]["block_0"]["attention"]["query"]["kernel"]
   assert kernel.names == ("layers", "embed", "heads", "kv")
   assert kernel.value.shape == (4, E, 2, E // 2)
@@ -119,7 +119,7 @@ def test_layer_schedule_equals_blocks_built_by_hand():
   # The local layers really are local: one with the full window differs.
   wide = _config(layer_attention=("local", "local", "dot_product"), num_layers=6,
                  attention_options={"window_size": T})
-  y_wide, _ = LayerStack(wide).apply({"params": params}, x)
+  y_wide, _ = jit_apply(LayerStack(wide), {"params": params}, x)
   assert np.abs(np.asarray(y_wide - y)).max() > 1e-3
 
 
@@ -134,7 +134,7 @@ def test_schedule_options_must_belong_to_a_scheduled_variant():
 
 
 def _encoder_params(config, tokens):
-  return build_model(config).init(jax.random.PRNGKey(0), tokens)["params"]
+  return jit_init(build_model(config), jax.random.PRNGKey(0), tokens)["params"]
 
 
 def test_realformer_with_zero_residual_weight_is_the_vanilla_encoder():
@@ -144,12 +144,12 @@ def test_realformer_with_zero_residual_weight_is_the_vanilla_encoder():
   real = _config(attention="realformer", attention_options={"residual_weight": 0.0},
                  kind="language_model")
   params = _encoder_params(vanilla, tokens)
-  expected = build_model(vanilla).apply({"params": params}, tokens)
-  out = build_model(real).apply({"params": params}, tokens)
+  expected = jit_apply(build_model(vanilla), {"params": params}, tokens)
+  out = jit_apply(build_model(real), {"params": params}, tokens)
   np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-6)
   # ... and with the default weight 1 it is a different model.
-  residual = build_model(_config(attention="realformer", kind="language_model")).apply(
-      {"params": params}, tokens)
+  residual = jit_apply(build_model(_config(attention="realformer", kind="language_model")),
+                       {"params": params}, tokens)
   assert np.abs(np.asarray(residual - expected)).max() > 1e-4
 
 

@@ -184,8 +184,8 @@ def test_the_heatmap_of_a_trained_run_and_its_restored_model(tmp_path):
   run = restore_run(workdir)
   assert run.step == results["metrics"]["best_validation"]["step"]
   example = run.splits["test"].gather(np.arange(4))
-  logits = run.model.apply(run.variables, jnp.asarray(example["inputs"]),
-                           jnp.asarray(example["targets"]))
+  logits = jit_apply(run.model, run.variables, jnp.asarray(example["inputs"]),
+                     jnp.asarray(example["targets"]))
   assert logits.shape == example["targets"].shape + (run.config.model.vocab_size,)
   out = tmp_path / "heatmap.png"
   assert attention_heatmap.main([f"--workdir={workdir}", f"--out={out}", "--example=1"]) == 0

@@ -354,7 +354,7 @@ def test_classifier_pooling_by_attention_is_the_module_on_the_encoder_outputs():
   params = perturbed(variables["params"])
   assert "cls" not in params and set(params["pooling"]) == {"kernel", "bias", "context_vector"}
   logits = jit_apply(model, {"params": params}, tokens, padding_mask=mask)
-  encoded = Encoder(config).apply({"params": params["encoder"]}, tokens, padding_mask=mask)
+  encoded = jit_apply(Encoder(config), {"params": params["encoder"]}, tokens, padding_mask=mask)
   pooled, _ = np_attention_pooling(encoded, params["pooling"]["kernel"],
                                    params["pooling"]["bias"],
                                    params["pooling"]["context_vector"], np.asarray(mask))

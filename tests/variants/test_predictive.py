@@ -177,18 +177,18 @@ def _tokens(seed=0, length=12):
 def test_a_model_with_zero_previous_weight_is_the_vanilla_model():
   tokens = _tokens()
   predictive = _config(attention_options={"previous_weight": 0.0})
-  params = perturbed(build_model(predictive).init(jax.random.PRNGKey(0), tokens)["params"])
-  out = build_model(predictive).apply({"params": params}, tokens)
+  params = perturbed(jit_init(build_model(predictive), jax.random.PRNGKey(0), tokens)["params"])
+  out = jit_apply(build_model(predictive), {"params": params}, tokens)
   # The vanilla model has the same parameters less the convolutions.
   flat = traverse_util.flatten_dict(params)
   vanilla_params = traverse_util.unflatten_dict(
       {path: leaf for path, leaf in flat.items() if "variant" not in path})
   assert len(vanilla_params) and len(flat) - len(traverse_util.flatten_dict(vanilla_params)) == 3
-  expected = build_model(_config(attention="dot_product")).apply({"params": vanilla_params},
-                                                                 tokens)
+  expected = jit_apply(build_model(_config(attention="dot_product")), {"params": vanilla_params},
+                       tokens)
   np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
   # ... and with the default weight the maps of one layer reach the next.
-  default = build_model(_config()).apply({"params": params}, tokens)
+  default = jit_apply(build_model(_config()), {"params": params}, tokens)
   assert np.abs(np.asarray(default - expected)).max() > 1e-3
 
 
@@ -213,10 +213,11 @@ def test_the_stack_hands_each_layer_the_previous_layers_map():
 def test_scanned_stack_equals_unrolled():
   x = jax.random.normal(jax.random.PRNGKey(6), (B, 12, 16))
   scanned = _config(kind="classifier", scan_layers=True)
-  params = perturbed(nn.meta.unbox(LayerStack(scanned).init(jax.random.PRNGKey(1), x)["params"]))
-  y, _ = LayerStack(scanned).apply({"params": params}, x)
-  expected, _ = LayerStack(_config(kind="classifier")).apply(
-      {"params": unstack_scanned(params, scanned)}, x)
+  variables = jit_init(LayerStack(scanned), jax.random.PRNGKey(1), x)
+  params = perturbed(nn.meta.unbox(variables["params"]))
+  y, _ = jit_apply(LayerStack(scanned), {"params": params}, x)
+  expected, _ = jit_apply(LayerStack(_config(kind="classifier")),
+                          {"params": unstack_scanned(params, scanned)}, x)
   np.testing.assert_allclose(y, expected, rtol=1e-5, atol=1e-5)
 
 
