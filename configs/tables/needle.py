@@ -62,15 +62,22 @@ def get_config():
   config.heatmaps = {kind: tuple(task_name(kind, length) for length in LENGTHS)
                      for kind in needle.KINDS}
   config.notes = (
-      "Partial, one seed: single needle at T=64 and T=128 (all 11 mixers, from clean clones "
-      "at 664d087, c8dcff5 and a7dc6e2); multi-key, multi-value and variable tracking at "
-      "T=64 (all 11, from a clean clone at 664d087); multi-key at T=128, 9 of 11 (a7dc6e2; "
-      "gated_delta_net and mamba2 not yet run); multi-value and variable tracking at T=128 "
-      "not yet run",
+      "Complete, one seed, 88 of 88 cells: single needle at T=64 and T=128 (from clean "
+      "clones at 664d087, c8dcff5 and a7dc6e2); multi-key, multi-value and variable "
+      "tracking at T=64 (664d087); multi-key at T=128 for 9 of 11 mixers (a7dc6e2), its "
+      "gated_delta_net and mamba2 cells and multi-value and variable tracking at T=128 "
+      "(c471434)",
       "Multi-key at T=128, depths 0/0.25/0.5/0.75/1: dot_product 94/86/86/87/89, linear "
-      "98/92/87/88/90 and performer 91/86/82/80/86 hold it; forgetting (2/2/2/4/98) and the "
-      "windows find only needles near the question; gla is at chance (8-12); nsa "
-      "98/42/78/88/92 and memory_compressed 99/50/16/22/2 lose the middle",
+      "98/92/87/88/90, performer 91/86/82/80/86, gated_delta_net 98/88/87/89/94 and mamba2 "
+      "95/90/86/87/96 hold it; forgetting (2/2/2/4/98) and the windows find only needles "
+      "near the question; gla is at chance (8-12); nsa 98/42/78/88/92 and memory_compressed "
+      "99/50/16/22/2 lose the middle",
+      "Multi-value at T=128: dot_product, forgetting, linear, performer, memory_compressed, "
+      "gated_delta_net and mamba2 find every value at every depth (98-100%), nsa 91-100; "
+      "gla is at chance (4-5%), as on the single needle at this length; the windows only "
+      "near the end (local 30/38/97/99/100, longformer 23/25/36/82/100). Variable tracking "
+      "at T=128: every mixer but the windows at 97-100% at every depth, gla included; "
+      "local 4/3/3/100/100, longformer 5/3/4/6/100",
       "Single needle at T=64: every mixer but the windows and memory_compressed finds it at "
       "every depth (100%), gla included; memory_compressed misses it at the very end "
       "(100/100/100/100/3)",
