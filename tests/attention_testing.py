@@ -50,10 +50,14 @@ _CALLERS: "collections.OrderedDict" = collections.OrderedDict()
 _MAX_CALLERS = 64
 
 
-def _jit_called(fn, *args, **kwargs):
+def jit_call(fn, *args, **kwargs):
   """`fn(*args, **kwargs)` compiled as one program; the arguments that are not
   arrays or containers (flags, sizes, methods, filters) are fixed, not traced,
-  whether passed by keyword or by position."""
+  whether passed by keyword or by position.
+
+  For a pure attention function called once in a test: eager, each of its
+  ops is a program of its own (tens of compiles for a blockwise variant).
+  """
   fixed_args = {i: a for i, a in enumerate(args) if not _is_traced(a)}
   fixed_kwargs = {k: v for k, v in kwargs.items() if not _is_traced(v)}
   traced_args = [a for i, a in enumerate(args) if i not in fixed_args]
@@ -83,13 +87,13 @@ def jit_init(model, *args, method=None, **kwargs):
   Eager `init` compiles every op of every initialiser on its own: seconds for
   a small model on CPU, where one program takes a fraction.
   """
-  return _jit_called(model.init, *args, method=method, **kwargs)
+  return jit_call(model.init, *args, method=method, **kwargs)
 
 
 def jit_apply(model, variables, *args, method=None, **kwargs):
   """`model.apply(variables, *args, method=method, **kwargs)` compiled as one
   program, for the same reason as `jit_init`."""
-  return _jit_called(model.apply, variables, *args, method=method, **kwargs)
+  return jit_call(model.apply, variables, *args, method=method, **kwargs)
 
 
 def random_qkv(seed=0, batch=2, q_len=7, kv_len=None, num_heads=4, num_kv_heads=None,

@@ -8,7 +8,7 @@ import pytest
 
 from attention_jax import positional
 from attention_jax.models import ModelConfig
-from tests.attention_testing import assert_close
+from attention_testing import assert_close
 
 B, T, H, D = 2, 9, 3, 8
 BASE = 10_000.0

@@ -16,12 +16,11 @@ import numpy as np
 import pytest
 
 import attention_jax as aj
-from attention_jax import positional
 from attention_jax.core import mods, patterns
 from attention_jax.kernels import BlockSizes
 from attention_jax.kernels.flash_attention import blockwise
-from tests.attention_testing import (as_float64, assert_close, intermediate_shapes,
-                                     outputs_and_grads, random_qkv)
+from attention_testing import (as_float64, assert_close, intermediate_shapes,
+                               outputs_and_grads, random_qkv)
 
 B, T, H, HKV, D = 2, 37, 4, 2, 8
 BLOCKS = BlockSizes(8, 8)

@@ -23,7 +23,7 @@ from attention_jax import flex as flex_module
 from attention_jax.core import mods, patterns
 from attention_jax.kernels import BlockSizes
 from attention_jax.kernels.flash_attention import flex as flex_kernels
-from tests.attention_testing import assert_close, outputs_and_grads, random_qkv
+from attention_testing import assert_close, outputs_and_grads, random_qkv
 
 B, H, HKV, D = 2, 4, 2, 16
 BLOCKS = BlockSizes(16, 16)

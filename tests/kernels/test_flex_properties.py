@@ -27,7 +27,7 @@ import pytest
 import attention_jax as aj
 from attention_jax.core import mods, patterns
 from attention_jax.kernels import BlockSizes
-from tests.attention_testing import assert_close
+from attention_testing import assert_close
 
 MASK_LEAVES = ("causal", "window", "document", "prefix", "per_head_band")
 SCORE_MODS = ("alibi", "bias_table", "temperature")

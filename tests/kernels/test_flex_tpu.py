@@ -25,7 +25,7 @@ from attention_jax.core.flex_inputs import prepare_flex_inputs
 from attention_jax.core.inputs import prepare_inputs
 from attention_jax.kernels import BlockSizes
 from attention_jax.kernels.flash_attention import flex
-from tests.attention_testing import assert_close, outputs_and_grads, random_qkv
+from attention_testing import assert_close, outputs_and_grads, random_qkv
 
 H, HKV, D = 4, 2, 16
 BLOCKS = BlockSizes(64, 128)

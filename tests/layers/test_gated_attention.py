@@ -9,7 +9,7 @@ import pytest
 import attention_jax as aj
 from attention_jax.layers.attention import FIRST_VALUES, HAS_FIRST_VALUES
 from attention_jax.models import ModelConfig, stack
-from tests.attention_testing import assert_close, jit_apply, jit_init, small_stack_config
+from attention_testing import assert_close, jit_apply, jit_init, small_stack_config
 
 B, T, E, H = 2, 9, 16, 2
 

@@ -10,7 +10,7 @@ import pytest
 import attention_jax as aj
 from attention_jax.models import ModelConfig, build_model
 from attention_jax.models.generation import decoding_model, empty_cache
-from tests.attention_testing import assert_close, jit_apply, jit_init
+from attention_testing import assert_close, jit_apply, jit_init
 
 B, T, E, H = 2, 15, 16, 2
 SINKS, WINDOW = 2, 4

@@ -12,8 +12,8 @@ import attention_jax as aj
 from attention_jax import positional
 from attention_jax.core import mods
 from attention_jax.variants.composed import composed_attention
-from tests.attention_testing import (assert_close, assert_same_outputs_and_grads, jit_apply,
-                                     jit_init, random_qkv)
+from attention_testing import (assert_close, assert_same_outputs_and_grads, jit_apply,
+                               jit_call, jit_init, random_qkv)
 
 B, T, H, D = 2, 19, 4, 8
 
@@ -33,9 +33,10 @@ def test_named_mods_are_the_flex_mods_they_name():
   arrays = random_qkv(seed=1, batch=B, q_len=T, num_heads=H, head_dim=D)
   slopes, table = jnp.linspace(0.1, 0.4, H), jax.random.normal(jax.random.PRNGKey(2), (H, 8))
   prefix = jnp.asarray([3, 12])
-  got = composed_attention(*arrays, mods=("alibi", "learned_alibi", "relative_bias", "prefix_lm"),
-                           alibi_slopes=slopes, relative_bias_table=table,
-                           relative_bias_max_distance=16, prefix_lengths=prefix, softcap=4.0)
+  got = jit_call(composed_attention, *arrays,
+                 mods=("alibi", "learned_alibi", "relative_bias", "prefix_lm"),
+                 alibi_slopes=slopes, relative_bias_table=table, relative_bias_max_distance=16,
+                 prefix_lengths=prefix, softcap=4.0)
   bucket = lambda distance: positional.t5_relative_position_bucket(
       distance, bidirectional=True, num_buckets=8, max_distance=16)
   chain = [mods.alibi(positional.alibi_slopes(H)), mods.alibi(slopes),
@@ -46,8 +47,8 @@ def test_named_mods_are_the_flex_mods_they_name():
       score = mod(score, b, h, q, k)
     return score
 
-  want = aj.flex_attention(*arrays, score_mod=score_mod, mask_mod=mods.prefix_lm_mask(prefix),
-                           softcap=4.0, implementation="xla")
+  want = jit_call(aj.flex_attention, *arrays, score_mod=score_mod,
+                  mask_mod=mods.prefix_lm_mask(prefix), softcap=4.0, implementation="xla")
   assert_close(got, want)
 
 

@@ -12,9 +12,9 @@ import attention_jax as aj
 from attention_jax.models import stack
 from attention_jax.variants.modern.differential import (DEPTH, differential_attention,
                                                         lambda_init_at)
-from tests.attention_testing import (as_float64, assert_close, assert_same_outputs_and_grads,
-                                     jit_init, loop_mask, np_softmax, random_qkv,
-                                     small_stack_config)
+from attention_testing import (as_float64, assert_close, assert_same_outputs_and_grads,
+                               jit_init, loop_mask, np_softmax, random_qkv,
+                               small_stack_config)
 
 B, T, H, HKV, D = 2, 11, 4, 2, 8
 

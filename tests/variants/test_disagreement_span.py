@@ -14,8 +14,8 @@ from attention_jax.layers.attention import MultiHeadAttention
 from attention_jax.variants import heads
 from attention_jax.variants.dense import dot_product_attention
 from attention_jax.variants.sparse.windows import local_attention
-from attention_testing import (B, H, KV_LENGTHS, as_float64, assert_close, jit_apply, jit_init,
-                               largest_intermediate, random_qkv)
+from attention_testing import (B, H, KV_LENGTHS, as_float64, assert_close, jit_apply, jit_call,
+                               jit_init, largest_intermediate, random_qkv)
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent.parent / "train"))
 import tiny_config  # pylint: disable=g-import-not-at-top,wrong-import-position
@@ -170,9 +170,9 @@ def test_adaptive_span_is_the_renormalised_masked_softmax(is_causal):
   length, max_span, ramp = 40, 9, 4
   query, key, value = random_qkv(seed=5, batch=B, q_len=length, num_heads=H)
   spans = jnp.asarray([0.0, 2.5, 6.25, 9.0])  # one per head, 0 and S included
-  out = heads.adaptive_span_attention(query, key, value, is_causal=is_causal, spans=spans,
-                                      max_span=max_span, ramp=ramp,
-                                      key_value_seq_lengths=jnp.asarray(KV_LENGTHS) * 4)
+  out = jit_call(heads.adaptive_span_attention, query, key, value, is_causal=is_causal,
+                 spans=spans, max_span=max_span, ramp=ramp,
+                 key_value_seq_lengths=jnp.asarray(KV_LENGTHS) * 4)
   expected = np_adaptive_span(query, key, value, spans, ramp, is_causal, KV_LENGTHS * 4)
   assert_close(out, expected, atol=2e-5)
 
@@ -236,6 +236,7 @@ def test_keys_beyond_the_largest_span_are_never_computed(is_causal):
   poisoned = value.at[:, :block].set(jnp.nan)  # the first key block
   far = 3 * block  # query blocks from 3 on are two blocks or more away from block 0
 
+  @jax.jit
   def attend(q, v):
     return heads.adaptive_span_attention(q, key, v, is_causal=is_causal, spans=spans,
                                          max_span=24, ramp=ramp, block_size=block)
@@ -248,9 +249,8 @@ def test_keys_beyond_the_largest_span_are_never_computed(is_causal):
   grad = jax.grad(lambda q: jnp.sum(attend(q, poisoned)[:, far:] ** 2))(query)
   assert np.isfinite(np.asarray(grad[:, far:])).all()
   # The same band without skipping (spans at S) reaches the poison from query block 3.
-  full = heads.adaptive_span_attention(query, key, poisoned, is_causal=is_causal,
-                                       spans=jnp.full((H,), 24.0), max_span=24, ramp=ramp,
-                                       block_size=block)
+  full = jit_call(heads.adaptive_span_attention, query, key, poisoned, is_causal=is_causal,
+                  spans=jnp.full((H,), 24.0), max_span=24, ramp=ramp, block_size=block)
   assert np.isnan(np.asarray(full[:, far:far + block])).any()
 
 

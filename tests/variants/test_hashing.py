@@ -14,8 +14,8 @@ import pytest
 from attention_jax.core import reference_attention
 from attention_jax.layers.attention import MultiHeadAttention
 from attention_jax.variants import hashing
-from attention_testing import (assert_close, assert_same_outputs_and_grads, jit_apply, jit_init,
-                               loop_mask, random_qkv)
+from attention_testing import (assert_close, assert_same_outputs_and_grads, jit_apply, jit_call,
+                               jit_init, loop_mask, random_qkv)
 
 RNG = jax.random.PRNGKey(3)
 
@@ -88,9 +88,9 @@ def test_lsh_padding():
   lengths = np.array([11, 16])
   query, key, value = random_qkv(seed=1, batch=batch, q_len=length, num_heads=2)
   padded = ~loop_mask(batch, 1, length, kv_lengths=lengths)[:, 0, 0]  # [B, T]
-  lsh = lambda q, v, **kw: hashing.lsh_attention(
+  lsh = jax.jit(lambda q, v: hashing.lsh_attention(
       q, key, v, key_value_seq_lengths=jnp.array(lengths), hash_rng=RNG, n_buckets=4,
-      n_hashes=2, chunk_size=4, **kw)
+      n_hashes=2, chunk_size=4))
   out = lsh(query, value)
   # Whatever the padded tokens hold, the valid ones see the same chunks and keys.
   noise_q, _, noise_v = random_qkv(seed=9, batch=batch, q_len=length, num_heads=2)
@@ -99,9 +99,10 @@ def test_lsh_padding():
   assert_close(np.asarray(other)[~padded], np.asarray(out)[~padded])
   assert np.abs(np.asarray(out)[padded]).max() == 0.0
   # The same padding as a key mask, and padded queries by length.
-  by_mask = hashing.lsh_attention(query, key, value, mask=jnp.asarray(~padded)[:, None, None, :],
-                                  query_seq_lengths=jnp.array(lengths), hash_rng=RNG,
-                                  n_buckets=4, n_hashes=2, chunk_size=4)
+  by_mask = jit_call(hashing.lsh_attention, query, key, value,
+                     mask=jnp.asarray(~padded)[:, None, None, :],
+                     query_seq_lengths=jnp.array(lengths), hash_rng=RNG, n_buckets=4, n_hashes=2,
+                     chunk_size=4)
   assert_close(by_mask, out)
   # With one bucket and chunk the valid rows are dense attention over valid keys.
   allowed = loop_mask(batch, length, length, q_lengths=lengths, kv_lengths=lengths)
@@ -346,7 +347,7 @@ def test_causal_sinkhorn_output_never_depends_on_later_tokens():
   query, key, value = random_qkv(seed=5, batch=1, q_len=length, num_heads=2)
   attend = lambda q, k, v: hashing.sinkhorn_attention(
       q, k, v, block_size=block_size, is_causal=True, **_sort_kernels())
-  jacobians = jax.jacobian(attend, argnums=(0, 1, 2))(query, key, value)
+  jacobians = jax.jit(jax.jacobian(attend, argnums=(0, 1, 2)))(query, key, value)
   for name, jacobian in zip("qkv", jacobians):
     # [1, Tq, H, Dv, 1, T, H, D] -> dependence of output position t on input position s.
     dependence = np.abs(np.asarray(jacobian)).sum(axis=(0, 2, 3, 4, 6, 7))
@@ -515,12 +516,11 @@ def test_a_length_that_is_no_block_multiple_is_padded_inside(variant, causal):
   query, key, value = random_qkv(batch=batch, q_len=length, num_heads=2)
   lengths = jnp.array([13, 10])
   if variant == "lsh":
-    fn = lambda q, k, v, **kw: hashing.lsh_attention(q, k, v, hash_rng=RNG, n_buckets=2,
-                                                     chunk_size=4, is_causal=causal, **kw)
+    fn = jax.jit(lambda q, k, v, **kw: hashing.lsh_attention(
+        q, k, v, hash_rng=RNG, n_buckets=2, chunk_size=4, is_causal=causal, **kw))
   else:
-    fn = lambda q, k, v, **kw: hashing.sinkhorn_attention(q, k, v, block_size=4,
-                                                          is_causal=causal, **_sort_kernels(),
-                                                          **kw)
+    fn = jax.jit(lambda q, k, v, **kw: hashing.sinkhorn_attention(
+        q, k, v, block_size=4, is_causal=causal, **_sort_kernels(), **kw))
   out = fn(query, key, value, key_value_seq_lengths=lengths, query_seq_lengths=lengths)
   assert out.shape == query.shape
   noise = random_qkv(seed=7, batch=batch, q_len=padded_length - length, num_heads=2)

@@ -158,6 +158,7 @@ def test_talking_heads_with_different_head_counts_is_the_papers_attention(
   def paper_loss(Q, K, V, P_l, P_w):
     return np.sum(_np_paper_talking_heads(Q, K, V, P_l, P_w, allowed) * cotangent)
 
+  @jax.jit
   def ours(query, key, value, logits_mixing, weights_mixing):
     return heads.talking_heads_attention(
         query, key, value, logits_mixing=logits_mixing, weights_mixing=weights_mixing,

@@ -14,7 +14,7 @@ from attention_jax.core import reference_attention
 from attention_jax.models import build_model, default_model_config
 from attention_jax.variants import common, linear
 from attention_testing import (as_float64, assert_close, assert_same_outputs_and_grads, jit_apply,
-                               jit_init, loop_mask, outputs_and_grads, random_qkv)
+                               jit_call, jit_init, loop_mask, outputs_and_grads, random_qkv)
 
 # This file's tolerance: float32 sums over whole sequences in a different order.
 _assert_same = functools.partial(assert_same_outputs_and_grads, rtol=2e-5, atol=2e-5)
@@ -162,13 +162,13 @@ def _softmax_error(name, num_features, seed, is_causal, **options):
   else:
     # Positive features' variance grows like exp(|q + k|^2): moderate logits.
     query, key, scale = query * 0.5, key * 0.5, 8 ** -0.5
-  projection = linear.gaussian_projection(jax.random.PRNGKey(100 + seed), num_features, 8,
-                                          orthogonal=options.pop("orthogonal", True))
+  projection = jit_call(linear.gaussian_projection, jax.random.PRNGKey(100 + seed), num_features,
+                        8, orthogonal=options.pop("orthogonal", True))
   fn = attention_jax.get_variant(name).fn
-  out = fn(query, key, value, is_causal=is_causal, projection=projection, chunk_size=8,
-           **options)
-  exact = reference_attention(query, key, value, None,
-                              jnp.array(loop_mask(1, 32, 32, is_causal=is_causal)), scale=scale)
+  out = jit_call(fn, query, key, value, is_causal=is_causal, projection=projection, chunk_size=8,
+                 **options)
+  exact = jit_call(reference_attention, query, key, value, None,
+                   jnp.array(loop_mask(1, 32, 32, is_causal=is_causal)), scale=scale)
   return float(jnp.sqrt(jnp.mean((out - exact) ** 2)))
 
 

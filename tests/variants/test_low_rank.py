@@ -10,8 +10,8 @@ import pytest
 import attention_jax
 from attention_jax.core import reference_attention
 from attention_jax.variants import low_rank
-from attention_testing import (assert_close, assert_same_outputs_and_grads, jit_apply, jit_init,
-                               loop_mask, random_qkv)
+from attention_testing import (assert_close, assert_same_outputs_and_grads, jit_apply, jit_call,
+                               jit_init, loop_mask, random_qkv)
 
 # This file's tolerance: float32 sums over whole sequences in a different order.
 _assert_same = functools.partial(assert_same_outputs_and_grads, rtol=2e-5, atol=2e-5)
@@ -138,8 +138,8 @@ def test_nystromformer_error_falls_as_landmarks_grow():
   # Smooth sequences (neighbours alike), where segment means are good landmarks.
   smooth = lambda x: jnp.cumsum(x, axis=1) / 8
   query, key = smooth(query), smooth(key)
-  exact = reference_attention(query, key, value)
-  errors = [float(jnp.sqrt(jnp.mean((low_rank.nystromformer_attention(
+  exact = jit_call(reference_attention, query, key, value)
+  errors = [float(jnp.sqrt(jnp.mean((jit_call(low_rank.nystromformer_attention,
       query, key, value, num_landmarks=m, pinv_iterations=20) - exact) ** 2)))
             for m in (4, 16, 64)]
   assert errors[0] > errors[1] > errors[2], errors

@@ -13,8 +13,8 @@ from attention_jax.models import ModelConfig
 from attention_jax.models.generation import decoding_model, empty_cache
 from attention_jax.models import build_model
 from attention_jax.variants.modern.mla import MultiHeadLatentAttention, latent_attention
-from tests.attention_testing import (as_float64, assert_close, jit_apply, jit_init, loop_mask,
-                                     np_softmax)
+from attention_testing import (as_float64, assert_close, jit_apply, jit_init, loop_mask,
+                               np_softmax)
 
 B, T, E, H = 2, 11, 32, 4
 

@@ -9,8 +9,8 @@ import pytest
 
 import attention_jax as aj
 from attention_jax.variants.modern.moba import moba_attention
-from tests.attention_testing import (as_float64, assert_close, assert_same_outputs_and_grads,
-                                     np_softmax, random_qkv)
+from attention_testing import (as_float64, assert_close, assert_same_outputs_and_grads,
+                               jit_call, np_softmax, random_qkv)
 
 B, T, H, HKV, D = 2, 29, 4, 2, 8
 BLOCK, TOP_K = 4, 3
@@ -59,7 +59,7 @@ def test_equals_the_gated_blocks_written_out(implementation):
 @pytest.mark.property("moba")
 def test_bidirectional_choice_ranges_over_every_block():
   query, key, value = random_qkv(seed=1, batch=B, q_len=T, num_heads=H, head_dim=D)
-  got = moba_attention(query, key, value, block_size=BLOCK, top_k=TOP_K)
+  got = jit_call(moba_attention, query, key, value, block_size=BLOCK, top_k=TOP_K)
   assert_close(got, _numpy_moba(query, key, value, [T, T], causal=False), rtol=1e-4,
                atol=1e-5)
 
@@ -68,8 +68,8 @@ def test_bidirectional_choice_ranges_over_every_block():
 def test_choosing_every_block_is_causal_attention():
   arrays = random_qkv(seed=2, batch=B, q_len=T, num_heads=H, num_kv_heads=HKV, head_dim=D)
   every = -(-T // BLOCK)
-  assert_close(moba_attention(*arrays, block_size=BLOCK, top_k=every, is_causal=True),
-               aj.dot_product_attention(*arrays, is_causal=True, implementation="xla"),
+  assert_close(jit_call(moba_attention, *arrays, block_size=BLOCK, top_k=every, is_causal=True),
+               jit_call(aj.dot_product_attention, *arrays, is_causal=True, implementation="xla"),
                rtol=1e-5, atol=1e-5)
 
 

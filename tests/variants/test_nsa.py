@@ -10,8 +10,8 @@ import pytest
 
 import attention_jax as aj
 from attention_jax.variants.modern.nsa import nsa_attention
-from tests.attention_testing import (as_float64, assert_close, assert_same_outputs_and_grads,
-                                     jit_init, np_softmax, random_qkv)
+from attention_testing import (as_float64, assert_close, assert_same_outputs_and_grads,
+                               jit_init, np_softmax, random_qkv)
 
 B, T, H, HKV, D = 2, 27, 4, 2, 8
 SIZES = dict(compress_block_size=4, compress_stride=2, select_block_size=4, top_n=3, window=5)

@@ -13,8 +13,8 @@ from attention_jax.variants.prior.average import (AverageAttention, average_atte
 from attention_jax.variants.prior.biases import gaussian_transformer_attention
 from attention_jax.variants.prior.hard_coded import hard_coded_gaussian_attention
 from attention_testing import (B, H, Q_LENGTHS, Q_SEGMENTS, TK, TQ, VARIANT_MASK_CASES, as_float64,
-                               assert_close, assert_same_outputs_and_grads, jit_apply, jit_init,
-                               largest_intermediate, loop_mask, perturbed, random_qkv)
+                               assert_close, assert_same_outputs_and_grads, jit_apply, jit_call,
+                               jit_init, largest_intermediate, loop_mask, perturbed, random_qkv)
 
 MASK_CASES = VARIANT_MASK_CASES
 
@@ -138,8 +138,8 @@ def test_hard_coded_gaussian_against_numpy(case, offset, sigma, window):
   if "segment_ids" in kwargs:
     kwargs["segment_ids"] = jnp.array(Q_SEGMENTS)
     mask_args["kv_segments"] = Q_SEGMENTS
-  attend = lambda v: hard_coded_gaussian_attention(
-      shape_only, shape_only, v, offset=offset, sigma=sigma, window=window, **kwargs)
+  attend = jax.jit(lambda v: hard_coded_gaussian_attention(
+      shape_only, shape_only, v, offset=offset, sigma=sigma, window=window, **kwargs))
   out = attend(value)
   allowed = loop_mask(B, length, length, **mask_args)
   want, weights = np_hard_coded_gaussian(value, H, allowed, offset=offset, sigma=sigma,
@@ -158,8 +158,8 @@ def test_hard_coded_gaussian_against_numpy(case, offset, sigma, window):
 def test_hard_coded_gaussian_window_covering_the_support_equals_the_untruncated():
   _, _, value = random_qkv(seed=5, batch=1, q_len=40, num_heads=2)
   shape_only = jax.ShapeDtypeStruct((1, 40, 2, 8), jnp.float32)
-  full = hard_coded_gaussian_attention(shape_only, shape_only, value, window=None)
-  banded = hard_coded_gaussian_attention(shape_only, shape_only, value, window=8)
+  full = jit_call(hard_coded_gaussian_attention, shape_only, shape_only, value, window=None)
+  banded = jit_call(hard_coded_gaussian_attention, shape_only, shape_only, value, window=8)
   assert_close(banded, full, atol=1e-6)
 
 

@@ -11,8 +11,8 @@ import pytest
 import attention_jax as aj
 from attention_jax import positional
 from attention_jax.variants.modern.sigmoid import sigmoid_attention
-from tests.attention_testing import (as_float64, assert_close, assert_same_outputs_and_grads,
-                                     jit_apply, jit_init, loop_mask, random_qkv)
+from attention_testing import (as_float64, assert_close, assert_same_outputs_and_grads,
+                               jit_apply, jit_init, loop_mask, random_qkv)
 
 B, T, H, HKV, D = 2, 13, 4, 2, 8
 

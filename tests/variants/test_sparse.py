@@ -32,7 +32,7 @@ from attention_jax.variants.sparse.random_patterns import (bigbird_attention, bi
                                                            random_attention, random_indices)
 from attention_jax.variants.sparse.windows import (block_local_attention, dilated_attention,
                                                    local_attention)
-from attention_testing import assert_close, outputs_and_grads, random_qkv
+from attention_testing import assert_close, jit_init, outputs_and_grads, random_qkv
 
 B, H = 2, 4
 Q_LENGTHS = np.array([13, 19])
@@ -694,7 +694,7 @@ def test_runs_in_multi_head_attention_under_jit(name):
   x = jax.random.normal(jax.random.PRNGKey(0), (2, 40, 16))
   layer = MultiHeadAttention(num_heads=4, num_kv_heads=2, attention=name,
                              attention_options=MODULE_OPTIONS[name])
-  variables = layer.init(jax.random.PRNGKey(1), x)
+  variables = jit_init(layer, jax.random.PRNGKey(1), x)
   key_mask = (jnp.arange(40)[None, :] < jnp.array([30, 40])[:, None])[:, None, None, :]
   apply = jax.jit(lambda v, x, m: layer.apply(v, x, mask=m, is_causal=True))
   out = apply(variables, x, key_mask)

@@ -9,8 +9,8 @@ import pytest
 
 from attention_jax.models import ModelConfig
 from attention_jax.variants.modern.stick_breaking import stick_breaking_attention
-from tests.attention_testing import (as_float64, assert_close, assert_same_outputs_and_grads,
-                                     largest_intermediate, random_qkv)
+from attention_testing import (as_float64, assert_close, assert_same_outputs_and_grads,
+                               largest_intermediate, random_qkv)
 
 B, T, H, HKV, D = 2, 21, 4, 2, 8
 

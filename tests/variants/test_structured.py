@@ -284,7 +284,7 @@ def test_graph_isolated_nodes_give_zeros_and_finite_gradients(form):
   graph = (dict(adjacency=jnp.array([[False] * 4] * 2 + [[True, False, False, True]]
                                     + [[False] * 4])) if form == "adjacency" else
            dict(senders=jnp.array([0, 3, -1]), receivers=jnp.array([2, 2, -1])))
-  fn = lambda q, k, v: structured.graph_attention(q, k, v, **graph)
+  fn = jax.jit(lambda q, k, v: structured.graph_attention(q, k, v, **graph))
   out = fn(query, key, value)
   assert np.all(np.asarray(out)[:, [0, 1, 3]] == 0)
   assert np.abs(np.asarray(out)[:, 2]).max() > 0
