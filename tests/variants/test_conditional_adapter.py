@@ -11,8 +11,8 @@ from attention_jax.layers.attention import MultiHeadAttention
 from attention_jax.variants.prior.biases import (conditional_adapter_attention,
                                                  conditional_block_bias)
 from attention_testing import (B, H, VARIANT_MASK_CASES, as_float64, assert_close,
-                               assert_same_outputs_and_grads, jit_apply, jit_init, loop_mask,
-                               random_qkv)
+                               assert_same_outputs_and_grads, jit_apply, jit_call, jit_init,
+                               loop_mask, random_qkv)
 from test_priors import np_masked_attention
 
 T, BLOCK, NUM_BLOCKS, TASKS, TASK_DIM = 9, 3, 3, 3, 5  # T = TK of the mask grid
@@ -94,13 +94,13 @@ def test_conditional_adapter_against_numpy(case):
 def test_conditional_adapter_tasks_differ_and_default_to_task_zero():
   query, key, value = random_qkv(seed=4, batch=1, q_len=T, num_heads=H)
   arrays = random_arrays(3)
-  run = lambda ids: conditional_adapter_attention(query, key, value, task_ids=ids,
-                                                  **arrays)
+  run = jax.jit(lambda ids: conditional_adapter_attention(query, key, value, task_ids=ids,
+                                                          **arrays))
   outputs = [np.asarray(run(jnp.array([task]))) for task in range(TASKS)]
   for a in range(TASKS):
     for b in range(a + 1, TASKS):
       assert np.abs(outputs[a] - outputs[b]).max() > 1e-3
-  assert_close(conditional_adapter_attention(query, key, value, **arrays), outputs[0])
+  assert_close(jit_call(conditional_adapter_attention, query, key, value, **arrays), outputs[0])
 
 
 @pytest.mark.property("conditional_adapter")

@@ -8,7 +8,7 @@ import pytest
 import attention_jax
 from attention_jax.core import reference_attention
 from attention_testing import (B, H, MASK_CASES, TK, TQ, assert_close, bias_and_mask,
-                               check_against_reference, loop_mask, random_qkv)
+                               check_against_reference, jit_call, loop_mask, random_qkv)
 
 
 @pytest.mark.parity("dot_product")
@@ -90,18 +90,18 @@ def test_unbatched_rank3_inputs_match_batched():
 def test_self_attention_segment_ids_array_equals_separate_attention_per_segment():
   query, key, value = random_qkv(batch=1, q_len=6, num_heads=2)
   segment_ids = jnp.array([[0, 0, 0, 1, 1, 1]])
-  packed = attention_jax.dot_product_attention(query, key, value, segment_ids=segment_ids,
-                                               is_causal=True)
-  first = attention_jax.dot_product_attention(query[:, :3], key[:, :3], value[:, :3],
-                                              is_causal=True)
+  packed = jit_call(attention_jax.dot_product_attention, query, key, value,
+                    segment_ids=segment_ids, is_causal=True)
+  first = jit_call(attention_jax.dot_product_attention, query[:, :3], key[:, :3], value[:, :3],
+                   is_causal=True)
   assert_close(packed[:, :3], first)
 
 
 def test_dropout_keeps_expectation_and_is_seeded():
   query, key, value = random_qkv(batch=1, q_len=4, num_heads=1, head_dim=4)
-  clean = attention_jax.dot_product_attention(query, key, value)
-  run = lambda rng: attention_jax.dot_product_attention(query, key, value, dropout_rate=0.5,
-                                                        dropout_rng=rng)
+  clean = jit_call(attention_jax.dot_product_attention, query, key, value)
+  run = jax.jit(lambda rng: attention_jax.dot_product_attention(query, key, value, dropout_rate=0.5,
+                                                                dropout_rng=rng))
   rng = jax.random.PRNGKey(3)
   assert_close(run(rng), run(rng), rtol=0, atol=0)
   assert not np.allclose(run(rng), clean)

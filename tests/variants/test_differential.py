@@ -13,7 +13,7 @@ from attention_jax.models import stack
 from attention_jax.variants.modern.differential import (DEPTH, differential_attention,
                                                         lambda_init_at)
 from attention_testing import (as_float64, assert_close, assert_same_outputs_and_grads,
-                               jit_init, loop_mask, np_softmax, random_qkv,
+                               jit_call, jit_init, loop_mask, np_softmax, random_qkv,
                                small_stack_config)
 
 B, T, H, HKV, D = 2, 11, 4, 2, 8
@@ -105,11 +105,10 @@ def test_lambda_zero_is_normalised_softmax_attention_of_the_first_half():
 def test_the_stack_counts_the_depth_and_each_layer_takes_the_papers_lambda_init():
   query, key, value = random_qkv(seed=5, batch=B, q_len=T, num_heads=H, head_dim=D)
   vectors, norm_scale = _lambda_arrays()
-  third, update = differential_attention(query, key, value, lambda_vectors=vectors,
-                                         norm_scale=norm_scale, carry={DEPTH: jnp.int32(2)})
-  fixed, _ = differential_attention(query, key, value, lambda_vectors=vectors,
-                                    norm_scale=norm_scale,
-                                    lambda_init=float(0.8 - 0.6 * np.exp(-0.6)))
+  third, update = jit_call(differential_attention, query, key, value, lambda_vectors=vectors,
+                           norm_scale=norm_scale, carry={DEPTH: jnp.int32(2)})
+  fixed, _ = jit_call(differential_attention, query, key, value, lambda_vectors=vectors,
+                      norm_scale=norm_scale, lambda_init=float(0.8 - 0.6 * np.exp(-0.6)))
   assert int(update[DEPTH]) == 3
   assert_close(lambda_init_at(3), 0.8 - 0.6 * np.exp(-0.6))
   assert_close(third, fixed)

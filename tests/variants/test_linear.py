@@ -77,9 +77,9 @@ def test_linear_causal_equals_the_masked_quadratic_form(chunk_size):
 def test_linear_padding(is_causal):
   q_lengths, kv_lengths = np.array([9, 13]), np.array([9, 5])
   query, key, value = random_qkv(seed=2, batch=B, q_len=T, num_heads=H)
-  fn = lambda k, v: linear.linear_attention(
+  fn = jax.jit(lambda k, v: linear.linear_attention(
       query, k, v, is_causal=is_causal, chunk_size=4, query_seq_lengths=jnp.array(q_lengths),
-      key_value_seq_lengths=jnp.array(kv_lengths))
+      key_value_seq_lengths=jnp.array(kv_lengths)))
   out = fn(key, value)
   # Padded keys' content does not matter.
   noise = jax.random.normal(jax.random.PRNGKey(3), key.shape) * 10
@@ -91,8 +91,8 @@ def test_linear_padding(is_causal):
   assert np.all(np.asarray(out[0, 9:]) == 0)
   # A key-padding mask [B, 1, 1, Tk] is the same padding.
   key_mask = jnp.array(loop_mask(B, 1, T, kv_lengths=kv_lengths))
-  by_mask = linear.linear_attention(query, key, value, None, key_mask, is_causal=is_causal,
-                                    query_seq_lengths=jnp.array(q_lengths))
+  by_mask = jit_call(linear.linear_attention, query, key, value, None, key_mask,
+                     is_causal=is_causal, query_seq_lengths=jnp.array(q_lengths))
   assert_close(by_mask, out)
 
 
@@ -253,7 +253,7 @@ def test_performer_keys_far_apart_in_scale_keep_exact_outputs_and_finite_gradien
   _, grads = outputs_and_grads(ours, query, key, value)
   assert all(np.isfinite(np.asarray(g)).all() for g in grads)
   if is_causal:
-    assert_close(ours(query, key, value)[:, 0], value[:, 0], rtol=1e-5, atol=1e-5)
+    assert_close(jax.jit(ours)(query, key, value)[:, 0], value[:, 0], rtol=1e-5, atol=1e-5)
   assert_same_outputs_and_grads(ours, _performer_in_log_space(projection, is_causal),
                                 query, key, value, rtol=1e-4, atol=1e-4)
 
@@ -288,10 +288,10 @@ def test_rfa_gated_recurrence_equals_a_python_loop(normalize):
   projection = linear.gaussian_projection(jax.random.PRNGKey(5), 32, 8, orthogonal=False)
   gate_kernel = jax.random.normal(jax.random.PRNGKey(6), (2, 8))
   gate_bias = jnp.array([0.5, -0.5])
-  out = linear.rfa_attention(query, key, value, is_causal=True, projection=projection,
-                             gate_kernel=gate_kernel, gate_bias=gate_bias, chunk_size=4,
-                             normalize=normalize, scale=0.5 if normalize else 0.1,
-                             key_value_seq_lengths=jnp.array(key_lengths))
+  out = jit_call(linear.rfa_attention, query, key, value, is_causal=True, projection=projection,
+                 gate_kernel=gate_kernel, gate_bias=gate_bias, chunk_size=4,
+                 normalize=normalize, scale=0.5 if normalize else 0.1,
+                 key_value_seq_lengths=jnp.array(key_lengths))
 
   # The recurrence of the paper, token by token, in float64 numpy.
   q, k, v = (np.asarray(x, np.float64) for x in (query, key, value))
@@ -327,9 +327,9 @@ def test_random_feature_padding(name, is_causal):
   kv_lengths, q_lengths = np.array([13, 6]), np.array([13, 10])
   query, key, value = random_qkv(seed=8, batch=B, q_len=T, num_heads=H, num_kv_heads=1)
   projection = linear.gaussian_projection(jax.random.PRNGKey(9), 16, 8)
-  fn = lambda k, v: attention_jax.get_variant(name).fn(
+  fn = jax.jit(lambda k, v: attention_jax.get_variant(name).fn(
       query, k, v, is_causal=is_causal, projection=projection, chunk_size=4,
-      query_seq_lengths=jnp.array(q_lengths), key_value_seq_lengths=jnp.array(kv_lengths))
+      query_seq_lengths=jnp.array(q_lengths), key_value_seq_lengths=jnp.array(kv_lengths)))
   out = fn(key, value)
   noise = jax.random.normal(jax.random.PRNGKey(3), key.shape) * 3
   padded = ~loop_mask(B, 1, T, kv_lengths=kv_lengths)[:, 0, 0, :, None, None]

@@ -8,7 +8,8 @@ import pytest
 import attention_jax
 from attention_jax.models import Block, ModelConfig
 from attention_jax.variants import heads as heads_lib
-from attention_testing import as_float64, assert_close, jit_apply, jit_init, perturbed
+from attention_testing import (as_float64, assert_close, jit_apply, jit_call, jit_init,
+                               perturbed)
 
 B, T, H, D, N, C = 2, 5, 4, 3, 3, 2
 
@@ -95,10 +96,9 @@ def test_module_is_dot_product_heads_then_routing():
   out = jit_apply(module, {"params": params}, x, is_causal=True, key_value_seq_lengths=lengths)
   project = lambda name: jnp.einsum("bte,ehd->bthd", x, params[name]["kernel"]) + \
       params[name]["bias"]
-  heads = attention_jax.dot_product_attention(project("query"), project("key"),
-                                              project("value"), is_causal=True,
-                                              key_value_seq_lengths=lengths)
-  assert_close(out, heads_lib.route_heads(heads, params["vote_kernels"], 2), atol=1e-5)
+  heads = jit_call(attention_jax.dot_product_attention, project("query"), project("key"),
+                   project("value"), is_causal=True, key_value_seq_lengths=lengths)
+  assert_close(out, jit_call(heads_lib.route_heads, heads, params["vote_kernels"], 2), atol=1e-5)
   with pytest.raises(ValueError, match="num_capsules"):
     heads_lib.RoutingAggregation(num_heads=2, num_capsules=3).init(jax.random.PRNGKey(1), x)
 

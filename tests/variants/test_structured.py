@@ -156,8 +156,8 @@ def test_crf_padded_keys_weigh_nothing_and_change_nothing(padding, normalize):
   lengths = jnp.array([5, 5])
   padded = (dict(key_value_seq_lengths=lengths) if padding == "lengths" else
             dict(mask=(jnp.arange(8) < 5)[None, None, None, :]))
-  crf = lambda k, v, **kw: structured.structured_crf_attention(
-      query, k, v, transition=transition, normalize=normalize, **kw)
+  crf = jax.jit(lambda k, v, **kw: structured.structured_crf_attention(
+      query, k, v, transition=transition, normalize=normalize, **kw))
   weights = crf(key, value, **padded)
   assert np.all(np.asarray(weights)[..., 5:] == 0)
   assert_close(weights[..., :5], crf(key[:, :5], value[:, :5, :, :5]), rtol=1e-5, atol=1e-6)
@@ -251,7 +251,7 @@ def test_graph_as_edges_equals_the_adjacency_and_a_numpy_masked_softmax(kwargs):
   weights = np.exp(logits - row_max)
   weights /= np.maximum(weights.sum(-1, keepdims=True), 1e-300)
   expected = np.einsum("bhqk,bkhv->bqhv", weights, as_float64(value))
-  out = edges(query, key, value, bias)
+  out = jax.jit(edges)(query, key, value, bias)
   assert_close(out, expected, rtol=1e-5, atol=1e-5)
   assert np.all(np.asarray(out)[:, 0] == 0)  # node 0 has no incoming edge
 
