@@ -8,7 +8,7 @@ import pytest
 from attention_jax import data, train
 from attention_jax.data import recall
 from attention_jax.models import build_model
-from attention_testing import assert_generated_splits_follow_the_seed
+from attention_testing import assert_generated_splits_follow_the_seed, jit_apply
 
 
 def _answers_by_lookup(row, mask):
@@ -114,8 +114,8 @@ def test_evaluation_reports_accuracy_per_group_over_the_scored_tokens_only():
                                    eval_groups=("pairs2", "pairs3"))
   sums = jax.device_get(eval_step(state, train.shard_batch(batch, train.batch_sharding(mesh))))
 
-  logits = np.asarray(model.apply({"params": jax.device_get(state.params)},
-                                  jnp.asarray(arrays["inputs"])))
+  logits = np.asarray(jit_apply(model, {"params": jax.device_get(state.params)},
+                                jnp.asarray(arrays["inputs"])))
   right = logits[:, :-1].argmax(-1) == arrays["inputs"][:, 1:]
   scored = arrays["target_mask"][:, 1:] * batch["weight"][:, None]
   for index, name in enumerate(("pairs2", "pairs3")):

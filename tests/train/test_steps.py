@@ -8,6 +8,7 @@ import numpy as np
 
 from attention_jax import train
 from attention_jax.models import build_model
+from attention_testing import jit_apply
 
 VOCAB, EMBED, CLASSES, B, T = 8, 4, 3, 8, 6
 
@@ -111,8 +112,8 @@ def test_language_model_loss_is_next_token_cross_entropy_over_real_tokens():
   state, shardings = train.create_sharded_state(model, optimizer, batch, mesh,
                                                 objective=objective)
   params = jax.device_get(state.params)
-  logits = np.asarray(model.apply({"params": params}, jnp.asarray(batch["inputs"]),
-                                  padding_mask=jnp.asarray(batch["inputs"] != 0)), np.float64)
+  logits = np.asarray(jit_apply(model, {"params": params}, jnp.asarray(batch["inputs"]),
+                                padding_mask=jnp.asarray(batch["inputs"] != 0)), np.float64)
   # Position t predicts token t + 1; padded targets and zero-weight rows do not count.
   log_probs = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
   targets = batch["inputs"][:, 1:]

@@ -15,8 +15,9 @@ from attention_jax.variants.recurrence import (CompressiveAttention, Transformer
                                                attention_reconstruction_loss,
                                                compress_memory, compressive_attention,
                                                transformer_xl_attention)
-from attention_testing import (as_float64, assert_close, jit_apply, jit_init, np_project_heads,
-                               np_softmax, perturbed, random_qkv, segment_training_step)
+from attention_testing import (as_float64, assert_close, jit_apply, jit_call, jit_init,
+                               np_project_heads, np_softmax, perturbed, random_qkv,
+                               segment_training_step)
 
 B, E, H = 2, 16, 2
 
@@ -189,8 +190,8 @@ def test_reconstruction_loss_compares_only_real_states(real_slots):
   projections = params["attention"]
   hidden, old_states = _segments((5, 6), seed=30)
   compressed = jax.random.normal(jax.random.PRNGKey(31), (B, 3, E))
-  loss = attention_reconstruction_loss(hidden, old_states, compressed, jnp.asarray(real_slots),
-                                       projections)
+  loss = jit_call(attention_reconstruction_loss, hidden, old_states, compressed,
+                  jnp.asarray(real_slots), projections)
   assert_close(loss, np_reconstruction_loss(hidden, old_states, compressed, real_slots,
                                             projections), rtol=1e-4, atol=1e-6)
   if real_slots == 0:

@@ -231,9 +231,9 @@ def test_performer_release_listops_is_the_reference_codes_stabilised_favor():
 
 def test_performer_release_layers_per_task():
   x = jnp.ones((1, 6, 16))
-  relu = _release_layer("performer", "image", 6).init(jax.random.PRNGKey(0), x)
+  relu = jit_init(_release_layer("performer", "image", 6), jax.random.PRNGKey(0), x)
   assert common.RANDOM_COLLECTION not in relu  # no random features at all
-  favor = _release_layer("performer", "listops", 6).init(jax.random.PRNGKey(0), x)
+  favor = jit_init(_release_layer("performer", "listops", 6), jax.random.PRNGKey(0), x)
   assert favor[common.RANDOM_COLLECTION]["variant"]["projection"].shape == (2, 8)
 
 
