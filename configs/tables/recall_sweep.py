@@ -43,7 +43,11 @@ def get_config():
   config.not_run = {}
   config.learning_rates = (1e-3, None, 1e-2)
   config.notes = ("The cells at the config's own rate (3e-3) are the recall table's runs, copied "
-                  "(the same commands); of the other rates, 32 of 112 cells ran (mqar_T32 "
-                  "at 1e-3 and 1e-2 for all 14 mixers, mqar_T64 at both for dot_product and "
-                  "transformer_xl, from a clean clone at 362262b), the rest not yet",)
+                  "(the same commands); of the other rates, 63 of 112 cells ran, from clean "
+                  "clones at 362262b and 46545c0: mqar_T32 at 1e-3 and 1e-2 for all 14 mixers "
+                  "in seed 0 and for 10 in seed 1 (not yet local, performer at 1e-2, delta_net "
+                  "and gated_delta_net), mqar_T64 at both rates in seed 0 for dot_product, "
+                  "transformer_xl, stick_breaking, differential, forgetting, sigmoid and mla; "
+                  "a row whose rates have unequal seed counts compares their means as they "
+                  "stand",)
   return config
