@@ -15,7 +15,6 @@ for the rest: read the counts per family, not per case.
 
 from __future__ import annotations
 
-import atexit
 import collections
 import glob
 import json
@@ -44,7 +43,12 @@ def _listen(event, duration, **_):
 def pytest_configure(config):  # pylint: disable=unused-argument
   from jax import monitoring  # pylint: disable=import-outside-toplevel
   monitoring.register_event_duration_secs_listener(_listen)
-  atexit.register(_write)
+
+
+def pytest_unconfigure(config):  # pylint: disable=unused-argument
+  # At the session's end in each process (xdist workers included); an atexit
+  # hook ran in only one of the two workers.
+  _write()
 
 
 def pytest_runtest_protocol(item, nextitem):  # pylint: disable=unused-argument
