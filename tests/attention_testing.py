@@ -382,9 +382,10 @@ def assert_causal_language_model(model, batch, length, cut, vocab_size, seed=0):
   tokens = jax.random.randint(jax.random.PRNGKey(seed), (batch, length), 1, vocab_size)
   changed = tokens.at[:, cut:].set(jax.random.randint(jax.random.PRNGKey(seed + 5),
                                                       (batch, length - cut), 1, vocab_size))
-  variables = {"params": perturbed(nn.meta.unbox(model.init(jax.random.PRNGKey(seed + 1),
-                                                            tokens)["params"]))}
-  logits, logits_changed = model.apply(variables, tokens), model.apply(variables, changed)
+  variables = {"params": perturbed(nn.meta.unbox(jit_init(model, jax.random.PRNGKey(seed + 1),
+                                                          tokens)["params"]))}
+  logits = jit_apply(model, variables, tokens)
+  logits_changed = jit_apply(model, variables, changed)
   np.testing.assert_allclose(logits[:, :cut], logits_changed[:, :cut], atol=1e-5)
   assert not np.allclose(logits[:, cut:], logits_changed[:, cut:], atol=1e-3)
 

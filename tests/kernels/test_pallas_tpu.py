@@ -21,8 +21,8 @@ from jax.experimental.pallas import tpu as pltpu
 from attention_jax.core import patterns, reach_of, reference_attention
 from attention_jax.kernels.flash_attention import BlockSizes, block_sparse, common, pallas_tpu
 from attention_jax.variants.dense import prepare_inputs
-from attention_testing import (MASK_CASES, assert_close, check_against_reference, loop_mask,
-                               random_qkv)
+from attention_testing import (MASK_CASES, assert_close, check_against_reference, jit_call,
+                               loop_mask, random_qkv)
 
 BF16_TOL = dict(rtol=2e-2, atol=2e-2)
 
@@ -368,14 +368,14 @@ def test_grid_steps_visit_the_blocks_with_allowed_pairs(reach_args, with_lengths
 
   grid, _, coords_of = pallas_tpu._query_major_grid(cfg, 2, 1, block_q, block_k)
   b, i, s = np.meshgrid(np.arange(2), np.arange(num_q_blocks), np.arange(grid[-1]), indexing="ij")
-  by_query = coords_of(jnp.array(b), 0, jnp.array(i), jnp.array(s), *lengths)
+  by_query = jit_call(coords_of, jnp.array(b), 0, jnp.array(i), jnp.array(s), *lengths)
   assert _visits(jax.tree.map(np.asarray, by_query), "kv_block") == needed
 
   steps = pallas_tpu._band_steps(num_kv_blocks, lambda j: common.q_block_range(
       j, block_q, block_k, num_q_blocks, cfg.reach))
   b, j, t = np.meshgrid(np.arange(2), np.arange(num_kv_blocks), np.arange(steps), indexing="ij")
-  by_key = pallas_tpu._key_major_coords(
-      cfg, block_q, block_k, jnp.array(b), 0, jnp.array(j), 0, jnp.array(t), *lengths)
+  by_key = jit_call(pallas_tpu._key_major_coords, cfg, block_q, block_k, jnp.array(b), 0,
+                    jnp.array(j), 0, jnp.array(t), *lengths)
   assert _visits(jax.tree.map(np.asarray, by_key), "q_block") == needed
 
   if window is not None:  # a band narrower than the sequence shortens the grid itself

@@ -166,17 +166,21 @@ def test_realformer_scores_are_the_running_sum_over_layers(scan_layers):
   layers = unstack_scanned(params, config) if scan_layers else params
 
   one_layer = _config(attention="realformer", num_layers=1)
-  stream, running = x, jnp.zeros((B, 2, T, T))
-  for i in range(config.num_layers):
-    p = layers[f"block_{i}"]
+
+  @jax.jit  # one program for the three layers, whose shapes are the same
+  def layer_by_hand(p, stream, previous):
     normed = nn.LayerNorm(epsilon=1e-6).apply({"params": p["attention_norm"]}, stream)
     project = lambda name: (jnp.einsum("bte,ehd->bthd", normed, p["attention"][name]["kernel"])
                             + p["attention"][name]["bias"])
     q, k = project("query"), project("key")
-    previous = running
     running = previous + jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(q.shape[-1])
     stream, layer_carry = Block(one_layer).apply({"params": p}, stream, {SCORES: previous})
-    np.testing.assert_allclose(layer_carry[SCORES], running, rtol=1e-4, atol=1e-4)
+    return stream, running, layer_carry[SCORES]
+
+  stream, running = x, jnp.zeros((B, 2, T, T))
+  for i in range(config.num_layers):
+    stream, running, layer_scores = layer_by_hand(layers[f"block_{i}"], stream, running)
+    np.testing.assert_allclose(layer_scores, running, rtol=1e-4, atol=1e-4)
   np.testing.assert_allclose(carry[SCORES], running, rtol=1e-4, atol=1e-4)
 
 

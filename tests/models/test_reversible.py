@@ -24,7 +24,7 @@ def _x(seed=0, length=T):
 
 
 def _params(config, x):
-  params = nn.meta.unbox(LayerStack(config).init(jax.random.PRNGKey(1), x)["params"])
+  params = nn.meta.unbox(jit_init(LayerStack(config), jax.random.PRNGKey(1), x)["params"])
   return perturbed(params)
 
 

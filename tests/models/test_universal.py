@@ -26,8 +26,8 @@ def _x(seed=0):
 
 
 def _params(config, halting_bias=None):
-  params = perturbed(nn.meta.unbox(LayerStack(config).init(jax.random.PRNGKey(1),
-                                                           _x())["params"]))
+  params = perturbed(nn.meta.unbox(jit_init(LayerStack(config), jax.random.PRNGKey(1),
+                                             _x())["params"]))
   if halting_bias is not None:
     params["universal"]["halting"]["bias"] = jnp.full((1,), halting_bias)
   return params

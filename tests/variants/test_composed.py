@@ -73,28 +73,32 @@ def test_one_config_line_composes_cosine_scores_a_window_and_sinks_with_learned_
   grads = jax.jit(jax.grad(loss))(params)["variant"]
   for name, grad in grads.items():  # the kernel's backward reaches every learned array
     assert float(jnp.abs(grad).max()) > 0.0, name
-  # The same attention from flex_attention, written out with those arrays.
-  project = lambda name: jnp.einsum("bte,ehd->bthd", x, params[name]["kernel"]) + params[name][
-      "bias"]
-  query, key, value = project("query"), project("key"), project("value")
-  bucket = lambda distance: positional.t5_relative_position_bucket(
-      distance, bidirectional=False, num_buckets=32, max_distance=128)
-  chain = [mods.alibi(variant["alibi_slopes"]),
-           mods.relative_bias(variant["relative_bias_table"], bucket)]
+  @jax.jit
+  def written_out(params):
+    """The same attention from flex_attention, written out with those arrays."""
+    variant = params["variant"]
+    project = lambda name: jnp.einsum("bte,ehd->bthd", x, params[name]["kernel"]) + params[name][
+        "bias"]
+    query, key, value = project("query"), project("key"), project("value")
+    bucket = lambda distance: positional.t5_relative_position_bucket(
+        distance, bidirectional=False, num_buckets=32, max_distance=128)
+    chain = [mods.alibi(variant["alibi_slopes"]),
+             mods.relative_bias(variant["relative_bias_table"], bucket)]
 
-  def score_mod(score, b, h, q, k):
-    for mod in chain:
-      score = mod(score, b, h, q, k)
-    return score
+    def score_mod(score, b, h, q, k):
+      for mod in chain:
+        score = mod(score, b, h, q, k)
+      return score
 
-  attended = aj.flex_attention(
-      query, key, value, score_mod=score_mod, qk_norm="l2", scale=1.0,
-      qk_norm_scales=(variant["query_norm_scale"], variant["key_norm_scale"]),
-      local_window_size=(5, 0), sinks=variant["sink_logits"], softcap=8.0, is_causal=True,
-      implementation="xla")
-  want = jnp.einsum("bthd,hde->bte", attended, params["out"]["kernel"]) + params["out"]["bias"]
-  assert_close(jit_apply(layer, {"params": params}, x, is_causal=True), want, rtol=1e-4,
-               atol=1e-5)
+    attended = aj.flex_attention(
+        query, key, value, score_mod=score_mod, qk_norm="l2", scale=1.0,
+        qk_norm_scales=(variant["query_norm_scale"], variant["key_norm_scale"]),
+        local_window_size=(5, 0), sinks=variant["sink_logits"], softcap=8.0, is_causal=True,
+        implementation="xla")
+    return jnp.einsum("bthd,hde->bte", attended, params["out"]["kernel"]) + params["out"]["bias"]
+
+  assert_close(jit_apply(layer, {"params": params}, x, is_causal=True), written_out(params),
+               rtol=1e-4, atol=1e-5)
 
 
 def test_prefix_lengths_come_with_each_batch():

@@ -182,10 +182,10 @@ def test_full_spans_with_a_unit_ramp_are_causal_local_attention():
   # z = S, R = 1: mask 1 at distances <= S, 0 from S + 1 on: local's window S.
   length, max_span = 48, 7
   query, key, value = random_qkv(seed=6, batch=B, q_len=length, num_heads=H, num_kv_heads=2)
-  out = heads.adaptive_span_attention(query, key, value, is_causal=True,
-                                      spans=jnp.full((H,), float(max_span)), max_span=max_span,
-                                      ramp=1)
-  assert_close(out, local_attention(query, key, value, is_causal=True, window_size=max_span))
+  out = jit_call(heads.adaptive_span_attention, query, key, value, is_causal=True,
+                 spans=jnp.full((H,), float(max_span)), max_span=max_span, ramp=1)
+  assert_close(out, jit_call(local_attention, query, key, value, is_causal=True,
+                             window_size=max_span))
 
 
 @pytest.mark.property("adaptive_span")

@@ -10,7 +10,8 @@ import pytest
 
 import attention_jax
 from attention_jax.variants import heads
-from attention_testing import (assert_close, assert_same_outputs_and_grads, jit_apply, jit_init,
+from attention_testing import (assert_close, assert_same_outputs_and_grads, jit_apply, jit_call,
+                                jit_init,
                                perturbed, random_qkv)
 
 
@@ -406,9 +407,9 @@ def test_multi_scale_window_of_the_whole_sequence_is_full_attention():
   whatever the other heads' windows; fewer windows than heads are spread over
   contiguous groups."""
   query, key, value = random_qkv(seed=10, batch=1, q_len=6, num_heads=2)
-  out = heads.multi_scale_attention(query, key, value, windows=(6, 1), is_causal=True)
-  full = attention_jax.dot_product_attention(query[:, :, :1], key[:, :, :1], value[:, :, :1],
-                                             is_causal=True)
+  out = jit_call(heads.multi_scale_attention, query, key, value, windows=(6, 1), is_causal=True)
+  full = jit_call(attention_jax.dot_product_attention, query[:, :, :1], key[:, :, :1],
+                  value[:, :, :1], is_causal=True)
   assert_close(out[:, :, :1], full)
   assert heads.head_windows((1, 2, 3), 4, 16) == (1, 1, 2, 3)
 

@@ -265,11 +265,11 @@ def test_rfa_keys_far_apart_in_norm_keep_exact_outputs(chunk_size):
   query, key, value = random_qkv(seed=5, batch=1, q_len=T, num_heads=2, head_dim=8)
   key = key.at[:, 0].multiply(0.2).at[:, 6].multiply(8.0)
   projection = linear.gaussian_projection(jax.random.PRNGKey(6), 64, 8)
-  out = linear.rfa_attention(query, key, value, is_causal=True, projection=projection,
-                             normalize=False, chunk_size=chunk_size)
+  out = jit_call(linear.rfa_attention, query, key, value, is_causal=True,
+                 projection=projection, normalize=False, chunk_size=chunk_size)
   scaled_q, scaled_k = (as_float64(x) * 8 ** -0.25 for x in (query, key))
-  phi = lambda x: as_float64(linear.random_fourier_features(jnp.asarray(x, jnp.float32),
-                                                            projection))
+  features = jax.jit(linear.random_fourier_features)
+  phi = lambda x: as_float64(features(jnp.asarray(x, jnp.float32), projection))
   kernel = (np.einsum("bthf,bshf->bhts", phi(scaled_q), phi(scaled_k))
             * np.exp(0.5 * np.sum(scaled_k ** 2, -1)).transpose(0, 2, 1)[:, :, None, :])
   kernel = np.where(np.tril(np.ones((T, T), bool)), kernel, 0.0)

@@ -202,16 +202,23 @@ def test_low_rank_locality_is_band_plus_low_rank_attention(is_causal):
   w_q = jax.random.normal(jax.random.PRNGKey(1), (H, 8, 3)) * 0.5
   w_k = jax.random.normal(jax.random.PRNGKey(2), (2, 8, 3)) * 0.5
   q_lengths = np.array([10, 6])
-  out = low_rank.low_rank_locality_attention(
-      query, key, value, window_size=2, is_causal=is_causal, query_low_rank=w_q,
-      key_low_rank=w_k, query_seq_lengths=jnp.array(q_lengths))
-  # Written out densely: the band softmax plus the rank-3 softmax, padded queries zero.
-  band = reference_attention(query, key, value, None,
-                             jnp.array(loop_mask(B, 10, 10, window=2, is_causal=is_causal)))
-  low_q = jnp.einsum("bthd,hdr->bthr", query, w_q)
-  low_k = jnp.einsum("bthd,hdr->bthr", key, w_k)
-  low = reference_attention(low_q, low_k, value, None,
-                            jnp.array(loop_mask(B, 10, 10, is_causal=is_causal)))
+  out = jit_call(low_rank.low_rank_locality_attention,
+                 query, key, value, window_size=2, is_causal=is_causal, query_low_rank=w_q,
+                 key_low_rank=w_k, query_seq_lengths=jnp.array(q_lengths))
+
+  @jax.jit
+  def written_out(query, key, value, w_q, w_k):
+    """Densely: the band softmax and the rank-3 softmax."""
+    band = reference_attention(query, key, value, None,
+                               jnp.array(loop_mask(B, 10, 10, window=2, is_causal=is_causal)))
+    low_q = jnp.einsum("bthd,hdr->bthr", query, w_q)
+    low_k = jnp.einsum("bthd,hdr->bthr", key, w_k)
+    low = reference_attention(low_q, low_k, value, None,
+                              jnp.array(loop_mask(B, 10, 10, is_causal=is_causal)))
+    return band, low
+
+  # Their sum, padded queries zero.
+  band, low = written_out(query, key, value, w_q, w_k)
   expected = np.where(loop_mask(B, 10, 1, q_lengths=q_lengths)[:, 0, :, :, None],
                       band + low, 0.0)
   assert_close(out, expected)

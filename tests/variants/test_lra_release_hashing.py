@@ -12,10 +12,9 @@ import pytest
 import attention_jax
 from attention_jax import registry
 from attention_jax.variants import hashing
-from attention_testing import (as_float64 as _np, jit_apply, jit_init,
+from attention_testing import (as_float64 as _np, assert_close, jit_apply, jit_call, jit_init,
                                np_project_heads as _np_project, np_project_out as _np_out,
                                np_softmax as _np_softmax)
-from attention_testing import assert_close
 
 TASKS = ("listops", "text", "retrieval", "image", "pathfinder32", "pathx")
 
@@ -92,13 +91,14 @@ def test_lsh_release_options_each_change_the_output():
   key = jax.random.PRNGKey(3)
   q, v = (jax.random.normal(k, (1, 40, 2, 8)) for k in jax.random.split(key))
   release = registry.preset_options("lsh", "lra_release", "listops")
-  base = hashing.lsh_attention(q, q, v, **release)
+  base = jit_call(hashing.lsh_attention, q, q, v, **release)
   for option, method_value in dict(scale_exponent=-0.5, normalize_keys=True,
                                    mask_buckets=True).items():
-    changed = hashing.lsh_attention(q, q, v, **dict(release, **{option: method_value}))
+    changed = jit_call(hashing.lsh_attention, q, q, v, **dict(release, **{option: method_value}))
     assert float(jnp.max(jnp.abs(changed - base))) > 1e-3, option
   # fixed rotations ignore hash_rng; without them hash_rng is required.
-  assert_close(hashing.lsh_attention(q, q, v, hash_rng=jax.random.PRNGKey(9), **release), base)
+  assert_close(jit_call(hashing.lsh_attention, q, q, v, hash_rng=jax.random.PRNGKey(9),
+                        **release), base)
   with pytest.raises(ValueError, match="needs hash_rng, .* or fixed_rotations=True"):
     hashing.lsh_attention(q, q, v, **dict(release, fixed_rotations=False))
   with pytest.raises(ValueError, match="num_chunks"):

@@ -10,8 +10,8 @@ from attention_jax.core import reference_attention
 from attention_jax.models import Block, ModelConfig
 from attention_jax.variants import memory
 from attention_testing import (B, H, KV_LENGTHS, KV_SEGMENTS, Q_LENGTHS, Q_SEGMENTS, TK, TQ,
-                               assert_close, bias_and_mask, jit_apply, jit_init, loop_mask,
-                               random_qkv)
+                               assert_close, bias_and_mask, jit_apply, jit_call, jit_init,
+                               loop_mask, random_qkv)
 
 NUM_MEMORY = 3
 
@@ -178,7 +178,8 @@ def test_latent_bottleneck_composes_its_blocks(num_process):
   lengths = [6, 4]
   inputs_valid = np.arange(6)[None, :] < np.array(lengths)[:, None]
   query_valid = np.arange(6)[None, :] < np.array([5, 6])[:, None]
-  out = memory.latent_bottleneck_attention(
+  out = jit_call(
+      memory.latent_bottleneck_attention,
       jnp.asarray(x, jnp.float32), jnp.asarray(latents, jnp.float32), _plain_block, _plain_block,
       process=[_plain_block] * num_process, inputs_valid=jnp.array(inputs_valid),
       query_valid=jnp.array(query_valid))

@@ -13,7 +13,8 @@ from attention_jax.models import Block, Encoder, ModelConfig, SequenceClassifier
 from attention_jax.models.blocks import make_mixer
 from attention_jax.train.config import parse_config_arg
 from attention_jax.variants import pooling
-from attention_testing import as_float64, assert_close, jit_apply, jit_init, np_softmax, perturbed
+from attention_testing import (as_float64, assert_close, jit_apply, jit_call, jit_init, np_softmax,
+                               perturbed)
 
 B, T, E, A = 3, 7, 5, 4
 
@@ -151,12 +152,13 @@ def test_hierarchical_pooling_is_word_pooling_then_sentence_pooling():
   assert_close(got[2], np.zeros(2 * E))  # an empty document pools to zeros, not NaN
   # Document 0 without its empty sentence pools to the same vector.
   kept = jnp.asarray(x)[0:1, jnp.array([0, 2])]
-  alone = pooling.hierarchical_attention_pooling(kept, word, sentence, WORD_MASK[0:1, [0, 2]])
+  alone = jit_call(pooling.hierarchical_attention_pooling, kept, word, sentence,
+                   WORD_MASK[0:1, [0, 2]])
   assert_close(alone[0], got[0], rtol=1e-5, atol=1e-5)
   # Neither padded words nor empty sentences reach the result.
   noise = jnp.where(WORD_MASK[..., None], x, -50.0)
-  assert_close(pooling.hierarchical_attention_pooling(noise, word, sentence, WORD_MASK), got,
-               rtol=1e-5, atol=1e-5)
+  assert_close(jit_call(pooling.hierarchical_attention_pooling, noise, word, sentence, WORD_MASK),
+               got, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.property("attention_pooling")
