@@ -11,7 +11,8 @@ import pytest
 import attention_jax
 from attention_jax import positional
 from attention_jax.variants.dense import shaw_relative_attention
-from attention_testing import as_float64, assert_close, jit_apply, jit_init, largest_intermediate, random_qkv
+from attention_testing import (as_float64, assert_close, jit_apply, jit_call, jit_init,
+                               largest_intermediate, random_qkv)
 
 B, H = 2, 4
 
@@ -52,9 +53,9 @@ def test_attention_equals_the_explicit_formulation(is_causal, num_kv_heads):
   value_embeddings = jnp.asarray(rng.normal(size=(2 * max_distance + 1, 8)), jnp.float32)
   lengths = jnp.array([9, 6])
   index = positional.shaw_relative_index(jnp.arange(length), jnp.arange(length), max_distance)
-  got = shaw_relative_attention(query, key, value, key_embeddings=key_embeddings,
-                                value_embeddings=value_embeddings, relative_index=index,
-                                is_causal=is_causal, key_value_seq_lengths=lengths)
+  got = jit_call(shaw_relative_attention, query, key, value, key_embeddings=key_embeddings,
+                 value_embeddings=value_embeddings, relative_index=index, is_causal=is_causal,
+                 key_value_seq_lengths=lengths)
   q_pos, k_pos = np.arange(length)[:, None], np.arange(length)[None, :]
   allowed = (k_pos < np.asarray(lengths)[:, None, None, None]) & (
       (k_pos <= q_pos) if is_causal else True)

@@ -53,24 +53,28 @@ def test_dual_classifier_is_the_head_on_its_pair_features(pooling, pair_features
 
   encoder = Encoder(config)
 
-  def tower(x, m):
-    prefix = params["cls"] if pooling == "cls" else None
-    out = jit_apply(encoder, {"params": params["encoder"]}, x, padding_mask=m, prefix=prefix)
-    if pooling == "cls":
-      return out[:, 0]
-    if pooling == "mean":
-      return masked_mean(out, m)
-    return jnp.max(jnp.where(m[..., None], out, -jnp.inf), axis=1)
+  @jax.jit
+  def written_out(params):
+    def tower(x, m):
+      prefix = params["cls"] if pooling == "cls" else None
+      out = encoder.apply({"params": params["encoder"]}, x, padding_mask=m, prefix=prefix)
+      if pooling == "cls":
+        return out[:, 0]
+      if pooling == "mean":
+        return masked_mean(out, m)
+      return jnp.max(jnp.where(m[..., None], out, -jnp.inf), axis=1)
 
-  u, v = tower(tokens, mask), tower(tokens2, mask2)
-  if pair_features == "lra":
-    features = jnp.concatenate([u, v, u * v, u - v], axis=-1)
-  else:
-    features = jnp.concatenate([u, v, jnp.abs(u - v)], axis=-1)
-  hidden = jax.nn.relu(features @ params["head_hidden"]["kernel"] + params["head_hidden"]["bias"])
-  expected = hidden @ params["head"]["kernel"] + params["head"]["bias"]
+    u, v = tower(tokens, mask), tower(tokens2, mask2)
+    if pair_features == "lra":
+      features = jnp.concatenate([u, v, u * v, u - v], axis=-1)
+    else:
+      features = jnp.concatenate([u, v, jnp.abs(u - v)], axis=-1)
+    hidden = jax.nn.relu(features @ params["head_hidden"]["kernel"]
+                         + params["head_hidden"]["bias"])
+    return hidden @ params["head"]["kernel"] + params["head"]["bias"]
+
   assert logits.shape == (B, 3)
-  assert_close(logits, expected, rtol=1e-5, atol=1e-5)
+  assert_close(logits, written_out(params), rtol=1e-5, atol=1e-5)
   # The order of the pair matters (u - v), so the towers are not mixed up.
   swapped = jit_apply(model, variables, tokens2, tokens, padding_mask=mask2, padding_mask2=mask)
   assert not np.allclose(swapped, logits, atol=1e-4)

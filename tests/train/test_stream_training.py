@@ -42,14 +42,18 @@ def _state(model, memory_rows=B):
 def _manual_losses(model, params, segments):
   """Mean next-token cross-entropy per segment, applying the model segment by
   segment with its memory carried by hand from an empty one."""
+  @jax.jit
+  def segment_loss(variables, inputs):
+    logits, updates = model.apply(variables, inputs, mutable=["memory"])
+    log_probs = jax.nn.log_softmax(logits[:, :-1])
+    loss = -jnp.mean(jnp.take_along_axis(log_probs, inputs[:, 1:, None], -1))
+    return loss, updates["memory"]
+
   memory, losses = None, []
   for batch in segments:
     variables = {"params": params} if memory is None else {"params": params, "memory": memory}
-    logits, updates = model.apply(variables, jnp.asarray(batch["inputs"]), mutable=["memory"])
-    memory = updates["memory"]
-    labels = batch["inputs"][:, 1:]
-    log_probs = jax.nn.log_softmax(logits[:, :-1])
-    losses.append(-float(jnp.mean(jnp.take_along_axis(log_probs, labels[..., None], -1))))
+    loss, memory = segment_loss(variables, jnp.asarray(batch["inputs"]))
+    losses.append(float(loss))
   return losses
 
 

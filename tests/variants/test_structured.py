@@ -66,8 +66,8 @@ def test_crf_marginals_equal_brute_force_enumeration(length):
   allowed[0] = True  # one full chain
   allowed[1] = False  # one with nothing to attend: weights 0
   with jax.enable_x64(True):
-    got = structured.linear_chain_marginals(jnp.asarray(unary), jnp.asarray(transition),
-                                            jnp.asarray(allowed))
+    got = jax.jit(structured.linear_chain_marginals)(jnp.asarray(unary), jnp.asarray(transition),
+                                                     jnp.asarray(allowed))
     assert got.dtype == jnp.float64
     np.testing.assert_allclose(np.asarray(got), _np_marginals(unary, transition, allowed),
                                rtol=1e-12, atol=1e-12)
