@@ -301,10 +301,11 @@ def test_pure_function_is_transformer_xl_over_both_memories():
       relative_key=jnp.asarray(rng.normal(size=(1, 2 * q_len + 4, H, head_dim)), jnp.float32),
       content_bias=jnp.asarray(rng.normal(size=(H, head_dim)), jnp.float32),
       position_bias=jnp.asarray(rng.normal(size=(H, head_dim)), jnp.float32))
-  got = compressive_attention(query, key, value, compressed_memory_length=compressed_length,
-                              memory_length=memory_length, is_causal=True, **arrays)
-  expected = transformer_xl_attention(query, key, value, memory_length=5, is_causal=True,
-                                      **arrays)
+  got = jit_call(compressive_attention, query, key, value,
+                 compressed_memory_length=compressed_length, memory_length=memory_length,
+                 is_causal=True, **arrays)
+  expected = jit_call(transformer_xl_attention, query, key, value, memory_length=5,
+                      is_causal=True, **arrays)
   np.testing.assert_array_equal(got, expected)
   with pytest.raises(ValueError, match="compressed_memory_length must be an int >= 0, got -1"):
     compressive_attention(query, key, value, compressed_memory_length=-1, memory_length=3,

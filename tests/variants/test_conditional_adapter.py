@@ -66,11 +66,16 @@ def test_conditional_adapter_with_zero_blocks_and_identity_film_is_dot_product(c
 def test_conditional_adapter_identity_film_adds_the_blocks_unmodulated():
   query, key, value = random_qkv(seed=2, batch=B, q_len=T, num_heads=H)
   arrays = random_arrays(1, gamma_one_beta_zero=True)
-  out = conditional_adapter_attention(query, key, value, task_ids=jnp.array([1, 2]),
-                                      **arrays)
-  bias = conditional_block_bias(arrays["block_logits"], jnp.ones((B, BLOCK)),
-                                jnp.zeros((B, BLOCK)), T)
-  want = attention_jax.dot_product_attention(query, key, value, bias)
+  out = jit_call(conditional_adapter_attention, query, key, value, task_ids=jnp.array([1, 2]),
+                 **arrays)
+
+  @jax.jit
+  def written_out(query, key, value, block_logits):
+    """Dot-product attention under the block bias with gamma = 1, beta = 0."""
+    bias = conditional_block_bias(block_logits, jnp.ones((B, BLOCK)), jnp.zeros((B, BLOCK)), T)
+    return attention_jax.dot_product_attention(query, key, value, bias)
+
+  want = written_out(query, key, value, arrays["block_logits"])
   assert_close(out, want)
 
 

@@ -26,8 +26,8 @@ def test_matches_jax_nn_on_attended_rows(case):
   kwargs, mask_args, _ = MASK_CASES[case]
   query, key, value = random_qkv(batch=B, q_len=TQ, kv_len=TK, num_heads=H, num_kv_heads=2)
   bias, mask = bias_and_mask(seed=2)
-  ours = attention_jax.dot_product_attention(query, key, value, bias, mask, **kwargs)
-  theirs = jax.nn.dot_product_attention(query, key, value, bias, mask, **kwargs)
+  ours = jit_call(attention_jax.dot_product_attention, query, key, value, bias, mask, **kwargs)
+  theirs = jit_call(jax.nn.dot_product_attention, query, key, value, bias, mask, **kwargs)
   # jax.nn gives rows with nothing to attend an arbitrary (non-zero) value; compare the rest.
   attended = (loop_mask(B, TQ, TK, **mask_args) & np.asarray(mask)).any(-1)[:, 0]  # [B, Tq]
   assert attended.sum() > B * TQ // 2
@@ -46,7 +46,7 @@ def test_fully_masked_rows_are_zero_with_zero_gradients(dtype):
     out = attention_jax.dot_product_attention(q, k, v, b, jnp.array(mask))
     return jnp.sum(out.astype(jnp.float32) ** 2), out
 
-  (_, out), grads = jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True)(
+  (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(
       query, key, value, bias)
   assert out.dtype == dtype
   assert np.all(np.isfinite(np.asarray(out, np.float32)))
@@ -65,7 +65,7 @@ def test_bias_of_minus_infinity_on_a_whole_row_gives_zeros_not_nan():
   query, key, value = random_qkv(batch=1, q_len=4, num_heads=2)
   bias = np.zeros((1, 2, 4, 4), np.float32)
   bias[..., 1, :] = -np.inf
-  out = attention_jax.dot_product_attention(query, key, value, jnp.array(bias))
+  out = jit_call(attention_jax.dot_product_attention, query, key, value, jnp.array(bias))
   assert np.all(np.asarray(out)[0, 1] == 0)
   assert np.all(np.isfinite(np.asarray(out)))
 
@@ -73,16 +73,17 @@ def test_bias_of_minus_infinity_on_a_whole_row_gives_zeros_not_nan():
 def test_bfloat16_close_to_float32_reference():
   query, key, value = random_qkv(batch=B, q_len=16, num_heads=H, num_kv_heads=2, head_dim=32)
   as_bf16 = [x.astype(jnp.bfloat16) for x in (query, key, value)]
-  out = attention_jax.dot_product_attention(*as_bf16, is_causal=True)
+  out = jit_call(attention_jax.dot_product_attention, *as_bf16, is_causal=True)
   assert out.dtype == jnp.bfloat16
   causal = jnp.tril(jnp.ones((16, 16), bool))[None, None]
-  assert_close(out, reference_attention(*as_bf16, mask=causal), rtol=2e-2, atol=2e-2)
+  assert_close(out, jit_call(reference_attention, *as_bf16, mask=causal), rtol=2e-2, atol=2e-2)
 
 
 def test_unbatched_rank3_inputs_match_batched():
   query, key, value = random_qkv(batch=1, q_len=5, num_heads=2)
-  batched = attention_jax.dot_product_attention(query, key, value, is_causal=True)
-  unbatched = attention_jax.dot_product_attention(query[0], key[0], value[0], is_causal=True)
+  batched = jit_call(attention_jax.dot_product_attention, query, key, value, is_causal=True)
+  unbatched = jit_call(attention_jax.dot_product_attention, query[0], key[0], value[0],
+                       is_causal=True)
   assert unbatched.shape == batched.shape[1:]
   assert_close(unbatched, batched[0])
 

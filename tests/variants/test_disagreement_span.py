@@ -79,10 +79,17 @@ def test_each_regularizer_is_its_formula():
 def test_output_is_dot_product_attention_and_losses_are_the_formulas(is_causal):
   query, key, value = random_qkv(seed=3, batch=B, q_len=8, num_heads=H, num_kv_heads=2)
   masks = dict(is_causal=is_causal, key_value_seq_lengths=jnp.asarray([5, 8]))
-  sown = {}
-  out = heads.disagreement_attention(query, key, value, weight=0.5, **masks,
-                                     sow_loss=lambda name, loss: sown.setdefault(name, loss))
-  assert_close(out, dot_product_attention(query, key, value, **masks))
+
+  @jax.jit
+  def attend_and_sow(query, key, value):
+    """The output and the losses it sows, as one program."""
+    sown = {}
+    out = heads.disagreement_attention(query, key, value, weight=0.5, **masks,
+                                       sow_loss=lambda name, loss: sown.setdefault(name, loss))
+    return out, sown
+
+  out, sown = attend_and_sow(query, key, value)
+  assert_close(out, jit_call(dot_product_attention, query, key, value, **masks))
 
   expanded_key, expanded_value = (np.repeat(as_float64(a), 2, axis=2) for a in (key, value))
   positions = np.arange(8)

@@ -11,7 +11,8 @@ import pytest
 import attention_jax as aj
 from attention_jax.variants.modern.forgetting import forgetting_attention
 from attention_testing import (as_float64, assert_close, assert_same_outputs_and_grads,
-                               jit_apply, jit_init, loop_mask, np_softmax, random_qkv)
+                               jit_apply, jit_call, jit_init, loop_mask, np_softmax,
+                               random_qkv)
 
 B, T, H, HKV, D = 2, 13, 4, 2, 8
 
@@ -63,9 +64,9 @@ def test_the_gates_gradient_comes_back_through_the_kernel(implementation):
 def test_gates_at_one_are_causal_softmax_attention():
   arrays = random_qkv(seed=2, batch=B, q_len=T, num_heads=H, head_dim=D)
   zeros = jnp.zeros((B, T, H))  # log 1
-  assert_close(forgetting_attention(*arrays, query_log_decay=zeros, key_log_decay=zeros,
-                                    is_causal=True),
-               aj.dot_product_attention(*arrays, is_causal=True, implementation="xla"))
+  assert_close(jit_call(forgetting_attention, *arrays, query_log_decay=zeros,
+                        key_log_decay=zeros, is_causal=True),
+               jit_call(aj.dot_product_attention, *arrays, is_causal=True, implementation="xla"))
 
 
 def test_the_layer_learns_its_gates_from_its_input():
@@ -79,13 +80,20 @@ def test_the_layer_learns_its_gates_from_its_input():
       layer.apply({"params": p}, x, is_causal=True)))))(params)
   assert float(jnp.abs(grads["variant"]["forget_gate"]["kernel"]).max()) > 0.0
   # The layer's output is the function's with the gates computed from x.
-  project = lambda name: jnp.einsum("bte,ehd->bthd", x, params[name]["kernel"]) + params[name][
-      "bias"]
-  cumulative = jnp.cumsum(jax.nn.log_sigmoid(x @ gate["kernel"] + gate["bias"]), axis=1)
-  out = forgetting_attention(project("query"), project("key"), project("value"), is_causal=True,
-                             query_log_decay=cumulative, key_log_decay=cumulative,
-                             implementation="xla")
-  want = jnp.einsum("bthd,hde->bte", out, params["out"]["kernel"]) + params["out"]["bias"]
+
+  @jax.jit
+  def written_out(params):
+    """forgetting_attention of the layer's projections, its gates from x."""
+    gate = params["variant"]["forget_gate"]
+    project = lambda name: jnp.einsum("bte,ehd->bthd", x, params[name]["kernel"]) + params[name][
+        "bias"]
+    cumulative = jnp.cumsum(jax.nn.log_sigmoid(x @ gate["kernel"] + gate["bias"]), axis=1)
+    out = forgetting_attention(project("query"), project("key"), project("value"),
+                               is_causal=True, query_log_decay=cumulative,
+                               key_log_decay=cumulative, implementation="xla")
+    return jnp.einsum("bthd,hde->bte", out, params["out"]["kernel"]) + params["out"]["bias"]
+
+  want = written_out(params)
   assert_close(jit_apply(layer, {"params": params}, x, is_causal=True), want, rtol=1e-5,
                atol=1e-5)
 

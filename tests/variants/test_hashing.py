@@ -472,9 +472,9 @@ def test_clustered_padding():
   assert np.abs(np.asarray(out)[q_padded]).max() == 0.0
   # With a cluster per query, the valid rows are dense attention over valid keys.
   allowed = jnp.asarray(loop_mask(batch, q_len, kv_len, kv_lengths=kv_lengths))
-  full = hashing.clustered_attention(query, key, value, mask=jnp.asarray(~kv_padded)[:, None, None],
-                                     num_clusters=q_len)
-  assert_close(full, reference_attention(query, key, value, None, allowed))
+  full = jit_call(hashing.clustered_attention, query, key, value,
+                  mask=jnp.asarray(~kv_padded)[:, None, None], num_clusters=q_len)
+  assert_close(full, jit_call(reference_attention, query, key, value, None, allowed))
 
 
 @pytest.mark.parametrize("options, message", [
@@ -557,6 +557,7 @@ def test_a_classifier_pooling_by_cls_trains_with_finite_gradients(variant):
   tokens = jnp.asarray(np.random.default_rng(0).integers(1, 20, (3, 12)), jnp.int32)
   tokens = tokens.at[1, 5:].set(0).at[2, 2:].set(0)
   variables = jit_init(model, {"params": jax.random.PRNGKey(0)}, tokens)
-  grads = jax.grad(lambda p: jnp.sum(jit_apply(model, {**variables, "params": p}, tokens) ** 2))(
-      variables["params"])
+  grads = jax.jit(jax.grad(
+      lambda p: jnp.sum(jit_apply(model, {**variables, "params": p}, tokens) ** 2)))(
+          variables["params"])
   assert all(np.isfinite(np.asarray(g)).all() for g in jax.tree.leaves(grads))

@@ -60,9 +60,9 @@ def test_talking_heads_mixes_logits_and_weights_as_the_paper_writes_them():
   query, key, value = random_qkv(seed=4, batch=batch, q_len=length, num_heads=num_heads)
   logits_mixing, weights_mixing = _mixing(5, num_heads)
   lengths = np.array([6, 4])
-  out = heads.talking_heads_attention(query, key, value, logits_mixing=logits_mixing,
-                                      weights_mixing=weights_mixing, is_causal=True,
-                                      key_value_seq_lengths=jnp.array(lengths))
+  out = jit_call(heads.talking_heads_attention, query, key, value, logits_mixing=logits_mixing,
+                 weights_mixing=weights_mixing, is_causal=True,
+                 key_value_seq_lengths=jnp.array(lengths))
   causal = np.tril(np.ones((length, length), bool))
   allowed = causal[None, None] & (np.arange(length) < lengths[:, None])[:, None, None, :]
   want = _np_talking_heads(query, key, value, logits_mixing, weights_mixing, allowed)
@@ -77,16 +77,15 @@ def test_talking_heads_padded_keys_contribute_nothing():
   logits_mixing, weights_mixing = _mixing(7, 4)
   lengths = jnp.array([5, 3])
   padded = (jnp.arange(8)[None, :] >= lengths[:, None])[:, :, None, None]
-  attend = lambda k, v: heads.talking_heads_attention(
+  attend = jax.jit(lambda k, v: heads.talking_heads_attention(
       query, k, v, logits_mixing=logits_mixing, weights_mixing=weights_mixing,
-      key_value_seq_lengths=lengths)
+      key_value_seq_lengths=lengths))
   changed = attend(jnp.where(padded, 100.0, key), jnp.where(padded, -50.0, value))
   assert_close(changed, attend(key, value))
   # The same padding as a key mask [B, 1, 1, Tk].
   mask = ~padded[:, :, 0, 0][:, None, None, :]
-  by_mask = heads.talking_heads_attention(query, key, value, mask=mask,
-                                          logits_mixing=logits_mixing,
-                                          weights_mixing=weights_mixing)
+  by_mask = jit_call(heads.talking_heads_attention, query, key, value, mask=mask,
+                     logits_mixing=logits_mixing, weights_mixing=weights_mixing)
   assert_close(by_mask, attend(key, value))
 
 
@@ -252,13 +251,19 @@ def test_talking_heads_layer_takes_the_head_counts_as_options():
   out = jax.jit(layer.apply)({"params": params}, x)
   assert out.shape == x.shape
   # The layer is its projections around the pure function.
-  project = lambda name, y: jnp.einsum("bte,ehd->bthd", y, params[name]["kernel"]) + \
-      params[name]["bias"]
-  attended = heads.talking_heads_attention(
-      project("query", x), project("key", x), project("value", x),
-      logits_mixing=params["variant"]["logits_mixing"],
-      weights_mixing=params["variant"]["weights_mixing"])
-  want = jnp.einsum("bthd,hde->bte", attended, params["out"]["kernel"]) + params["out"]["bias"]
+
+  @jax.jit
+  def written_out(params):
+    """talking_heads_attention of the layer's projections, then its output projection."""
+    project = lambda name, y: jnp.einsum("bte,ehd->bthd", y, params[name]["kernel"]) + \
+        params[name]["bias"]
+    attended = heads.talking_heads_attention(
+        project("query", x), project("key", x), project("value", x),
+        logits_mixing=params["variant"]["logits_mixing"],
+        weights_mixing=params["variant"]["weights_mixing"])
+    return jnp.einsum("bthd,hde->bte", attended, params["out"]["kernel"]) + params["out"]["bias"]
+
+  want = written_out(params)
   assert_close(out, want, rtol=1e-5, atol=1e-5)
   options = {o.name: o for o in attention_jax.variant_options("talking_heads")}
   assert options["softmax_heads"].default is None and options["value_heads"].default is None

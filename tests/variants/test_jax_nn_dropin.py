@@ -21,7 +21,7 @@ from attention_jax.kernels.flash_attention import (BlockSizes, blockwise_dot_pro
                                                    flash_dot_product_attention, pallas_mgpu,
                                                    pallas_tpu)
 from attention_testing import (B, H, MASK_CASES, TK, TQ, assert_close, bias_and_mask,
-                               loop_mask, random_qkv)
+                               jit_call, loop_mask, random_qkv)
 
 KV_HEADS = 2
 SCALE = 0.3
@@ -110,8 +110,9 @@ def test_float16_residual_of_a_fully_masked_row_is_finite():
   """jax.nn's fill overflows float16 (its residual is -inf there); ours is -65504."""
   query, key, value = (x.astype(jnp.float16) for x in random_qkv(batch=1, q_len=3))
   mask = jnp.array([True, True, False])[:, None] & jnp.ones((3,), bool)  # query 2: nothing
-  out, residual = attention_jax.dot_product_attention(query, key, value, mask=mask,
-                                                      return_residual=True)
+  out, residual = jit_call(attention_jax.dot_product_attention, query, key, value, mask=mask,
+                           return_residual=True)
+  # jax.nn eager: under jit on CPU its float16 einsum asks for a precision XLA refuses.
   _, theirs = jax.nn.dot_product_attention(query, key, value, mask=mask, return_residual=True)
   assert residual.dtype == jnp.float16
   assert np.all(np.isneginf(np.asarray(theirs[0, 2])))
@@ -122,10 +123,10 @@ def test_float16_residual_of_a_fully_masked_row_is_finite():
 
 def test_unbatched_residual_has_shape_tq_h():
   query, key, value = random_qkv(batch=1, q_len=5, num_heads=2)
-  out, residual = attention_jax.dot_product_attention(query[0], key[0], value[0],
-                                                      is_causal=True, return_residual=True)
-  _, theirs = jax.nn.dot_product_attention(query[0], key[0], value[0], is_causal=True,
-                                           return_residual=True)
+  out, residual = jit_call(attention_jax.dot_product_attention, query[0], key[0], value[0],
+                           is_causal=True, return_residual=True)
+  _, theirs = jit_call(jax.nn.dot_product_attention, query[0], key[0], value[0], is_causal=True,
+                       return_residual=True)
   assert out.shape == (5, 2, 8) and residual.shape == theirs.shape == (5, 2)
   assert_close(residual, theirs)
 
@@ -135,11 +136,11 @@ def test_residual_with_segment_ids_equals_the_reference():
   kwargs, loop_args, _ = MASK_CASES["everything"]
   query, key, value, bias, mask = _inputs()
   allowed = jnp.array(loop_mask(B, TQ, TK, **loop_args)) & mask
-  _, want = reference_attention(query, key, value, bias, allowed, scale=SCALE,
-                                return_residual=True)
+  _, want = jit_call(reference_attention, query, key, value, bias, allowed, scale=SCALE,
+                     return_residual=True)
   for name in ("xla", "blockwise_small_blocks"):
-    _, residual = IMPLEMENTATIONS[name](query, key, value, bias, mask, scale=SCALE,
-                                        return_residual=True, **kwargs)
+    _, residual = jit_call(IMPLEMENTATIONS[name], query, key, value, bias, mask, scale=SCALE,
+                           return_residual=True, **kwargs)
     assert_close(residual, want, err_msg=name)
 
 
@@ -303,8 +304,8 @@ def test_unbatched_call_pads_bias_and_mask_to_rank_4_as_jax_nn():
   query, key, value = (x[0] for x in random_qkv(batch=1, q_len=TQ, kv_len=TK))
   mask = jnp.arange(TK) % 3 != 1
   bias = jax.random.normal(jax.random.PRNGKey(1), (1, 4, TQ, TK))
-  ours = attention_jax.dot_product_attention(query, key, value, bias, mask)
-  assert_close(ours, jax.nn.dot_product_attention(query, key, value, bias, mask))
+  ours = jit_call(attention_jax.dot_product_attention, query, key, value, bias, mask)
+  assert_close(ours, jit_call(jax.nn.dot_product_attention, query, key, value, bias, mask))
   with pytest.raises(ValueError, match=r"bias must broadcast to \[B, H, Tq, Tk\] = \[1, 4, 7, 9\]"):
     attention_jax.dot_product_attention(query, key, value, jnp.zeros((2, 4, TQ, TK)))
 

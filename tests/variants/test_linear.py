@@ -87,7 +87,7 @@ def test_linear_padding(is_causal):
   assert_close(fn(jnp.where(padded, noise, key), jnp.where(padded, noise, value)), out)
   # Equal to the quadratic form under the padding mask; padded queries are zero.
   allowed = loop_mask(B, T, T, is_causal=is_causal, q_lengths=q_lengths, kv_lengths=kv_lengths)
-  assert_close(out, quadratic_linear_attention(query, key, value, allowed))
+  assert_close(out, jit_call(quadratic_linear_attention, query, key, value, allowed))
   assert np.all(np.asarray(out[0, 9:]) == 0)
   # A key-padding mask [B, 1, 1, Tk] is the same padding.
   key_mask = jnp.array(loop_mask(B, 1, T, kv_lengths=kv_lengths))
@@ -246,7 +246,7 @@ def test_performer_keys_far_apart_in_scale_keep_exact_outputs_and_finite_gradien
   # diverged performer runs).
   query, key, value = random_qkv(seed=3, batch=1, q_len=T, num_heads=2, head_dim=8)
   key = key.at[:, 0].multiply(8.0).at[:, 6].multiply(6.0)
-  projection = linear.gaussian_projection(jax.random.PRNGKey(4), 16, 8)
+  projection = jit_call(linear.gaussian_projection, jax.random.PRNGKey(4), 16, 8)
   ours = lambda q, k, v: linear.performer_attention(q, k, v, is_causal=is_causal,
                                                     projection=projection,
                                                     chunk_size=chunk_size)

@@ -9,7 +9,7 @@ import pytest
 from attention_jax.layers.attention import MultiHeadAttention
 from attention_jax.variants.prior.biases import gaussian_local_attention
 from attention_testing import (B, H, KV_LENGTHS, TK, TQ, VARIANT_MASK_CASES, as_float64,
-                               assert_close, jit_init, loop_mask, random_qkv)
+                               assert_close, jit_call, jit_init, loop_mask, random_qkv)
 from test_priors import np_masked_attention
 
 HEAD_DIM = 8
@@ -62,13 +62,13 @@ def test_gaussian_local_gives_padded_keys_no_weight_and_centres_on_the_valid_len
   query, key, value = random_qkv(seed=5, batch=1, q_len=TK, num_heads=H, head_dim=HEAD_DIM)
   arrays = random_predictor(1)
   valid = 5
-  padded = gaussian_local_attention(query, key, value,
-                                    key_value_seq_lengths=jnp.array([valid]), **arrays)
-  alone = gaussian_local_attention(query, key[:, :valid], value[:, :valid], **arrays)
+  padded = jit_call(gaussian_local_attention, query, key, value,
+                    key_value_seq_lengths=jnp.array([valid]), **arrays)
+  alone = jit_call(gaussian_local_attention, query, key[:, :valid], value[:, :valid], **arrays)
   assert_close(padded, alone, rtol=1e-5, atol=1e-6)
   noise = jax.random.normal(jax.random.PRNGKey(9), value.shape)
-  changed = gaussian_local_attention(
-      query, key, value.at[:, valid:].set(noise[:, valid:]),
+  changed = jit_call(
+      gaussian_local_attention, query, key, value.at[:, valid:].set(noise[:, valid:]),
       key_value_seq_lengths=jnp.array([valid]), **arrays)
   assert_close(changed, padded, rtol=0, atol=0)
 
@@ -84,8 +84,9 @@ def test_gaussian_local_bias_peaks_at_the_predicted_centre():
   centre = 3.0 / TK
   center_vector = sign * np.log(centre / (1 - centre)) / HEAD_DIM
   window_vector = sign * -4.0 / HEAD_DIM  # D_i = T sigmoid(-4): sigma below 0.1 positions
-  out = gaussian_local_attention(
-      query[:, :1], jnp.zeros_like(key), value, position_kernel=position_kernel,
+  out = jit_call(
+      gaussian_local_attention, query[:, :1], jnp.zeros_like(key), value,
+      position_kernel=position_kernel,
       center_vector=center_vector[None].astype(np.float32),
       window_vector=window_vector[None].astype(np.float32))
   assert_close(out[0, 0, 0], value[0, 3, 0], rtol=1e-3, atol=1e-3)

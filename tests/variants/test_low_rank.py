@@ -69,15 +69,16 @@ def test_linformer_padding_zeroes_padded_keys_before_projecting():
   query, key, value = random_qkv(seed=1, batch=B, q_len=T, num_heads=H)
   projections = jax.random.normal(jax.random.PRNGKey(2), (2, 16, 5))  # sized for Tk <= 16
   kv_lengths, q_lengths = np.array([12, 7]), np.array([12, 8])
-  fn = lambda k, v: low_rank.linformer_attention(
+  fn = jax.jit(lambda k, v: low_rank.linformer_attention(
       query, k, v, key_projection=projections[0], value_projection=projections[1],
-      key_value_seq_lengths=jnp.array(kv_lengths), query_seq_lengths=jnp.array(q_lengths))
+      key_value_seq_lengths=jnp.array(kv_lengths), query_seq_lengths=jnp.array(q_lengths)))
   out = _padded_key_content_is_ignored(fn, key, value, kv_lengths)
   assert np.all(np.asarray(out[1, 8:]) == 0) and np.any(np.asarray(out[1, :8]) != 0)
   # The approximation, stated: zeroed rows still enter the projection (as zeros).
   padded = ~loop_mask(B, 1, T, kv_lengths=kv_lengths)[:, 0, 0, :, None, None]
-  unpadded = low_rank.linformer_attention(
-      query, jnp.where(padded, 0.0, key), jnp.where(padded, 0.0, value),
+  unpadded = jit_call(
+      low_rank.linformer_attention, query, jnp.where(padded, 0.0, key),
+      jnp.where(padded, 0.0, value),
       key_projection=projections[0],
       value_projection=projections[1], query_seq_lengths=jnp.array(q_lengths))
   assert_close(unpadded, out)
@@ -126,9 +127,9 @@ def test_nystromformer_with_every_token_a_landmark_is_full_attention():
 
 def test_iterative_pinv_converges_to_the_pseudo_inverse():
   a = jax.nn.softmax(jax.random.normal(jax.random.PRNGKey(3), (2, 6, 6)), axis=-1)
-  assert_close(low_rank.iterative_pinv(a, 40), np.linalg.pinv(np.asarray(a)), atol=1e-3,
-               rtol=1e-3)
-  rough = np.abs(low_rank.iterative_pinv(a, 2) - np.linalg.pinv(np.asarray(a))).max()
+  assert_close(jit_call(low_rank.iterative_pinv, a, 40), np.linalg.pinv(np.asarray(a)),
+               atol=1e-3, rtol=1e-3)
+  rough = np.abs(jit_call(low_rank.iterative_pinv, a, 2) - np.linalg.pinv(np.asarray(a))).max()
   assert rough > 1e-3  # the iteration count matters
 
 
@@ -150,16 +151,16 @@ def test_nystromformer_error_falls_as_landmarks_grow():
 def test_nystromformer_padding():
   query, key, value = random_qkv(seed=4, batch=B, q_len=T, kv_len=8, num_heads=H)
   kv_lengths, q_lengths = np.array([8, 5]), np.array([12, 6])
-  fn = lambda k, v: low_rank.nystromformer_attention(
+  fn = jax.jit(lambda k, v: low_rank.nystromformer_attention(
       query, k, v, num_landmarks=4, key_value_seq_lengths=jnp.array(kv_lengths),
-      query_seq_lengths=jnp.array(q_lengths))
+      query_seq_lengths=jnp.array(q_lengths)))
   out = _padded_key_content_is_ignored(fn, key, value, kv_lengths, tol=1e-4)
   # Padded queries neither output anything nor shape the query landmarks.
   assert np.all(np.asarray(out[1, 6:]) == 0)
   noisy_query = query.at[1, 6:].set(9.0)
-  again = low_rank.nystromformer_attention(
-      noisy_query, key, value, num_landmarks=4, key_value_seq_lengths=jnp.array(kv_lengths),
-      query_seq_lengths=jnp.array(q_lengths))
+  again = jit_call(
+      low_rank.nystromformer_attention, noisy_query, key, value, num_landmarks=4,
+      key_value_seq_lengths=jnp.array(kv_lengths), query_seq_lengths=jnp.array(q_lengths))
   assert_close(again, out, rtol=1e-4, atol=1e-5)
 
 
@@ -263,9 +264,9 @@ def test_memory_compressed_attends_to_the_convolved_memory():
   query, key, value = random_qkv(seed=8, batch=B, q_len=T, num_heads=H, num_kv_heads=2)
   kernels = jax.random.normal(jax.random.PRNGKey(3), (2, 3, 2, 8, 8)) * 0.3
   bias = jax.random.normal(jax.random.PRNGKey(4), (2, 2, 8))
-  out = low_rank.memory_compressed_attention(query, key, value, key_kernel=kernels[0],
-                                             value_kernel=kernels[1], key_bias=bias[0],
-                                             value_bias=bias[1])
+  out = jit_call(low_rank.memory_compressed_attention, query, key, value,
+                 key_kernel=kernels[0], value_kernel=kernels[1], key_bias=bias[0],
+                 value_bias=bias[1])
   # The convolution written as a loop over windows: compressed length T / s = 4.
   k, v = np.asarray(key), np.asarray(value)
   memory = np.zeros((2, B, 4, 2, 8))
@@ -274,9 +275,9 @@ def test_memory_compressed_attends_to_the_convolved_memory():
       memory[0, :, n] += np.einsum("bhd,hde->bhe", k[:, 3 * n + j], np.asarray(kernels[0, j]))
       memory[1, :, n] += np.einsum("bhd,hde->bhe", v[:, 3 * n + j], np.asarray(kernels[1, j]))
   memory += np.asarray(bias)[:, None, None]
-  assert low_rank.strided_convolution(key, kernels[0]).shape == (B, 4, 2, 8)
-  expected = reference_attention(query, jnp.array(memory[0], jnp.float32),
-                                 jnp.array(memory[1], jnp.float32))
+  assert jit_call(low_rank.strided_convolution, key, kernels[0]).shape == (B, 4, 2, 8)
+  expected = jit_call(reference_attention, query, jnp.array(memory[0], jnp.float32),
+                      jnp.array(memory[1], jnp.float32))
   assert_close(out, expected, rtol=1e-4, atol=1e-5)
 
 
@@ -285,9 +286,9 @@ def test_memory_compressed_causal_and_padding():
   query, key, value = random_qkv(seed=9, batch=B, q_len=T, num_heads=H)
   kernels = jax.random.normal(jax.random.PRNGKey(5), (2, 3, H, 8, 8)) * 0.3
   kv_lengths = np.array([12, 7])
-  fn = lambda k, v: low_rank.memory_compressed_attention(
+  fn = jax.jit(lambda k, v: low_rank.memory_compressed_attention(
       query, k, v, is_causal=True, key_kernel=kernels[0], value_kernel=kernels[1],
-      key_value_seq_lengths=jnp.array(kv_lengths))
+      key_value_seq_lengths=jnp.array(kv_lengths)))
   out = _padded_key_content_is_ignored(fn, key, value, kv_lengths)
   # Causal: query i only sees windows that end at or before i; changing key 5
   # (window 1, keys 3..5) leaves queries 0..4 unchanged and changes query 5.

@@ -154,8 +154,8 @@ def test_sinkhorn_release_is_the_release_computation():
   expected = _np_release_sinkhorn(_np(q), _np(k), _np(v), token_valid, block_size, sort_logits)
   options = dict(registry.preset_options("sinkhorn", "lra_release", "listops"),
                  block_size=block_size)
-  got = hashing.sinkhorn_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v),
-                                   key_value_seq_lengths=jnp.asarray(lengths), **options)
+  got = jit_call(hashing.sinkhorn_attention, jnp.asarray(q), jnp.asarray(k), jnp.asarray(v),
+                 key_value_seq_lengths=jnp.asarray(lengths), **options)
   assert_close(got, expected, rtol=1e-4, atol=1e-5)
   # The sort network's output never mattered: any other one gives the same.
   assert_close(_np_release_sinkhorn(_np(q), _np(k), _np(v), token_valid, block_size,
@@ -180,9 +180,9 @@ def test_sinkhorn_release_sort_with_exact_padding_ignores_padded_keys():
   options = dict(sort="lra_release", block_layout="strided", padding="exact", block_size=8)
   lengths = jnp.array([29])
   garbage = lambda x: x.at[:, 29:].set(100.0)
-  clean = hashing.sinkhorn_attention(q, k, v, key_value_seq_lengths=lengths, **options)
-  dirty = hashing.sinkhorn_attention(q, garbage(k), garbage(v), key_value_seq_lengths=lengths,
-                                     **options)
+  clean = jit_call(hashing.sinkhorn_attention, q, k, v, key_value_seq_lengths=lengths, **options)
+  dirty = jit_call(hashing.sinkhorn_attention, q, garbage(k), garbage(v),
+                   key_value_seq_lengths=lengths, **options)
   assert_close(clean[:, :29], dirty[:, :29], rtol=1e-5, atol=1e-5)
 
 

@@ -14,7 +14,7 @@ from attention_jax import registry
 from attention_jax.variants import common, linear, low_rank
 from attention_testing import (as_float64 as _np, np_project_heads as _np_project,
                                np_project_out as _np_out, np_softmax as _np_softmax)
-from attention_testing import (assert_close, jit_apply, jit_init, random_qkv)
+from attention_testing import (assert_close, jit_apply, jit_call, jit_init, random_qkv)
 
 TASKS = ("listops", "text", "retrieval", "image", "pathfinder32", "pathx")
 
@@ -186,8 +186,9 @@ def _np_normalised(q_prime, k_prime, v, stabilizer):
 def test_performer_release_relu_kernel_is_generalized_attention_without_padding():
   query, key, value = random_qkv(seed=4, batch=2, q_len=9, num_heads=2, head_dim=8)
   options = registry.preset_options("performer", "lra_release", "text")
-  out = linear.performer_attention(query, key, value, key_value_seq_lengths=jnp.array([9, 3]),
-                                   query_seq_lengths=jnp.array([9, 3]), **options)
+  out = jit_call(linear.performer_attention, query, key, value,
+                 key_value_seq_lengths=jnp.array([9, 3]), query_seq_lengths=jnp.array([9, 3]),
+                 **options)
   # generalized_kernel_feature_creator with projection None, normalize_data=False:
   # relu(x) + 1e-3; make_fast_generalized_attention's numerical_stabilizer is 0.
   features = lambda x: np.maximum(_np(x), 0.0) + 1e-3
@@ -216,10 +217,11 @@ def test_performer_release_listops_is_the_reference_codes_stabilised_favor():
   # normalisers fall below eps and take the reference code's 2 eps.
   query = query * jnp.array([1.0] * 4 + [6.0] * 4)[None, :, None, None]
   options = registry.preset_options("performer", "lra_release", "listops")
-  projection = linear.gaussian_projection(jax.random.PRNGKey(6), options["num_features"], 8)
+  projection = jit_call(linear.gaussian_projection, jax.random.PRNGKey(6),
+                        options["num_features"], 8)
   fn_options = {k: v for k, v in options.items() if k not in ("num_features", "redraw_every")}
-  out = linear.performer_attention(query, key, value, projection=projection,
-                                   key_value_seq_lengths=jnp.array([8, 2]), **fn_options)
+  out = jit_call(linear.performer_attention, query, key, value, projection=projection,
+                 key_value_seq_lengths=jnp.array([8, 2]), **fn_options)
   eps = 1e-6
   expected, r = _np_normalised(_release_softmax_features(query, projection, True, eps),
                                _release_softmax_features(key, projection, False, eps),

@@ -25,14 +25,14 @@ from attention_jax.variants.sparse.global_window import longformer_attention
 from attention_jax.variants.sparse.random_patterns import (bigbird_attention, bigbird_candidates,
                                                            bigbird_random_blocks, pattern_key)
 from attention_jax.variants.sparse.windows import local_attention
-from attention_testing import assert_close, random_qkv
+from attention_testing import assert_close, jit_call, random_qkv
 
 LRA_TASKS = ("listops", "text", "retrieval", "image", "pathfinder32", "pathfinder128")
 
 
 def _dense(query, key, value, allowed):
   """The dense reference under `allowed` `[B|1, H|1, T, T]` (numpy bool)."""
-  return reference_attention(query, key, value, None, jnp.asarray(allowed))
+  return jit_call(reference_attention, query, key, value, None, jnp.asarray(allowed))
 
 
 def _key_padding(lengths, length):
@@ -309,7 +309,7 @@ def test_bigbird_release_options_match_the_release_block_structure(length, withi
   num_blocks = _release_padded_length(length, block_size) // block_size
   candidates = bigbird_candidates(num_blocks, within_blocks=within // block_size,
                                   rule="lra_release")
-  drawn = np.asarray(bigbird_random_blocks(rng, heads, candidates, r))
+  drawn = np.asarray(jit_call(bigbird_random_blocks, rng, heads, candidates, r))
   release = _release_rand_candidates(num_blocks * block_size, block_size,
                                      min(num_blocks * block_size, within))
   allowed = []
@@ -335,8 +335,8 @@ def test_bigbird_preset_draws_exactly_r_distinct_blocks_at_lra_lengths():
     num_blocks = _release_padded_length(length, 64) // 64
     candidates = bigbird_candidates(num_blocks, within_blocks=within,
                                     rule=options["random_candidates"])
-    drawn = np.asarray(bigbird_random_blocks(jax.random.PRNGKey(length), 8, candidates,
-                                             options["num_random_blocks"]))
+    drawn = np.asarray(jit_call(bigbird_random_blocks, jax.random.PRNGKey(length), 8,
+                                candidates, options["num_random_blocks"]))
     rows = drawn[:, 1:num_blocks - 1]  # blocks 0 and nb - 1 are global
     assert np.all(rows >= 1) and np.all(rows < min(num_blocks - 1, within))
     assert all(len(set(row)) == 3 for row in rows.reshape(-1, 3))

@@ -91,8 +91,8 @@ def test_persistent_memory_equals_dense_attention_over_the_extended_keys(
 def test_persistent_memory_causal_sees_memory_but_not_the_future():
   query, key, value = random_qkv(batch=1, q_len=6, num_heads=2, head_dim=4)
   memory_key, memory_value = (jax.random.normal(jax.random.PRNGKey(s), (2, 2, 4)) for s in (5, 6))
-  attend = lambda k, v, mk, mv: memory.persistent_memory_attention(
-      query, k, v, is_causal=True, memory_key=mk, memory_value=mv)
+  attend = jax.jit(lambda k, v, mk, mv: memory.persistent_memory_attention(
+      query, k, v, is_causal=True, memory_key=mk, memory_value=mv))
   out = attend(key, value, memory_key, memory_value)
   # Changing the last token's key and value leaves every earlier query unchanged...
   changed = attend(key.at[:, -1].add(3.0), value.at[:, -1].add(3.0), memory_key, memory_value)

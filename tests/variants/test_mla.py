@@ -101,9 +101,9 @@ def test_decoding_with_and_without_absorbing_gives_the_same_tokens_logits():
     variables = jit_init(layer, jax.random.PRNGKey(4), x)
     cache = jax.tree.map(jnp.zeros_like, variables["cache"])
     pieces = []
+    step = jax.jit(lambda v, c, x: layer.apply({**v, "cache": c}, x, mutable=["cache"]))
     for t in range(T):
-      y, state = jax.jit(lambda v, c, x: layer.apply({**v, "cache": c}, x, mutable=["cache"]))(
-          {"params": variables["params"]}, cache, x[:, t:t + 1])
+      y, state = step({"params": variables["params"]}, cache, x[:, t:t + 1])
       cache = state["cache"]
       pieces.append(y)
     outputs.append(jnp.concatenate(pieces, axis=1))

@@ -77,8 +77,8 @@ def test_attention_pooling_is_the_formula_and_padded_tokens_get_weight_zero(quer
   assert np.all(weights[~np.broadcast_to(allowed[:, None], weights.shape)] == 0)
   # Padding content does not reach the result.
   noise = jnp.where(jnp.asarray(allowed)[..., None], x, 1e3)
-  assert_close(pooling.attention_pooling(noise, mask=MASK, lengths=lengths, **level), pooled,
-               rtol=1e-5, atol=1e-5)
+  assert_close(jit_call(pooling.attention_pooling, noise, mask=MASK, lengths=lengths, **level),
+               pooled, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.property("attention_pooling")
@@ -303,7 +303,8 @@ def test_cross_alignment_is_esim_both_ways_with_the_enhancement_layout():
   assert_close(got_b[..., 3 * E:], np.asarray(b) * b_aligned, rtol=1e-5, atol=1e-5)
   # Nothing to align with: zeros, not NaN.
   assert_close(got_a[2, :, E:2 * E], np.zeros((T, E)))
-  aligned = pooling.cross_alignment(a, b, MASK, None, b_lengths=b_lengths, enhanced=False)
+  aligned = jit_call(pooling.cross_alignment, a, b, MASK, None, b_lengths=b_lengths,
+                     enhanced=False)
   assert_close(aligned[0], a_aligned, rtol=1e-5, atol=1e-5)
   assert_close(aligned[1], b_aligned, rtol=1e-5, atol=1e-5)
 

@@ -117,7 +117,9 @@ def test_padded_tokens_reach_neither_the_valid_rows_nor_the_carried_map(padding)
   first = random_qkv(seed=11, batch=B, q_len=length, num_heads=H)
   second = random_qkv(seed=12, batch=B, q_len=length, num_heads=H)
 
+  @jax.jit
   def two_layers(first, second):
+    """Two layers, the second carrying the first's maps, as one program."""
     _, carry = predictive_attention(*first, **masks, conv_kernel=_kernel(seed=5))
     out, last = predictive_attention(*second, **masks, conv_kernel=_kernel(seed=6),
                                      carry=carry)

@@ -90,11 +90,11 @@ def test_masked_keys_get_zero_weight_and_padded_queries_output_zeros():
   query, key, value = random_qkv(batch=2, q_len=6, num_heads=2, head_dim=4)
   logits = jax.random.normal(jax.random.PRNGKey(1), (1, 2, 6, 6)) * 3.0
   lengths = jnp.array([6, 4])
-  attend = lambda v: synthesizer_attention(
+  attend = jax.jit(lambda v: synthesizer_attention(
       query, key, v, is_causal=True, query_seq_lengths=lengths, key_value_seq_lengths=lengths,
-      synthetic_logits=logits)
+      synthetic_logits=logits))
   # d out[b, i, h, 0] / d value[b, j, h, 0] is head h's weight of key j for query i.
-  jacobian = np.asarray(jax.jacobian(lambda v: attend(v)[..., 0])(value))[..., 0]
+  jacobian = np.asarray(jax.jit(jax.jacobian(lambda v: attend(v)[..., 0]))(value))[..., 0]
   weights = np.einsum("bihbjh->bhij", jacobian)  # [B, H, Tq, Tk]
   future = np.triu(np.ones((6, 6), bool), k=1)
   assert np.all(weights[:, :, future] == 0)  # Causal: no weight on future keys.

@@ -76,11 +76,11 @@ def test_gaussian_transformer_prior_follows_query_positions():
   the full sequence's row."""
   query, key, value = random_qkv(seed=3, batch=1, q_len=TK, num_heads=H)
   weight, offset = jnp.full((H,), 0.3), jnp.full((H,), -1.0)
-  full = gaussian_transformer_attention(query, key, value, distance_weight=weight,
-                                        distance_bias=offset)
-  last = gaussian_transformer_attention(query[:, -1:], key, value, distance_weight=weight,
-                                        distance_bias=offset,
-                                        query_positions=jnp.array([TK - 1]))
+  full = jit_call(gaussian_transformer_attention, query, key, value, distance_weight=weight,
+                  distance_bias=offset)
+  last = jit_call(gaussian_transformer_attention, query[:, -1:], key, value,
+                  distance_weight=weight, distance_bias=offset,
+                  query_positions=jnp.array([TK - 1]))
   assert_close(last, full[:, -1:])
 
 
@@ -245,12 +245,12 @@ def test_average_cumulative_average_and_gates_by_formula():
                 gate_kernel=jnp.zeros((2 * features, 2 * features)),
                 gate_bias=jnp.concatenate([jnp.full((features,), -50.0),
                                            jnp.full((features,), 50.0)]))
-  out = average_attention(x, **arrays)
+  out = jit_call(average_attention, x, **arrays)
   cumulative = np.cumsum(np.asarray(x), axis=1) / np.arange(1, 7)[None, :, None]
   assert_close(out, cumulative, atol=1e-4)
   # The gates alone: sigmoid(b_g) halves (b_g = 0) mix x and g equally.
   arrays["gate_bias"] = jnp.zeros((2 * features,))
-  out = average_attention(x, **arrays)
+  out = jit_call(average_attention, x, **arrays)
   assert_close(out, 0.5 * np.asarray(x) + 0.5 * cumulative, atol=1e-4)
 
 
@@ -261,15 +261,21 @@ def test_average_incremental_decoding_equals_the_full_pass():
   full = jit_apply(layer, {"params": params}, x, is_causal=True)
   state = initial_average_state(2, 8)
   outs = []
+
+  @jax.jit
+  def step(state, t):
+    """One decoding step, on token t of x."""
+    return average_attention_step(state, x[:, t], **params)
+
   for t in range(x.shape[1]):
-    state, out_t = average_attention_step(state, x[:, t], **params)
+    state, out_t = step(state, t)
     outs.append(out_t)
   assert_close(jnp.stack(outs, axis=1), full, rtol=1e-5, atol=1e-5)
   assert [a.shape for a in state] == [(2, 8), (2,)]  # O(1) in T
   # A prompt in one call, then one token at a time, continues the same state.
-  state, prompt_out = average_attention_step(initial_average_state(2, 8), x[:, :4],
-                                             **params)
-  state, out_t = average_attention_step(state, x[:, 4], **params)
+  state, prompt_out = jit_call(average_attention_step, initial_average_state(2, 8), x[:, :4],
+                               **params)
+  state, out_t = step(state, 4)
   assert_close(jnp.concatenate([prompt_out, out_t[:, None]], axis=1), full[:, :5], rtol=1e-5,
                atol=1e-5)
 

@@ -1,6 +1,8 @@
 """The scoring functions (Bahdanau's additive score, Luong's dot, general and
 concat scores) against scores written out in numpy, and their masks."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -8,8 +10,8 @@ import pytest
 
 import attention_jax
 from attention_jax.variants import scoring
-from attention_testing import (assert_close, assert_same_outputs_and_grads, jit_apply, jit_init,
-                               random_qkv)
+from attention_testing import (assert_close, assert_same_outputs_and_grads, jit_apply, jit_call,
+                               jit_init, random_qkv)
 
 
 def _np(x):
@@ -24,7 +26,9 @@ def _np_attention(scores, value, allowed):
   return np.einsum("bhqk,bkhv->bqhv", weights, _np(value)), weights
 
 
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4))
 def _params(seed, heads, q_dim, k_dim, width):
+  """Random query/key kernels, score vector and score kernel, drawn as one program."""
   keys = jax.random.split(jax.random.PRNGKey(seed), 4)
   return dict(query_kernel=jax.random.normal(keys[0], (heads, q_dim, width)) * 0.5,
               key_kernel=jax.random.normal(keys[1], (heads, k_dim, width)) * 0.5,
@@ -41,9 +45,9 @@ def test_additive_is_bahdanau_with_queries_and_keys_of_different_sizes():
   value = jax.random.normal(keys[2], (batch, kv_len, heads, 5))
   p = _params(0, heads, q_dim, k_dim, width)
   lengths = np.array([6, 2])
-  got = scoring.additive_attention(query, key, value, query_kernel=p["query_kernel"],
-                                   key_kernel=p["key_kernel"], score_vector=p["score_vector"],
-                                   key_value_seq_lengths=jnp.asarray(lengths))
+  got = jit_call(scoring.additive_attention, query, key, value, query_kernel=p["query_kernel"],
+                 key_kernel=p["key_kernel"], score_vector=p["score_vector"],
+                 key_value_seq_lengths=jnp.asarray(lengths))
   wq = np.einsum("bqhd,hda->bhqa", _np(query), _np(p["query_kernel"]))
   wk = np.einsum("bkhd,hda->bhka", _np(key), _np(p["key_kernel"]))
   scores = np.einsum("bhqka,ha->bhqk", np.tanh(wq[:, :, :, None] + wk[:, :, None]),
@@ -60,8 +64,8 @@ def test_luong_concat_is_the_additive_score_of_the_concatenation():
   query, key, value = random_qkv(seed=2, num_heads=2, head_dim=4)
   p = _params(1, 2, 4, 4, 6)
   concat_kernel = jnp.concatenate([p["query_kernel"], p["key_kernel"]], axis=1)
-  got = scoring.luong_concat_attention(query, key, value, concat_kernel=concat_kernel,
-                                       score_vector=p["score_vector"], is_causal=True)
+  got = jit_call(scoring.luong_concat_attention, query, key, value, concat_kernel=concat_kernel,
+                 score_vector=p["score_vector"], is_causal=True)
   hidden = np.tanh(np.einsum("bqhd,hda->bhqa", _np(query), _np(p["query_kernel"]))[:, :, :, None]
                    + np.einsum("bkhd,hda->bhka", _np(key), _np(p["key_kernel"]))[:, :, None])
   scores = np.einsum("bhqka,ha->bhqk", hidden, _np(p["score_vector"]))
@@ -84,12 +88,14 @@ def test_luong_dot_is_unscaled_dot_product_attention(kwargs):
 def test_luong_general_is_q_w_k_and_with_the_identity_is_luong_dot():
   query, key, value = random_qkv(seed=4, num_heads=2, head_dim=5)
   p = _params(2, 2, 5, 5, 1)
-  got = scoring.luong_general_attention(query, key, value, score_kernel=p["score_kernel"])
+  got = jit_call(scoring.luong_general_attention, query, key, value,
+                 score_kernel=p["score_kernel"])
   scores = np.einsum("bqhd,hde,bkhe->bhqk", _np(query), _np(p["score_kernel"]), _np(key))
   assert_close(got, _np_attention(scores, value, True)[0], rtol=1e-5, atol=1e-5)
   identity = jnp.broadcast_to(jnp.eye(5), (2, 5, 5))
-  assert_close(scoring.luong_general_attention(query, key, value, score_kernel=identity),
-               scoring.luong_dot_attention(query, key, value), rtol=1e-5, atol=1e-6)
+  assert_close(jit_call(scoring.luong_general_attention, query, key, value,
+                        score_kernel=identity),
+               jit_call(scoring.luong_dot_attention, query, key, value), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("name", ["additive", "luong_dot", "luong_general", "luong_concat",
@@ -176,9 +182,9 @@ def test_luong_local_monotonic_is_the_plain_softmax_over_the_window():
   p = _params(4, 2, 4, 4, 1)
   positions = jnp.array([[0, 2, 4, 6, 8, 10], [1, 1, 3, 3, 9, 9]])
   lengths = np.array([11, 7])
-  got = scoring.luong_local_attention(query, key, value, mode="monotonic", window=2,
-                                      score_kernel=p["score_kernel"], query_positions=positions,
-                                      key_value_seq_lengths=jnp.asarray(lengths))
+  got = jit_call(scoring.luong_local_attention, query, key, value, mode="monotonic", window=2,
+                 score_kernel=p["score_kernel"], query_positions=positions,
+                 key_value_seq_lengths=jnp.asarray(lengths))
   scores = np.einsum("bqhd,hde,bkhe->bhqk", _np(query), _np(p["score_kernel"]), _np(key))
   allowed = (np.arange(11)[None, :] < lengths[:, None])[:, None, None, :]
   centre = np.broadcast_to(np.asarray(positions, np.float64)[:, None], (2, 2, 6))
@@ -186,7 +192,8 @@ def test_luong_local_monotonic_is_the_plain_softmax_over_the_window():
   assert_close(got, expected, rtol=1e-5, atol=1e-5)
   # The same as dense attention under the window mask: no other factor.
   window_mask = (np.abs(np.arange(11)[None, None, :] - np.asarray(positions)[:, :, None]) <= 2)
-  dense = attention_jax.dot_product_attention(
+  dense = jit_call(
+      attention_jax.dot_product_attention,
       jnp.einsum("bqhd,hde->bqhe", query, p["score_kernel"]), key, value, scale=1.0,
       mask=jnp.asarray(window_mask)[:, None], key_value_seq_lengths=jnp.asarray(lengths),
       implementation="xla")
@@ -203,8 +210,9 @@ def test_luong_local_predictive_centres_at_s_sigmoid_of_the_query():
   query, key, value = random_qkv(seed=10, num_heads=2, head_dim=4, q_len=5, kv_len=12)
   p = _params(5, 2, 4, 4, 3)
   lengths = np.array([12, 8])
-  got = scoring.luong_local_attention(
-      query, key, value, window=3, sigma=1.5, score="dot", position_kernel=p["query_kernel"],
+  got = jit_call(
+      scoring.luong_local_attention, query, key, value, window=3, sigma=1.5, score="dot",
+      position_kernel=p["query_kernel"],
       position_vector=p["score_vector"], key_value_seq_lengths=jnp.asarray(lengths))
   hidden = np.tanh(np.einsum("bqhd,hda->bhqa", _np(query), _np(p["query_kernel"])))
   logits = np.einsum("bhqa,ha->bhq", hidden, _np(p["score_vector"]))
@@ -268,8 +276,8 @@ def test_luong_local_rejects_bad_arguments(options, message):
 def test_nadaraya_watson_gaussian_is_the_closed_form(width):
   query, key, value = random_qkv(seed=6, num_heads=2, head_dim=3, kv_len=9)
   lengths = np.array([9, 4])
-  got = scoring.nadaraya_watson_attention(query, key, value, width=width,
-                                          key_value_seq_lengths=jnp.asarray(lengths))
+  got = jit_call(scoring.nadaraya_watson_attention, query, key, value, width=width,
+                 key_value_seq_lengths=jnp.asarray(lengths))
   q, k, v = _np(query), _np(key), _np(value)
   kernel = np.exp(-((q[:, :, None] - k[:, None]) ** 2).sum(-1) / (2 * width ** 2))  # [B,Tq,Tk,H]
   kernel = kernel * (np.arange(k.shape[1])[None, :] < lengths[:, None])[:, None, :, None]

@@ -47,10 +47,16 @@ def test_alibi_positions_reach_it_as_a_score_mod_equal_to_a_materialised_bias():
   x = jax.random.normal(jax.random.PRNGKey(2), (B, T, 16))
   params = nn.meta.unbox(jit_init(layer(), jax.random.PRNGKey(3), x, is_causal=True)["params"])
   got = jit_apply(layer(), {"params": params}, x, is_causal=True)
-  project = lambda name: jnp.einsum("bte,ehd->bthd", x, params[name]["kernel"]) + params[name][
-      "bias"]
-  bias = positional.alibi_bias(H, jnp.arange(T)[None], jnp.arange(T)[None])
-  out = sigmoid_attention(project("query"), project("key"), project("value"), bias,
-                          is_causal=True, implementation="xla")
-  want = jnp.einsum("bthd,hde->bte", out, params["out"]["kernel"]) + params["out"]["bias"]
+
+  @jax.jit
+  def written_out(params):
+    """sigmoid_attention of the layer's projections under the materialised ALiBi bias."""
+    project = lambda name: jnp.einsum("bte,ehd->bthd", x, params[name]["kernel"]) + params[name][
+        "bias"]
+    bias = positional.alibi_bias(H, jnp.arange(T)[None], jnp.arange(T)[None])
+    out = sigmoid_attention(project("query"), project("key"), project("value"), bias,
+                            is_causal=True, implementation="xla")
+    return jnp.einsum("bthd,hde->bte", out, params["out"]["kernel"]) + params["out"]["bias"]
+
+  want = written_out(params)
   assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -10,7 +10,7 @@ import pytest
 from attention_jax.models import ModelConfig
 from attention_jax.variants.modern.stick_breaking import stick_breaking_attention
 from attention_testing import (as_float64, assert_close, assert_same_outputs_and_grads,
-                               largest_intermediate, random_qkv)
+                               jit_call, largest_intermediate, random_qkv)
 
 B, T, H, HKV, D = 2, 21, 4, 2, 8
 
@@ -69,12 +69,13 @@ def test_weights_sum_to_at_most_one_and_the_nearest_key_breaks_first():
   nearest (a nearer key's break leaves less for it)."""
   query, key, _ = random_qkv(seed=2, batch=1, q_len=T, num_heads=1, head_dim=D)
   eye = jnp.eye(T)[None, :, None, :]
-  weights = stick_breaking_attention(query, key, eye, is_causal=True)[0, :, 0]
+  weights = jit_call(stick_breaking_attention, query, key, eye, is_causal=True)[0, :, 0]
   assert float(weights.sum(-1).max()) <= 1.0 + 1e-6 and float(weights.min()) >= 0.0
   assert float(jnp.abs(jnp.triu(weights)).max()) == 0.0  # keys before the query only
   # A logit of +30 for every key: the nearest earlier key takes all of it.
   ones = jnp.ones((1, T, 1, 1))
-  taken = stick_breaking_attention(ones * 30.0, ones, eye, is_causal=True, scale=1.0)[0, :, 0]
+  taken = jit_call(stick_breaking_attention, ones * 30.0, ones, eye, is_causal=True,
+                   scale=1.0)[0, :, 0]
   assert_close(taken[1:], np.eye(T, k=-1)[1:], atol=1e-6)
 
 
@@ -83,11 +84,11 @@ def test_decoding_positions_equal_the_causal_pass():
   against every cached key, the later ones masked."""
   query, key, value = random_qkv(seed=3, batch=B, q_len=T, num_heads=H, num_kv_heads=HKV,
                                  head_dim=D)
-  full = stick_breaking_attention(query, key, value, is_causal=True)
+  full = jit_call(stick_breaking_attention, query, key, value, is_causal=True)
   for i in (0, 5, T - 1):
     visible = (jnp.arange(T) <= i)[None, None, None, :]
-    step = stick_breaking_attention(query[:, i:i + 1], key, value, mask=visible,
-                                    query_positions=jnp.asarray([i]))
+    step = jit_call(stick_breaking_attention, query[:, i:i + 1], key, value, mask=visible,
+                    query_positions=jnp.asarray([i]))
     assert_close(step[:, 0], full[:, i], rtol=1e-5, atol=1e-6)
 
 

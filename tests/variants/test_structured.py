@@ -15,7 +15,7 @@ from attention_jax.core import reference_attention
 from attention_jax.models import Block, ModelConfig
 from attention_jax.variants import structured
 from attention_testing import (as_float64, assert_close, assert_same_outputs_and_grads, jit_apply,
-                               jit_init, largest_intermediate, random_qkv)
+                               jit_call, jit_init, largest_intermediate, random_qkv)
 
 # ---------------------------------------------------------------------------- structured_crf
 
@@ -137,11 +137,11 @@ def test_crf_with_zero_transitions_is_independent_sigmoids():
   query, key, value = random_qkv(seed=2, num_heads=2, head_dim=4, kv_len=6)
   scores = np.einsum("bqhd,bkhd->bhqk", as_float64(query), as_float64(key)) / 2.0
   sigmoid = 1.0 / (1.0 + np.exp(-scores))
-  got = structured.structured_crf_attention(query, key, value)
+  got = jit_call(structured.structured_crf_attention, query, key, value)
   assert_close(got, np.einsum("bhqk,bkhv->bqhv", sigmoid, as_float64(value)), atol=1e-5)
   normalized = sigmoid / sigmoid.sum(-1, keepdims=True)
-  got = structured.structured_crf_attention(query, key, value, normalize=True,
-                                            transition=jnp.zeros((2, 2, 2)))
+  got = jit_call(structured.structured_crf_attention, query, key, value, normalize=True,
+                 transition=jnp.zeros((2, 2, 2)))
   assert_close(got, np.einsum("bhqk,bkhv->bqhv", normalized, as_float64(value)), atol=1e-5)
 
 

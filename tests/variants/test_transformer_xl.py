@@ -12,8 +12,8 @@ import pytest
 from attention_jax import positional
 from attention_jax.models import LayerStack, ModelConfig, build_model
 from attention_jax.variants.recurrence import TransformerXLAttention, transformer_xl_attention
-from attention_testing import (as_float64, assert_close, jit_apply, jit_init, perturbed, random_qkv,
-                               segment_training_step)
+from attention_testing import (as_float64, assert_close, jit_apply, jit_call, jit_init, perturbed,
+                               random_qkv, segment_training_step)
 
 B, E, H = 2, 16, 2
 
@@ -56,7 +56,8 @@ def np_xl_terms(query, key, q_positions, k_positions, params, features):
   kernel = as_float64(params["relative_kernel"])
   u, v = as_float64(params["content_bias"]), as_float64(params["position_bias"])
   distances = np.asarray(q_positions)[:, None] - np.asarray(k_positions)[None, :]
-  sinusoids = as_float64(positional.sinusoidal_embedding(jnp.asarray(distances), features))
+  sinusoids = as_float64(jit_call(positional.sinusoidal_embedding, jnp.asarray(distances),
+                                  features))
   relative_key = np.einsum("qke,ehd->qkhd", sinusoids, kernel)  # [Tq, Tk, H, D]
   return (np.einsum("hd,bkhd->bhk", u, key)[:, :, None, :]
           + np.einsum("bqhd,qkhd->bhqk", query + v, relative_key))
@@ -98,8 +99,9 @@ def test_pure_function_equals_the_numpy_formula(is_causal):
   rng = np.random.default_rng(5)
   relative_key = rng.normal(size=(1, 2 * q_len + memory_length - 1, H, head_dim))
   u, v = rng.normal(size=(H, head_dim)), rng.normal(size=(H, head_dim))
-  got = transformer_xl_attention(
-      query, key, value, relative_key=jnp.asarray(relative_key, jnp.float32),
+  got = jit_call(
+      transformer_xl_attention, query, key, value,
+      relative_key=jnp.asarray(relative_key, jnp.float32),
       content_bias=jnp.asarray(u, jnp.float32), position_bias=jnp.asarray(v, jnp.float32),
       memory_length=memory_length, is_causal=is_causal)
 
