@@ -96,10 +96,13 @@ def test_layer_outputs_depend_on_distances_only_and_decode_as_the_causal_pass():
   expected = jit_apply(layer, {"params": params}, x, is_causal=True)
   decoder = layer.clone(decode=True)
   cache = jit_init(decoder, jax.random.PRNGKey(0), x)["cache"]
+  # One program for the ten steps: the layer (a dict among its fields) has no hash, so
+  # jit_apply would compile each step anew.
+  step = jax.jit(lambda cache, token: decoder.apply({"params": params, "cache": cache}, token,
+                                                    mutable=["cache"]))
   outputs = []
   for t in range(10):
-    out, state = jit_apply(decoder, {"params": params, "cache": cache}, x[:, t:t + 1],
-                               mutable=["cache"])
+    out, state = step(cache, x[:, t:t + 1])
     cache = state["cache"]
     outputs.append(out)
   assert_close(jnp.concatenate(outputs, axis=1), expected, rtol=1e-5, atol=1e-5)

@@ -11,8 +11,8 @@ import attention_jax
 from attention_jax.core import reach_of
 from attention_jax.kernels.flash_attention import (BlockSizes, blockwise_dot_product_attention,
                                                    common)
-from attention_testing import (MASK_CASES, check_against_reference, largest_intermediate,
-                               loop_mask, random_qkv)
+from attention_testing import (MASK_CASES, check_against_reference, jit_call,
+                               largest_intermediate, loop_mask, random_qkv)
 
 # Blocks that do not divide Tq = 7 or Tk = 9, and differ between the two backward sweeps.
 SMALL_BLOCKS = BlockSizes(block_q=4, block_k=4, block_q_dkv=2, block_k_dkv=8)
@@ -38,9 +38,9 @@ def test_bfloat16_matches_reference(case):
 
 def test_selected_through_dot_product_attention():
   query, key, value = random_qkv(q_len=33, kv_len=40)
-  expected = attention_jax.dot_product_attention(query, key, value, is_causal=True)
-  actual = attention_jax.dot_product_attention(query, key, value, is_causal=True,
-                                               implementation="blockwise")
+  expected = jit_call(attention_jax.dot_product_attention, query, key, value, is_causal=True)
+  actual = jit_call(attention_jax.dot_product_attention, query, key, value, is_causal=True,
+                    implementation="blockwise")
   np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=1e-5)
 
 

@@ -31,6 +31,7 @@ import pytest
 import attention_jax as aj
 from attention_jax import kernels
 from attention_jax.core.softmax import MASKED_LOGSUMEXP
+from attention_testing import jit_call
 
 # name -> (the function, examples per dtype). Each example compiles its own program
 # (about a second; several for the interpreted Pallas kernels), so the counts keep
@@ -92,7 +93,9 @@ def cases(draw, dtype, block_sizes: bool) -> Case:
   head_dim, value_dim = draw(st.sampled_from((1, 3, 8))), draw(st.sampled_from((2, 8)))
   seed = draw(st.integers(0, 2**16))
   rng = np.random.default_rng(seed)
-  representable = lambda a: np.asarray(jnp.asarray(a, dtype).astype(jnp.float32))
+  # Rounded to `dtype` on the host, as jnp.asarray does before its device copy
+  # (a device convert would compile a program per drawn shape).
+  representable = lambda a: np.asarray(a, dtype).astype(np.float32)
   full = (batch, heads, q_len, k_len)
   bias = mask = None
   if draw(st.booleans()):
@@ -206,11 +209,12 @@ def run(fn, case: Case, d_out: np.ndarray, d_residual: np.ndarray):
                  + jnp.sum(jnp.where(valid, residual.astype(jnp.float32), 0.0) * d_residual))
     return objective, (out, residual)
 
-  arrays = [jnp.asarray(a, case.dtype) for a in (case.query, case.key, case.value)]
-  bias = None if case.bias is None else jnp.asarray(case.bias, case.dtype)
+  # NumPy arrays of the dtype (the jitted gradient copies them in): no program per shape.
+  arrays = [np.asarray(a, case.dtype) for a in (case.query, case.key, case.value)]
+  bias = None if case.bias is None else np.asarray(case.bias, case.dtype)
   argnums = (0, 1, 2) if bias is None else (0, 1, 2, 3)
   grads, (out, residual) = jax.jit(jax.grad(loss, argnums=argnums, has_aux=True))(*arrays, bias)
-  as_np = lambda a: np.asarray(jnp.asarray(a, jnp.float32))
+  as_np = lambda a: np.asarray(a).astype(np.float32)  # exact, on the host
   names = ("query", "key", "value", "bias")
   return as_np(out), as_np(residual), {name: as_np(g) for name, g in zip(names, grads)}
 
@@ -235,7 +239,7 @@ def check(name: str, case: Case):
   valid = ~np.isnan(want_residual)
   close(got_residual[valid], want_residual[valid], value_tol, "residual")
   # A query with no key to attend: the documented finite stand-in for log 0.
-  masked = np.asarray(jnp.asarray(MASKED_LOGSUMEXP, case.dtype).astype(jnp.float32))
+  masked = np.asarray(MASKED_LOGSUMEXP, case.dtype).astype(np.float32)
   np.testing.assert_array_equal(got_residual[~valid], masked)
   for arg, want in want_grads.items():
     if want is not None:
@@ -246,8 +250,7 @@ def check(name: str, case: Case):
 def plain_case(dtype, query_shape, kv_shape, **fields) -> Case:
   """Normal inputs of these shapes with nothing masked, unless `fields` say otherwise."""
   rng = np.random.default_rng(3)
-  representable = lambda shape: np.asarray(
-      jnp.asarray(rng.normal(size=shape), dtype).astype(jnp.float32))
+  representable = lambda shape: np.asarray(rng.normal(size=shape), dtype).astype(np.float32)
   defaults = dict(bias=None, mask=None, is_causal=False, window=None, query_seq_lengths=None,
                   key_value_seq_lengths=None, segment_ids=None, block_sizes=None)
   return Case(query=representable(query_shape), key=representable(kv_shape),
@@ -300,7 +303,6 @@ def test_the_reference_is_softmax_attention_where_nothing_is_masked():
   case = Case(q, k, v, None, None, True, None, None, None, None, jnp.float32, None)
   out, residual, _ = reference(case, np.zeros((2, 5, 4, 8), np.float32),
                                np.zeros((2, 5, 4), np.float32))
-  want = jax.nn.dot_product_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v),
-                                      is_causal=True)
+  want = jit_call(jax.nn.dot_product_attention, q, k, v, is_causal=True)
   np.testing.assert_allclose(out, want, atol=1e-5)
   assert np.isfinite(residual).all()

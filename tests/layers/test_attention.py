@@ -8,7 +8,7 @@ import pytest
 
 from attention_jax import MultiHeadAttention, registry
 from attention_jax.variants.heads import multi_head_attention
-from attention_testing import assert_close, jit_apply, jit_init
+from attention_testing import assert_close, jit_apply, jit_call, jit_init
 
 B, T, E, H = 2, 6, 16, 4
 
@@ -81,8 +81,8 @@ def test_pure_multi_head_function_and_sum_of_heads_form_equal_the_module():
   params = _init(module, x, context)["params"]
   expected = jit_apply(module, {"params": params}, x, context, is_causal=False)
   kernels = [params[name]["kernel"] for name in ("query", "key", "value", "out")]
-  concat = multi_head_attention(x, context, *kernels)
-  summed = multi_head_attention(x, context, *kernels, sum_of_heads=True)
+  concat = jit_call(multi_head_attention, x, context, *kernels)
+  summed = jit_call(multi_head_attention, x, context, *kernels, sum_of_heads=True)
   assert_close(concat, expected)
   assert_close(summed, expected)
 

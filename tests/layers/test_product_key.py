@@ -9,7 +9,8 @@ import pytest
 
 from attention_jax.layers import ProductKeyMemory
 from attention_jax.layers.product_key import product_key_lookup
-from attention_testing import assert_close, intermediate_shapes, jit_apply, jit_init, perturbed
+from attention_testing import (assert_close, intermediate_shapes, jit_apply, jit_call, jit_init,
+                               perturbed)
 
 B, T, E = 2, 5, 12
 
@@ -29,7 +30,7 @@ def test_lookup_finds_the_best_slots_of_all_num_keys_squared(num_keys, top_k):
   rng = np.random.default_rng(num_keys + top_k)
   queries = rng.normal(size=(B, T, 3, 8)).astype(np.float32)
   sub_keys = rng.normal(size=(2, 3, num_keys, 4)).astype(np.float32)
-  scores, slots = product_key_lookup(jnp.asarray(queries), jnp.asarray(sub_keys), top_k)
+  scores, slots = jit_call(product_key_lookup, jnp.asarray(queries), jnp.asarray(sub_keys), top_k)
   full = _all_slot_scores(queries.astype(np.float64), sub_keys.astype(np.float64))
   expected_slots = np.argsort(-full, axis=-1, kind="stable")[..., :top_k]
   np.testing.assert_array_equal(slots, expected_slots)

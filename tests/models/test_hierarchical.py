@@ -12,7 +12,7 @@ import pytest
 
 from attention_jax.models import Encoder, HierarchicalTransformer, VectorEncoder, build_model
 from attention_jax.models.classifier import masked_max, masked_mean
-from attention_testing import assert_close, jit_apply, jit_init, train_briefly
+from attention_testing import assert_close, jit_apply, jit_call, jit_init, train_briefly
 
 V, E, L = 11, 16, 4
 
@@ -60,18 +60,19 @@ def test_equals_each_chunk_encoded_alone_then_the_chunk_vectors(pooling, positio
     for c in range(4):
       chunk = np.zeros((1, L), np.int32)
       chunk_mask = np.zeros((1, L), bool)
-      part = np.asarray(tokens[b, c * L:(c + 1) * L])
+      # Sliced on the host: device slices are a program per index.
+      part = np.asarray(tokens)[b, c * L:(c + 1) * L]
       chunk[0, :len(part)] = part
-      chunk_mask[0, :len(part)] = np.asarray(mask[b, c * L:(c + 1) * L])
+      chunk_mask[0, :len(part)] = np.asarray(mask)[b, c * L:(c + 1) * L]
       out = jit_apply(token_encoder, {"params": params["token_encoder"]}, jnp.asarray(chunk),
                       padding_mask=jnp.asarray(chunk_mask), prefix=chunk_prefix)
-      vectors.append(_pool(out, jnp.asarray(chunk_mask), pooling)[0])
+      vectors.append(jit_call(_pool, out, jnp.asarray(chunk_mask), pooling)[0])
       real.append(chunk_mask.any())
     real = jnp.asarray([real])
     out = jit_apply(sentence_encoder, {"params": params["sentence_encoder"]},
                     jnp.stack(vectors)[None], padding_mask=real,
                     prefix=document_prefix)
-    document = _pool(out, real, pooling)[0]
+    document = jit_call(_pool, out, real, pooling)[0]
     expected.append(document @ params["head"]["kernel"] + params["head"]["bias"])
   assert_close(jit_apply(model, variables, tokens, padding_mask=mask), jnp.stack(expected),
                rtol=1e-5, atol=1e-5)

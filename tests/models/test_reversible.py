@@ -49,7 +49,9 @@ def _assert_grads_close(grads, expected):
   from outputs differ from the saved ones by rounding, which the backward
   pass carries into every entry (one whose exact gradient is 0, a key
   bias's, comes out near 1e-7 of the largest)."""
-  scale = max(float(jnp.abs(leaf).max()) for leaf in jax.tree.leaves(expected))
+  # The largest magnitude of each leaf in one program (op by op: two per leaf shape).
+  maxima = jax.jit(lambda tree: jax.tree.map(lambda leaf: jnp.abs(leaf).max(), tree))(expected)
+  scale = max(float(leaf_max) for leaf_max in jax.tree.leaves(maxima))
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5 * scale),
                grads, expected)
 
@@ -62,9 +64,9 @@ def test_one_layer_is_half_the_input_plus_the_pre_norm_block_with_its_parameters
   config = _config(num_layers=1)
   x = _x()
   params = _params(config, x)
-  out, _ = LayerStack(config).apply({"params": params}, x)
-  block_out, _ = Block(_config(num_layers=1, stack="standard")).apply(
-      {"params": params["reversible"]["block_0"]}, x)
+  out, _ = jit_apply(LayerStack(config), {"params": params}, x)
+  block_out, _ = jit_apply(Block(_config(num_layers=1, stack="standard")),
+                           {"params": params["reversible"]["block_0"]}, x)
   np.testing.assert_allclose(out, (x + block_out) / 2, rtol=1e-5, atol=1e-5)
 
 
@@ -120,8 +122,10 @@ def test_custom_vjp_with_dropout_keys_equals_autodiff_with_the_same_keys():
         {"params": p}, y, False, method=ReversibleBlock.feed_forward, rngs={"dropout": key})
 
   fs, gs = tuple(map(attend, layers)), tuple(map(feed_forward, layers))
-  stacked = [jax.tree.map(lambda *leaves: jnp.stack(leaves), params[f"block_{j}"],
-                          params[f"block_{j + 2}"]) for j in (0, 1)]
+  # The two periods' parameters stacked, in one program (op by op: one per leaf shape).
+  stacked = jax.jit(lambda params: [
+      jax.tree.map(lambda *leaves: jnp.stack(leaves), params[f"block_{j}"],
+                   params[f"block_{j + 2}"]) for j in (0, 1)])(params)
   context = {"mask": _padding_mask()}
 
   def loss(stacked, x1, x2, keys):

@@ -78,7 +78,7 @@ def _with_lengths(model, variables, source, source_lengths):
     encoded = module.encoder(source, padding_mask=mask)
     return module.decoder(shift_right(TARGET), encoded, source_lengths)
 
-  return nn.apply(forward, model)(variables)
+  return jax.jit(nn.apply(forward, model))(variables)  # one program, not op by op
 
 
 @pytest.mark.parametrize("scan_layers", [False, True])

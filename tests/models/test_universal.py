@@ -11,8 +11,8 @@ from attention_jax import positional
 from attention_jax.models import Block, LayerStack, ModelConfig, build_model
 from attention_jax.models.universal import adaptive_computation
 from attention_jax.train.steps import sown_losses
-from attention_testing import (assert_causal_language_model, jit_apply, jit_init, perturbed,
-                               small_stack_config)
+from attention_testing import (assert_causal_language_model, jit_apply, jit_call, jit_init,
+                               perturbed, small_stack_config)
 
 B, T, E = 2, 8, 16
 
@@ -79,11 +79,19 @@ def test_act_arithmetic_equals_the_definitions_position_by_position():
     return jax.nn.sigmoid(jnp.where(state[..., -1] > 5, 100.0, logits))
 
   halted = jax.jit(lambda x: adaptive_computation(step, halt, x, num_steps, threshold))(x)
-  states = [x]
-  for n in range(num_steps):
-    states.append(np.asarray(step(states[-1], n)))
-  states = np.stack(states[1:])  # [N, B, T, E]
-  probabilities = np.asarray(jax.vmap(halt)(states))  # [N, B, T]
+  # Read on the host: indexing the device arrays per position is a program per index shape.
+  halted = jax.tree.map(np.asarray, halted)
+
+  @jax.jit
+  def unhalted(x):
+    """Every step's state s_1..s_N [N, B, T, E] and halting probability [N, B, T]."""
+    states = [x]
+    for n in range(num_steps):
+      states.append(step(states[-1], n))
+    states = jnp.stack(states[1:])
+    return states, jax.vmap(halt)(states)
+
+  states, probabilities = map(np.asarray, unhalted(x))
   seen = set()
   for b in range(B):
     for t in range(T):
@@ -103,6 +111,12 @@ def test_act_arithmetic_equals_the_definitions_position_by_position():
   np.testing.assert_allclose(halted.output[1, 0], states[0, 1, 0], rtol=1e-6, atol=1e-6)
 
 
+def _step_signal(step):
+  """What step `step` [1] adds: its timestep's sinusoids and the positions'."""
+  return (positional.sinusoidal_embedding(step, E)
+          + positional.sinusoidal_embedding(jnp.arange(T), E))
+
+
 def _run_universal_by_hand(config, params, x, mask):
   """The universal stack written out: step n adds the timestep's (and the
   positions') sinusoids and applies the one block to the whole sequence; the
@@ -116,8 +130,7 @@ def _run_universal_by_hand(config, params, x, mask):
   trajectory, probabilities, running = [], [], np.ones((B, T), bool)
   cumulative = np.zeros((B, T))
   for n in range(config.num_layers):
-    signal = (positional.sinusoidal_embedding(jnp.array([n + 1]), E)
-              + positional.sinusoidal_embedding(jnp.arange(T), E))
+    signal = jit_call(_step_signal, jnp.array([n + 1]))
     new, _ = jit_apply(block, block_params, state + signal, {}, mask)
     state = np.where(running[..., None], np.asarray(new), state)
     h = 1 / (1 + np.exp(-(state @ w + bias)))
@@ -156,12 +169,12 @@ def test_without_act_it_is_the_same_block_applied_num_layers_times():
   config = _config(act_halting=False, position="learned")
   params, x = _params(config), _x(3)
   assert set(params["universal"]) == {"block"}
-  out, _ = LayerStack(config).apply({"params": params}, x)
+  out, _ = jit_apply(LayerStack(config), {"params": params}, x)
   block = Block(_config(stack="standard"))
   expected = x
   for n in range(config.num_layers):
     # Learned positions act at the embedding: each step adds the timestep only.
-    signal = positional.sinusoidal_embedding(jnp.array([n + 1]), E)
+    signal = jit_call(positional.sinusoidal_embedding, jnp.array([n + 1]), E)
     expected, _ = jit_apply(block, {"params": params["universal"]["block"]}, expected + signal)
   np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
 
@@ -169,11 +182,10 @@ def test_without_act_it_is_the_same_block_applied_num_layers_times():
 def test_a_position_halting_with_probability_one_at_step_one_gets_that_state():
   config = _config()
   params, x = _params(config, halting_bias=100.0), _x(4)  # sigmoid(100) = 1 in float32
-  (out, _), sown = LayerStack(config).apply({"params": params}, x, mutable=["losses"])
-  signal = (positional.sinusoidal_embedding(jnp.array([1]), E)
-            + positional.sinusoidal_embedding(jnp.arange(T), E))
-  first, _ = Block(_config(stack="standard")).apply(
-      {"params": params["universal"]["block"]}, x + signal)
+  (out, _), sown = jit_apply(LayerStack(config), {"params": params}, x, mutable=["losses"])
+  signal = jit_call(_step_signal, jnp.array([1]))
+  first, _ = jit_apply(Block(_config(stack="standard")),
+                       {"params": params["universal"]["block"]}, x + signal)
   np.testing.assert_allclose(out, first, rtol=1e-6, atol=1e-6)
   # N' = 1 and R = 1 - 0 = 1 everywhere.
   np.testing.assert_allclose(sown_losses(sown), config.ponder_cost_weight * 2.0, rtol=1e-6)
