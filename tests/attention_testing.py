@@ -41,6 +41,24 @@ def _hashable(value):
   return value
 
 
+class _ByIdentity:
+  """An object that cannot be hashed (a Flax module with a dict field) as part
+  of a key, by identity: modules are frozen, and the key holds the object, so
+  its id names no other object while the key lives. Without it such a
+  module's every `jit_apply` made a new `jax.jit`, traced and lowered again."""
+
+  __slots__ = ("value",)
+
+  def __init__(self, value):
+    self.value = value
+
+  def __hash__(self):
+    return id(self.value)
+
+  def __eq__(self, other):
+    return isinstance(other, _ByIdentity) and other.value is self.value
+
+
 # The compiled callers by what they fix: a test that applies the same module
 # again (decoding token by token, a loop over inputs of one shape) reuses the
 # jitted function and so its traced and compiled program, where a new jax.jit
@@ -68,8 +86,13 @@ def jit_call(fn, *args, **kwargs):
     every_arg = [fixed_args[i] if i in fixed_args else next(traced) for i in range(len(args))]
     return fn(*every_arg, **fixed_kwargs, **traced_by_name)
 
+  owner = getattr(fn, "__self__", None)
+  try:
+    hash(owner)
+  except TypeError:  # a module with a dict field (`attention_options={...}`)
+    owner = _ByIdentity(owner)
   try:  # A bound method (`model.apply`) by its function and its module, which hash by value.
-    key = _hashable((getattr(fn, "__func__", fn), getattr(fn, "__self__", None), len(args),
+    key = _hashable((getattr(fn, "__func__", fn), owner, len(args),
                      sorted(fixed_args.items()), sorted(fixed_kwargs.items())))
   except TypeError:
     return jax.jit(call)(*traced_args, **traced_kwargs)
