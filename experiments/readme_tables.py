@@ -39,6 +39,7 @@ SOURCES: Dict[str, Optional[str]] = {
     "results/seq2seq_smoke/table.md": "configs/tables/seq2seq_smoke.py",
     "results/zoo_smoke/table.md": "configs/tables/zoo_smoke.py",
     "results/chars/table.md": "configs/tables/chars.py",
+    "results/recall_sweep/table.md": "configs/tables/recall_sweep.py",
     "results/length/table.md": "configs/tables/length.py",
     "results/needle/table.md": "configs/tables/needle.py",
     "results/pretrain_smoke/table.md": "configs/tables/pretrain_smoke.py",

@@ -834,11 +834,18 @@ def test_a_learning_rate_sweep_reports_each_row_at_its_best_rate(tmp_path):
   assert "| dot_product | 100.0 ± 0.0 (n=2) | 96.0 ± 2.8 (n=2) | 98.0 ± 1.4 (n=2) |" in lines
   assert "| linear | 60.0 ± 0.0 (n=2) | 42.0 ± 2.8 (n=2) | 51.0 ± 1.4 (n=2) |" in lines
   section = lines[lines.index("## Learning rate of each row"):]
-  assert "| dot_product | 0.003 (best of 2 run) |" in section
-  assert "| linear | 0.001 (best of 2 run) |" in section
+  assert "| dot_product | 0.003 (best of 2 rates run) |" in section
+  assert "| linear | 0.001 (best of 2 rates run) |" in section
   with (out / "table.csv").open() as f:
     chosen = {(r["variant"], r["group"]): r["learning_rate"] for r in csv.DictReader(f)}
   assert chosen[("dot_product", "all")] == "0.003" and chosen[("linear", "all")] == "0.001"
+
+
+def test_a_rows_rate_says_how_many_rates_had_runs():
+  rate_text = tables.accuracy.rate_text
+  assert rate_text({"learning_rate": 0.01, "rates_finished": 3}) == "0.01 (best of 3 rates run)"
+  assert rate_text({"learning_rate": 0.003, "rates_finished": 1}) == "0.003 (the only rate run)"
+  assert rate_text({"learning_rate": None, "rates_finished": 0}) == "-"
 
 
 @pytest.mark.parametrize("body, message", [
@@ -870,6 +877,6 @@ def test_an_accuracy_table_sweep_names_each_row_s_rate(tmp_path):
                          f"--data_dir={tmp_path / 'data'}"]) == 0
   lines = (out / "table.md").read_text().splitlines()
   assert "| dot_product | 85.0 ± 4.2 (n=2) |" in lines
-  assert ("| mqar_T32 | dot_product | method | 85.0 ± 7.1 (n=2) | 0.003 (best of 2 run) | "
+  assert ("| mqar_T32 | dot_product | method | 85.0 ± 7.1 (n=2) | 0.003 (best of 2 rates run) | "
           "10.0 ± 0.0 (n=2) | 300 ± 0 (n=2) host RSS |") in lines
   assert "| mqar_T32 | linear | method | - | - | - | - |" in lines

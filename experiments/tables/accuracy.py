@@ -377,10 +377,13 @@ def learning_rate_note(table: Any) -> str:
 
 
 def rate_text(row: Mapping[str, Any]) -> str:
-  """A row's chosen rate, "0.003 (best of 2 run)"; "-" before any run."""
+  """A row's chosen rate, "0.003 (best of 2 rates run)" or "0.003 (the only rate
+  run)"; "-" before any run."""
   if row.get("learning_rate") is None:
     return "-"
-  return f"{row['learning_rate']:g} (best of {row['rates_finished']} run)"
+  if row["rates_finished"] == 1:
+    return f"{row['learning_rate']:g} (the only rate run)"
+  return f"{row['learning_rate']:g} (best of {row['rates_finished']} rates run)"
 
 
 def plot(table: Any, rows: Sequence[Dict[str, Any]], out: pathlib.Path) -> List[str]:
