@@ -43,10 +43,6 @@ def get_config():
   config.not_run = {}
   config.learning_rates = (1e-3, None, 1e-2)
   config.notes = ("The cells at the config's own rate (3e-3) are the recall table's runs, copied "
-                  "(the same commands); of the other rates, 86 of 112 cells ran, from clean "
-                  "clones at 362262b, 46545c0 and 13880b5: every cell of mqar_T32 (14 mixers, "
-                  "both rates, both seeds) and of mqar_T64 seed 0; mqar_T64 seed 1 has its "
-                  "3e-3 runs and dot_product's other two only, so the other T = 64 rows pick "
-                  "their rate from seed 0 at 1e-3 and 1e-2 against both seeds at 3e-3 (a row "
-                  "whose rates have unequal seed counts compares their means as they stand)",)
+                  "(the same commands); the other rates' 112 cells ran from clean clones at "
+                  "362262b, 46545c0, 13880b5 and 4916fc1",)
   return config
