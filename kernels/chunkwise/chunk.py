@@ -12,8 +12,8 @@ for a kernel body rather than for XLA:
 
 * every array is a 2-D tile (3-D for the per-dimension decay weights), with
   no scan, cumsum, gather or triangular-solve primitive: prefix sums are masked
-  reductions and the unit lower-triangular inverse is forward substitution,
-  one row per unrolled step, each a masked reduction;
+  reductions and the unit lower-triangular inverse a product of log2(C)
+  factors (`unit_lower_inverse`);
 * the per-dimension decay weights are the exact C x C x Dk tensor, which is
   why the kernels use small chunks for them (16).
 
