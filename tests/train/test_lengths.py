@@ -16,6 +16,7 @@ from attention_jax.models import build_model
 from attention_jax.train.completion import complete_config
 from attention_jax.train.config import config_differences, default_config
 from attention_jax.train.trainer import train_and_evaluate
+from attention_testing import jit_apply
 
 TRAIN_LENGTH = 16
 
@@ -51,8 +52,8 @@ def _accuracy_and_loss(config_dict, params, length, tmp_path, position_options):
                       position_options=position_options)
   model = build_model(ml_collections.ConfigDict(model_config))
   inputs = batch["inputs"]
-  logits = model.apply({"params": params}, inputs, padding_mask=inputs != 0,
-                       deterministic=True)[:, :-1]
+  logits = jit_apply(model, {"params": params}, inputs, padding_mask=inputs != 0,
+                     deterministic=True)[:, :-1]
   labels, scored = inputs[:, 1:], batch["target_mask"][:, 1:] > 0
   log_probs = jax.nn.log_softmax(np.asarray(logits, np.float64), axis=-1)
   nll = -np.take_along_axis(np.asarray(log_probs), labels[..., None], axis=-1)[..., 0]
