@@ -13,7 +13,7 @@ from attention_jax.models import build_model, decoding
 from attention_jax.models.seq2seq import shift_right
 from attention_jax.train import config as train_config
 from attention_jax.train.trainer import train_and_evaluate
-from attention_testing import assert_close, jit_apply, jit_init
+from attention_testing import assert_close, jit_apply, jit_call, jit_init
 
 VOCAB = 13
 
@@ -83,8 +83,11 @@ def test_beam_search_of_one_is_greedy_and_wider_beams_score_at_least_as_high():
   inputs, targets = _batch(count=6, seed=2)
   variables = _init(model, inputs, targets, seed=5)
   length = targets.shape[1]
-  greedy = decoding.greedy_decode(model, variables, inputs, length)
-  np.testing.assert_array_equal(decoding.beam_search(model, variables, inputs, length, 1), greedy)
+  # The building blocks `decode` compiles, each compiled whole (eager, every op
+  # around the scan is a program of its own).
+  greedy = jit_call(decoding.greedy_decode, model, variables, inputs, length)
+  np.testing.assert_array_equal(jit_call(decoding.beam_search, model, variables, inputs, length, 1),
+                                greedy)
   beam = decoding.decode(model, variables, inputs, max_length=length, beam_size=4)
   greedy_score = _log_probability(model, variables, inputs, greedy)
   beam_score = _log_probability(model, variables, inputs, beam)

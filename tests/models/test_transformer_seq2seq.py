@@ -12,7 +12,7 @@ import pytest
 
 from attention_jax.models import ModelConfig, build_model, decoding
 from attention_jax.models.stack import LAYER_OUTPUTS, run_layers
-from attention_testing import assert_close, jit_apply, jit_init, perturbed
+from attention_testing import assert_close, jit_apply, jit_call, jit_init, perturbed
 
 V, L = 13, 12
 MODEL = dict(kind="transformer_seq2seq", attention="dot_product", cross_attention="additive",
@@ -50,7 +50,7 @@ def test_greedy_decoding_is_the_argmax_of_the_teacher_forced_pass_on_its_own_out
 def test_beam_search_of_one_beam_decodes_as_greedy():
   model, variables = _model_and_variables()
   np.testing.assert_array_equal(
-      decoding.beam_search(model, variables, SOURCE, max_length=8, beam_size=1),
+      jit_call(decoding.beam_search, model, variables, SOURCE, max_length=8, beam_size=1),
       decoding.decode(model, variables, SOURCE, max_length=8))
 
 
