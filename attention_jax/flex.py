@@ -146,7 +146,9 @@ def flex_attention(query: Array, key: Array, value: Array, *,
       product, times `qk_norm_scales = (query_scale, key_scale)` (each
       broadcastable to `[D]`; learned in `MultiHeadAttention`). With "l2"
       (Henry et al. 2020) pass the learned temperature as a scale and
-      `scale=1.0`.
+      `scale=1.0`. Normalise before rotary positions: given rotated queries
+      and keys, pass them through `normalised_qk` before rotating instead
+      (`MultiHeadAttention` does, with `position="rope"` or "xpos").
     normaliser: "softmax", or "sigmoid" (each pair weighted by
       `sigmoid(logit + sigmoid_bias)`, no normalisation over keys;
       `sigmoid_bias` defaults to -log(Tk)).
@@ -178,7 +180,7 @@ def flex_attention(query: Array, key: Array, value: Array, *,
     raise ValueError(f"implementation must be one of {sorted(FLEX_IMPLEMENTATIONS)} or None, "
                      f"got {implementation!r}.")
   if qk_norm is not None:
-    query, key = _normalised_qk(query, key, qk_norm, qk_norm_scales)
+    query, key = normalised_qk(query, key, qk_norm, qk_norm_scales)
   elif qk_norm_scales is not None:
     raise ValueError("qk_norm_scales needs qk_norm ('rms' or 'l2'), got qk_norm=None.")
   inputs, unbatched = prepare_inputs(
@@ -198,7 +200,7 @@ def flex_attention(query: Array, key: Array, value: Array, *,
   return returned_outputs(result, unbatched)
 
 
-def _normalised_qk(query: Array, key: Array, qk_norm: str,
+def normalised_qk(query: Array, key: Array, qk_norm: str,
                    qk_norm_scales: Optional[Tuple[Array, Array]]) -> Tuple[Array, Array]:
   """Queries and keys normalised over their last axis (float32 statistics)."""
   if qk_norm not in QK_NORMS:

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from flax.core import FrozenDict
 
 from attention_jax import axes, positional, registry
+from attention_jax.flex import normalised_qk
 from attention_jax.core.masks import and_masks, make_attention_mask
 from attention_jax.variants import dense
 from attention_jax.variants.common import check_cache_room, check_size, mixer_output
@@ -269,16 +270,23 @@ class MultiHeadAttention(nn.Module):
       visible = streaming_visible(jnp.arange(q_len), jnp.arange(kv_len), *self.streaming)
       mask = and_masks(mask, visible[None, None])
 
+    # A Q/K/V variant routes no option to the layer (`make_mixer` set those).
+    routed = spec.route_options(self.attention_options)
+    options = routed["fn"]
     attention_fn = spec.fn
     position_score_mod = None
+    rotate = None
     if self.position in positional.ROTARY_POSITIONS:
       # RoPE, its scalings, partial RoPE or xPos; a cached key is rotated at
       # its absolute position each step, so a scaling set for evaluation
       # applies to the whole cache.
       rotary = positional.Rotary.from_options(self.position_options,
                                               xpos=self.position == "xpos")
-      query = _unless_unused(query, lambda q: rotary(q, q_positions))
-      key = _unless_unused(key, lambda k: rotary(k, k_positions, is_key=True))
+      rotate = lambda q, k: (_unless_unused(q, lambda q: rotary(q, q_positions)),
+                             _unless_unused(k, lambda k: rotary(k, k_positions, is_key=True)))
+      if options.get("qk_norm") is None:
+        query, key = rotate(query, key)
+        rotate = None
     elif self.position in ("alibi", "t5") and spec.can("score_mod"):
       # The flex engine applies the bias per tile: no [B, H, Tq, Tk] array.
       position_score_mod = self._position_bias(_batched(q_positions), _batched(k_positions),
@@ -295,15 +303,20 @@ class MultiHeadAttention(nn.Module):
     constrain = lambda a: nn.with_logical_constraint(a, ACTIVATION_AXES)
     query, key, value = (_unless_unused(a, constrain) for a in (query, key, value))
 
-    # A Q/K/V variant routes no option to the layer (`make_mixer` set those).
-    routed = spec.route_options(self.attention_options)
-    options = routed["fn"]
     if window_in_mask:
       options.pop("local_window_size", None)
     if spec.extras is not None:
       options.update(self._extras(spec, routed["extras"])(
           query, key, value, deterministic=deterministic,
           **({"inputs": x} if getattr(spec.extras, "reads_layer_input", False) else {})))
+    if rotate is not None:
+      # QK-norm normalises queries and keys before their positions rotate
+      # them (as Qwen3 and OLMo 2 do): after the rotation, RMS's learned
+      # per-feature scales would mix the rotated pairs and an L2 norm would
+      # divide out xPos's length scale, so the scores would depend on where
+      # the sequence starts, not only on the distance.
+      query, key = rotate(*normalised_qk(query, key, options.pop("qk_norm"),
+                                         options.pop("qk_norm_scales", None)))
     if self.dropout_rate > 0.0 and not deterministic:
       if not spec.can("dropout"):
         raise ValueError(f"attention variant {self.attention!r} has no attention weights to drop; "

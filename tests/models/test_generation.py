@@ -102,7 +102,9 @@ def test_every_causal_variant_decodes_as_its_full_pass_or_says_why_not(name):
     dict(attention_options={"local_window_size": (3, 0)}),
     # Learned sinks of the flex engine, in a StreamingLLM cache of 5 slots.
     dict(attention="flex", attention_options={"sinks": True, "softcap": 5.0},
-         streaming_attention=(1, 4))])
+         streaming_attention=(1, 4)),
+    # QK-norm before the rotation, of the cache's keys too.
+    dict(attention="flex", attention_options={"qk_norm": "rms"}, position="rope")])
 def test_layer_options_and_positions_decode_as_their_full_pass(overrides):
   _assert_decodes_as_its_full_pass(_config(**overrides))
 

@@ -161,3 +161,24 @@ def test_alibi_and_t5_positions_reach_flex_as_score_mods_and_equal_the_materiali
     assert_close(got, expected, rtol=1e-4, atol=1e-5, err_msg=jax.tree_util.keystr(path))
   if position == "t5":
     assert float(jnp.abs(grads["relative_position_bias"]["rel_embedding"]).max()) > 0
+
+
+@pytest.mark.parametrize("position, qk_norm", [("rope", "rms"), ("xpos", "rms"), ("xpos", "l2")])
+def test_qk_norm_comes_before_the_rotation_so_scores_stay_relative(position, qk_norm):
+  """Queries and keys are normalised, then rotated (as Qwen3 and OLMo 2 do):
+  rotated first, RMS's learned per-feature scales mix the rotated pairs, and
+  xPos's length scale is divided out, so the scores would depend on where the
+  sequence starts rather than on the distance alone."""
+  layer = aj.MultiHeadAttention(num_heads=H, qkv_features=H * D, attention="flex",
+                                attention_options={"qk_norm": qk_norm}, position=position)
+  x = jax.random.normal(jax.random.PRNGKey(7), (B, T, 16))
+  variables = jit_init(layer, jax.random.PRNGKey(8), x, is_causal=True)
+  # Learned scales, not their initial ones (all equal), which commute with a rotation.
+  variant = variables["params"]["variant"]
+  variant = {name: scale * jnp.exp(jax.random.normal(jax.random.PRNGKey(9), scale.shape))
+             for name, scale in variant.items()}
+  variables = {"params": {**variables["params"], "variant": variant}}
+  positions = jnp.arange(T)
+  out = jit_apply(layer, variables, x, is_causal=True, positions=positions)
+  shifted = jit_apply(layer, variables, x, is_causal=True, positions=positions + 37)
+  assert_close(shifted, out, rtol=1e-4, atol=1e-5)
