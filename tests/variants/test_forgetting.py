@@ -103,3 +103,19 @@ def test_bad_decay_shapes_are_named():
   with pytest.raises(ValueError, match=r"key_log_decay must be \[B, T, H\] = \[2, 13, 4\]"):
     forgetting_attention(*arrays, query_log_decay=jnp.zeros((B, T, H)),
                          key_log_decay=jnp.zeros((B, T, 1)), is_causal=True)
+
+
+def test_a_call_that_would_let_queries_see_later_keys_is_refused():
+  """c_i - c_j grows for a later key j, so without causality or a mask that
+  hides later keys (a decoding step's) the bias favours the future."""
+  arrays = random_qkv(batch=B, q_len=T, num_heads=H, head_dim=D)
+  cumulative = jnp.cumsum(_log_forget(), axis=1)
+  with pytest.raises(ValueError, match=r"forgetting attention is causal: pass is_causal=True"):
+    forgetting_attention(*arrays, query_log_decay=cumulative, key_log_decay=cumulative)
+  # A mask that hides the later keys is what a decoding step passes: accepted.
+  causal = jnp.tril(jnp.ones((T, T), bool))[None, None]
+  assert_close(
+      jit_call(forgetting_attention, *arrays, mask=causal, query_log_decay=cumulative,
+               key_log_decay=cumulative),
+      jit_call(forgetting_attention, *arrays, is_causal=True, query_log_decay=cumulative,
+               key_log_decay=cumulative))

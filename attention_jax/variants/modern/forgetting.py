@@ -10,7 +10,9 @@ a score change that reads two arrays (c at the queries and at the keys), so it
 runs on the flex engine as a score_mod (`mods.cumulative_decay`): the blockwise
 loops and the kernels apply it per tile, and the gate's gradient comes back
 through the kernel's backward pass. The paper's FoX needs no position
-encoding. Causal only: a later key would have a growing bias.
+encoding. Causal only: a later key would have a growing bias, so a call
+needs `is_causal=True` or a mask that hides each query's later keys (what
+`MultiHeadAttention` passes while decoding from a cache).
 
 Decoding keeps every cached position's c beside the KV cache (`ForgetGate`'s
 own cache entries), so a new token's query sees c_i - c_j for every cached key.
@@ -51,6 +53,10 @@ def forgetting_attention(query: Array, key: Array, value: Array, bias: Optional[
     implementation: `flex_attention`'s ("blockwise" by default).
     dropout_rate, dropout_rng: dropout on the weights ("blockwise", "xla").
   """
+  if not is_causal and mask is None:
+    raise ValueError("forgetting attention is causal: pass is_causal=True, or a mask that "
+                     "hides each query's later keys (as decoding from a cache does); got "
+                     "is_causal=False and mask=None.")
   batch, q_len, num_heads = query.shape[:3]
   kv_len = key.shape[1]
   for name, array, length in (("query_log_decay", query_log_decay, q_len),
