@@ -273,6 +273,10 @@ class Rotary:
       return (1.0 - ramp) * theta / s + ramp * theta
     return theta
 
+  def rotary_width(self, head_dim: int) -> int:
+    """How many of `head_dim` features are rotated: feature i pairs with i + width / 2."""
+    return 2 * max(1, round(self.rotary_fraction * head_dim / 2))
+
   @property
   def temperature(self) -> float:
     """The factor on queries and keys: YaRN's, else 1."""
@@ -287,8 +291,8 @@ class Rotary:
     if head_dim % 2:
       raise ValueError(f"RoPE needs an even head dim D, got x of shape {x.shape}.")
     _check_positions(positions, batch, length)
-    half = max(1, round(self.rotary_fraction * head_dim / 2))
-    rotary_dim = 2 * half
+    rotary_dim = self.rotary_width(head_dim)
+    half = rotary_dim // 2
     inv_freq = self.inverse_frequencies(rotary_dim).astype(np.float32)
     position = jnp.broadcast_to(jnp.asarray(positions, jnp.float32), (batch, length))
     angles = (position[..., None] * inv_freq)[:, :, None, :]  # [B, T, 1, half]

@@ -50,6 +50,9 @@ CAPABILITIES = {
     # it is told whether the layer decodes from a cache, to refuse what reads
     # token indices there (the flex variant's named mods and windows)
     "decoding": ("decoding",),
+    # it is told how many features the layer's RoPE or xPos rotated, pairing
+    # feature i with i + width / 2 (differential keeps each pair in one half)
+    "rotary_width": ("rotary_width",),
 }
 # What MultiHeadAttention passes to every Q/K/V variant's function itself.
 LAYER_ARGUMENTS = frozenset({"query", "key", "value", "bias", "mask", "is_causal",
@@ -94,6 +97,9 @@ class VariantSpec:
       layer stack passes from block to block (e.g. RealFormer's scores).
     initial_carry: `initial_carry(batch, length, num_heads) -> {key: array}`,
       the carry before the first layer, for variants with `carries`.
+    skipped_carry: `skipped_carry(carry) -> carry`, the carry past this
+      variant's block when LayerDrop skips it in training; None: unchanged.
+      A count of the layers before (differential's depth) still counts it.
     presets: named option sets, `{preset name: Preset}` (see `PRESETS`);
       "method" (the paper's method with our defaults) needs no entry.
     not_decodable: why the variant cannot decode one token at a time in a
@@ -137,6 +143,7 @@ class VariantSpec:
   options: Mapping[str, Union[str, "VariantOption"]] = dataclasses.field(default_factory=dict)
   carries: Tuple[str, ...] = ()
   initial_carry: Optional[Callable[..., Dict[str, Any]]] = None
+  skipped_carry: Optional[Callable[[Dict[str, Any]], Dict[str, Any]]] = None
   presets: Mapping[str, "Preset"] = dataclasses.field(default_factory=dict)
   role: str = "mixer"
   bidirectional: bool = True

@@ -282,6 +282,8 @@ class MultiHeadAttention(nn.Module):
       # applies to the whole cache.
       rotary = positional.Rotary.from_options(self.position_options,
                                               xpos=self.position == "xpos")
+      if spec.can("rotary_width"):
+        options["rotary_width"] = rotary.rotary_width(query.shape[-1])
       rotate = lambda q, k: (_unless_unused(q, lambda q: rotary(q, q_positions)),
                              _unless_unused(k, lambda k: rotary(k, k_positions, is_key=True)))
       if options.get("qk_norm") is None:

@@ -1,7 +1,8 @@
 """LayerDrop (Fan et al. 2019): in training, each block of the standard stack
 is skipped with probability `layer_drop_rate`; evaluation runs every block.
 
-A skipped block is the identity on the stream and the carry, and its compute
+A skipped block is the identity on the stream and on the carry (but for what
+its variant's `skipped_carry` advances, such as a layer count), and its compute
 is skipped: the block runs in one branch of a `lax.cond` (lifted over Flax's
 variables), so XLA executes it, and its backward pass, only when kept. The
 keep/skip draw is one Bernoulli per block per step from the "dropout" stream,
@@ -27,14 +28,17 @@ Array = jnp.ndarray
 
 
 def run_or_skip(block: nn.Module, rate: float, x: Array, carry: Any, mask: Optional[Array],
-                is_causal: bool, deterministic: bool) -> Tuple[Array, Any]:
-  """`block(x, carry, mask, is_causal, deterministic)`, or `(x, carry)` with
-  probability `rate` in training.
+                is_causal: bool, deterministic: bool,
+                skipped_carry: Optional[Callable[[Any], Any]] = None) -> Tuple[Array, Any]:
+  """`block(x, carry, mask, is_causal, deterministic)`, or
+  `(x, skipped_carry(carry))` with probability `rate` in training.
 
   Args:
     block: a `Block` (or its `nn.remat` form) bound in the caller's scope.
     rate: the probability of skipping it; 0 (or `deterministic`) always runs it.
     x: `[B, T, E]`; carry, mask, is_causal, deterministic: as the block takes them.
+    skipped_carry: the carry past a skipped block (its variant's
+      `VariantSpec.skipped_carry`); None: the carry unchanged.
 
   Returns:
     `(x [B, T, E], carry)`.
@@ -43,8 +47,10 @@ def run_or_skip(block: nn.Module, rate: float, x: Array, carry: Any, mask: Optio
   if rate == 0.0 or deterministic or block.is_initializing():
     return block(x, carry, mask, is_causal, deterministic)
   keep = jax.random.bernoulli(block.make_rng("dropout"), 1.0 - rate)
+  past_skip = skipped_carry or (lambda carry: carry)
   return skip_unless(keep, lambda module, *operands: module(*operands, is_causal, deterministic),
-                     lambda module, x, carry, mask: (x, carry), block, x, carry, mask)
+                     lambda module, x, carry, mask: (x, past_skip(carry)), block, x, carry,
+                     mask)
 
 
 def skip_unless(keep: Array, run: Callable[..., Any], skip: Callable[..., Any], module: nn.Module,

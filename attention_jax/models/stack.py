@@ -68,6 +68,11 @@ def value_layout(config: ModelConfig, variant: str) -> Tuple[int, int]:
   return num_kv_heads, head_dim
 
 
+def _skipped_carry(variant: str):
+  """The carry past a block of `variant` that LayerDrop skips (None: unchanged)."""
+  return registry.get_variant(variant).skipped_carry
+
+
 class _Period(nn.Module):
   """One period of the schedule as a scan body: `(x, carry) -> (x, carry)`."""
 
@@ -84,7 +89,7 @@ class _Period(nn.Module):
     for i, variant in enumerate(self.config.schedule_period):
       x, carry = run_or_skip(block(self.config, variant, name=f"block_{i}"),
                              self.config.layer_drop_rate, x, carry, mask, self.is_causal,
-                             self.deterministic)
+                             self.deterministic, _skipped_carry(variant))
       outputs.append(x)
     # The scan stacks each step's [period, B, T, E] outputs when asked.
     return (x, carry), (jnp.stack(outputs) if self.keep_layer_outputs else None)
@@ -134,7 +139,7 @@ def run_layers(config: ModelConfig, x: Array, carry: Optional[Carry] = None, *,
     outputs = []
     for i, variant in enumerate(config.schedule):
       x, carry = run_or_skip(block(config, variant, name=f"block_{i}"), config.layer_drop_rate,
-                             x, carry, mask, is_causal, deterministic)
+                             x, carry, mask, is_causal, deterministic, _skipped_carry(variant))
       outputs.append(x)
     if keep_layer_outputs:
       carry = {**carry, LAYER_OUTPUTS: jnp.stack([inputs] + outputs, axis=1)}

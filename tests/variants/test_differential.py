@@ -13,7 +13,7 @@ from attention_jax.models import stack
 from attention_jax.variants.modern.differential import (DEPTH, differential_attention,
                                                         lambda_init_at)
 from attention_testing import (as_float64, assert_close, assert_same_outputs_and_grads,
-                               jit_call, jit_init, loop_mask, np_softmax, random_qkv,
+                               jit_apply, jit_call, jit_init, loop_mask, np_softmax, random_qkv,
                                small_stack_config)
 
 B, T, H, HKV, D = 2, 11, 4, 2, 8
@@ -130,6 +130,22 @@ def test_the_stack_counts_the_depth_and_each_layer_takes_the_papers_lambda_init(
       "lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2", "norm_scale"}
 
 
+@pytest.mark.parametrize("scan_layers", [False, True])
+def test_a_layer_that_layer_drop_skips_still_counts_in_the_depth(scan_layers):
+  """lambda_init belongs to the layer's index: a block LayerDrop skips in
+  training still advances the count, so the layers after it keep their own
+  lambda_init (evaluation runs every block)."""
+  config = small_stack_config(T, attention="differential", num_layers=4, num_heads=H,
+                              layer_drop_rate=0.5, scan_layers=scan_layers)
+  x = jax.random.normal(jax.random.PRNGKey(6), (B, T, config.embed_dim))
+  module = stack.LayerStack(config)
+  variables = jit_init(module, jax.random.PRNGKey(7), x, is_causal=True)
+  train = jax.jit(lambda v, x, rng: module.apply(v, x, is_causal=True, deterministic=False,
+                                                 rngs={"dropout": rng})[1][DEPTH])
+  depths = [int(train(variables, x, jax.random.PRNGKey(seed))) for seed in range(6)]
+  assert depths == [4] * 6
+
+
 @pytest.mark.property("differential")
 def test_both_maps_run_through_the_flash_loops():
   query, key, value = random_qkv(seed=8, batch=1, q_len=T, num_heads=2, head_dim=D)
@@ -153,3 +169,25 @@ def test_bad_options_are_named():
   with pytest.raises(ValueError, match=r"lambda_q1 must have shape \[4\]"):
     differential_attention(query, key, value, lambda_vectors=(jnp.zeros((3,)),) * 4,
                            norm_scale=jnp.ones((8,)))
+
+
+@pytest.mark.parametrize("head_dim, position_options, relative", [
+    (8, {}, True), (12, {"rotary_fraction": 2 / 3}, True),
+    (6, {}, False), (8, {"rotary_fraction": 0.75}, False)])
+def test_under_rope_each_half_keeps_whole_rotated_pairs_or_the_layer_refuses(
+    head_dim, position_options, relative):
+  """RoPE pairs feature i with i + R/2 (R the rotated width); the even and odd
+  halves keep whole pairs only when R is a multiple of 4, and only then does
+  each map depend on the distance alone."""
+  layer = aj.MultiHeadAttention(num_heads=2, qkv_features=2 * head_dim,
+                                attention="differential", position="rope",
+                                position_options=position_options)
+  x = jax.random.normal(jax.random.PRNGKey(10), (1, T, 16))
+  if not relative:
+    with pytest.raises(ValueError, match=r"rotary_width must be a multiple of 4"):
+      jit_init(layer, jax.random.PRNGKey(11), x, is_causal=True)
+    return
+  variables = jit_init(layer, jax.random.PRNGKey(11), x, is_causal=True)
+  out = jit_apply(layer, variables, x, is_causal=True, positions=jnp.arange(T))
+  shifted = jit_apply(layer, variables, x, is_causal=True, positions=jnp.arange(T) + 37)
+  assert_close(shifted, out, rtol=1e-4, atol=1e-5)

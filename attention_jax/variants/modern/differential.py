@@ -22,9 +22,12 @@ the same values.
 
 Choices (docs/ARCHITECTURE.md): the halves are the even and the odd features,
 so that RoPE's rotated pairs (feature i with i + D/2) stay within one half
-when D is a multiple of 4 and each map stays relative; the projections absorb
-the permutation. The depth l is counted in the layer stack's carry over the
-differential layers before this one (the paper's stacks are all differential);
+when D is a multiple of 4 and each map stays relative (a rotated width that
+is not a multiple of 4 is refused); the projections absorb the permutation,
+though the second map's rotation frequencies are then the odd ones of the
+head's, not the first map's as in the paper. The depth l is counted in the layer stack's carry over the
+differential layers before this one (the paper's stacks are all differential),
+a layer that LayerDrop skips in training included;
 `lambda_init` set as an option replaces the schedule.
 """
 
@@ -62,6 +65,7 @@ def differential_attention(
     norm_scale: Array,
     lambda_init: Optional[float] = None,
     carry: Optional[Mapping[str, Array]] = None,
+    rotary_width: Optional[int] = None,
     is_causal: bool = False,
     query_seq_lengths: Optional[Array] = None,
     key_value_seq_lengths: Optional[Array] = None,
@@ -87,6 +91,10 @@ def differential_attention(
       layer's depth, read from `carry`.
     carry: `{"differential_depth": l - 1}` from the layer before (the stack
       passes it); absent: l = 1.
+    rotary_width: how many features the query and key were rotated over
+      (`MultiHeadAttention` passes it with RoPE or xPos, which pair feature i
+      with i + width / 2): a multiple of 4, so that each half holds whole
+      pairs and each map stays a function of the distance; None: not rotated.
     scale: logit scale of both maps; 1/sqrt(D / 2) when None.
     dropout_rate, dropout_rng: dropout on both maps' weights (independent draws).
 
@@ -98,6 +106,12 @@ def differential_attention(
     raise ValueError(f"differential attention splits each head's query and key in two halves; "
                      f"the head dim must be even, got query of shape {list(query.shape)}.")
   common.check_query_key_sizes("differential", query, key)
+  if rotary_width is not None and rotary_width % 4:
+    raise ValueError(f"rotary_width must be a multiple of 4 for differential attention (RoPE "
+                     f"pairs feature i with i + {rotary_width} / 2, and the even and odd halves "
+                     f"must each hold whole pairs), got rotary_width={rotary_width} of head dim "
+                     f"{head_dim}: choose a head dim (or rotary_fraction) that rotates a "
+                     f"multiple of 4 features.")
   half = head_dim // 2
   for name, vector in zip(("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2"), lambda_vectors):
     common.check_per_head(name, vector, (half,))
@@ -151,11 +165,16 @@ def _initial_carry(batch: int, length: int, num_heads: int) -> Dict[str, Array]:
   return {DEPTH: jnp.zeros((), jnp.int32)}
 
 
+def _past_a_skipped_layer(carry: Dict[str, Array]) -> Dict[str, Array]:
+  """A layer LayerDrop skips still counts: lambda_init is the layer index's."""
+  return {**carry, DEPTH: carry[DEPTH] + 1}
+
+
 registry.register(registry.VariantSpec(
     name="differential", fn=differential_attention, family="modern", complexity="O(T^2)",
     subquadratic=False, exact=False, causal=True, cross=True, paper="Ye et al. 2024",
-    extras=DifferentialParameters, takes=("dropout",),
-    carries=(DEPTH,), initial_carry=_initial_carry,
+    extras=DifferentialParameters, takes=("dropout", "rotary_width"),
+    carries=(DEPTH,), initial_carry=_initial_carry, skipped_carry=_past_a_skipped_layer,
     options=dict(
         lambda_init="a fixed lambda_init in [0, 1); None: 0.8 - 0.6 exp(-0.3 (l - 1)) at "
                     "the layer's depth l",
