@@ -7,9 +7,9 @@ a_t (per dimension) of what it read, after decaying by w_t (section 4):
     S_t = (diag(w_t) - (a_t * kappa_t) kappa_t^T) S_{t-1} + k~_t v_t^T,
     o_t = S_t^T r_t + (r_t . (rho * k~_t)) v_t,
 
-with w_t = exp(-e^(-1/2) sigmoid(d_t)) in (0.6, 1), kappa_t = normalise(k_t *
-xi) (xi learned), the replacement key k~_t = k_t * (1 + (a_t - 1) * alpha)
-(alpha learned) and a bonus for the current token (rho learned, per head).
+with w_t = exp(-e^(-1/2) sigmoid(d_t)) in (exp(-e^(-1/2)), 1) = (0.545, 1),
+kappa_t = normalise(k_t * xi) (xi learned), the replacement key
+k~_t = k_t * (1 + (a_t - 1) * alpha) (alpha learned) and a bonus for the current token (rho learned, per head).
 In the engine's terms the read key is kappa, the write key -a * kappa, the
 log-decay log w (per dimension), the query r.
 
@@ -104,7 +104,8 @@ class RWKV7TimeMix(parts.RecurrentMixer):
     receptance = as_heads(dense(width, "receptance")(branch["receptance"]))
     key = as_heads(dense(width, "key")(branch["key"]))
     value = as_heads(dense(width, "value")(branch["value"]))
-    # Decays from slow (sigmoid(-6): w ~ 0.998) to fast (sigmoid(1): w ~ 0.64) across dimensions.
+    # Decays from slow (sigmoid(-6): w ~ 0.998) to fast (sigmoid(1): w ~ 0.64) across
+    # dimensions; RWKV-LM's own start spans d in [-6.5, -1.5] (w ~ 0.999 to 0.895).
     decay_init = lambda rng, shape, dtype: jnp.linspace(-6.0, 1.0, shape[0], dtype=dtype)
     log_decay = -math.exp(-0.5) * jax.nn.sigmoid(
         low_rank("decay", branch["decay"], jnp.tanh, decay_init))
