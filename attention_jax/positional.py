@@ -282,9 +282,25 @@ class Rotary:
     """The factor on queries and keys: YaRN's, else 1."""
     return yarn_temperature(self.scaling_factor) if self.scaling == "yarn" else 1.0
 
-  def __call__(self, x: Array, positions: Array, *, is_key: bool = False) -> Array:
+  def xpos_center(self, q_positions: Array, k_positions: Array) -> Optional[Array]:
+    """Where xPos's exponent is measured from for one call: `[B|1, 1]`, the
+    middle of the queries' and keys' positions; None without xPos.
+
+    zeta^(n / B) leaves float32 past n ~ 36K at B = 512 (zeta_0 = 0.29). The
+    scores depend on n - m only, so any center the queries and keys of a call
+    share gives the same ones, and the middle keeps both exponents within
+    half the call's span."""
+    if self.xpos_scale_base is None:
+      return None
+    first = jnp.min(_batched_positions(k_positions, "k_positions"), axis=-1, keepdims=True)
+    last = jnp.max(_batched_positions(q_positions, "q_positions"), axis=-1, keepdims=True)
+    return 0.5 * (first + last).astype(jnp.float32)
+
+  def __call__(self, x: Array, positions: Array, *, is_key: bool = False,
+               xpos_center: Optional[Array] = None) -> Array:
     """`x` `[B, T, H, D]` rotated at `positions` (`[B, T]` or `[T]`), in x's dtype;
-    `is_key` picks xPos's decaying side."""
+    `is_key` picks xPos's decaying side, whose exponent counts from
+    `xpos_center` (`[B|1, 1]`, 0 when None; see `xpos_center`)."""
     if x.ndim != 4:
       raise ValueError(f"x must be [B, T, H, D], got shape {x.shape}.")
     batch, length, _, head_dim = x.shape
@@ -303,7 +319,8 @@ class Rotary:
     if self.xpos_scale_base is not None:
       gamma = self.XPOS_GAMMA
       zeta = (np.arange(half, dtype=np.float32) * 2 / rotary_dim + gamma) / (1 + gamma)
-      power = (-1.0 if is_key else 1.0) * position[..., None, None] / self.xpos_scale_base
+      from_center = position if xpos_center is None else position - xpos_center
+      power = (-1.0 if is_key else 1.0) * from_center[..., None, None] / self.xpos_scale_base
       factor = jnp.asarray(zeta) ** power  # [B, T, 1, half]
       rotated = [part * factor for part in rotated]
     out = jnp.concatenate(rotated + [rest], axis=-1) * self.temperature

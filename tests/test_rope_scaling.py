@@ -6,9 +6,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import attention_jax as aj
 from attention_jax import positional
 from attention_jax.models import ModelConfig
-from attention_testing import assert_close
+from attention_testing import assert_close, jit_apply, jit_init
 
 B, T, H, D = 2, 9, 3, 8
 BASE = 10_000.0
@@ -99,6 +100,21 @@ def test_scores_depend_on_the_distance_only(options, xpos):
                                                                      is_key=True))
   assert_close(score(7.0, 2.0), score(12.0, 7.0), rtol=1e-4, atol=1e-5)
   assert abs(float(score(7.0, 2.0)) - float(score(9.0, 2.0))) > 1e-4
+
+
+def test_xpos_scores_stay_finite_far_from_position_zero():
+  """zeta^(n / B) leaves float32 past n ~ 36K at B = 512 (zeta_0 = 0.29); the
+  layer centres the exponent between a call's queries and keys, which changes
+  no score (they depend on n - m), so a window far into a sequence scores as
+  the same window at its start."""
+  layer = aj.MultiHeadAttention(num_heads=2, qkv_features=16, position="xpos")
+  x = jax.random.normal(jax.random.PRNGKey(6), (1, 12, 16))
+  variables = jit_init(layer, jax.random.PRNGKey(7), x, is_causal=True)
+  near = jit_apply(layer, variables, x, is_causal=True, positions=jnp.arange(12))
+  far = jit_apply(layer, variables, x, is_causal=True, positions=jnp.arange(12) + 60_000)
+  assert np.isfinite(np.asarray(far)).all()
+  # float32 angles near 60,000 rad are a few 1e-3 off, as in plain RoPE there.
+  assert_close(far, near, rtol=1e-2, atol=1e-3)
 
 
 @pytest.mark.parametrize("overrides, message", [

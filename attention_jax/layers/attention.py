@@ -284,8 +284,10 @@ class MultiHeadAttention(nn.Module):
                                               xpos=self.position == "xpos")
       if spec.can("rotary_width"):
         options["rotary_width"] = rotary.rotary_width(query.shape[-1])
-      rotate = lambda q, k: (_unless_unused(q, lambda q: rotary(q, q_positions)),
-                             _unless_unused(k, lambda k: rotary(k, k_positions, is_key=True)))
+      center = rotary.xpos_center(q_positions, k_positions)
+      rotate = lambda q, k: (
+          _unless_unused(q, lambda q: rotary(q, q_positions, xpos_center=center)),
+          _unless_unused(k, lambda k: rotary(k, k_positions, is_key=True, xpos_center=center)))
       if options.get("qk_norm") is None:
         query, key = rotate(query, key)
         rotate = None
