@@ -73,8 +73,8 @@ def test_greedy_generation_is_the_argmax_of_the_full_forward_pass(overrides):
 SHORT_OPTIONS = {"moba": {"block_size": 4, "top_k": 2},
                  **{name: {"chunk_size": 4} for name in registry.list_variants()
                     if registry.get_variant(name).family == "chunkwise"},
-                 "nsa": {"compress_block_size": 4, "compress_stride": 2, "select_block_size": 4,
-                         "top_n": 2, "window": 4}}
+                 "nsa": {"compress_block_size": 4, "compress_stride": 2, "select_block_size": 2,
+                         "top_n": 4, "window": 4}}
 
 
 @pytest.mark.parametrize("name", CAUSAL_MIXERS)

@@ -9,18 +9,19 @@ import numpy as np
 import pytest
 
 import attention_jax as aj
+from attention_jax.layers.attention import attention_weights
 from attention_jax.variants.modern.nsa import nsa_attention
 from attention_testing import (as_float64, assert_close, assert_same_outputs_and_grads,
                                jit_init, np_softmax, random_qkv)
 
 B, T, H, HKV, D = 2, 27, 4, 2, 8
-SIZES = dict(compress_block_size=4, compress_stride=2, select_block_size=4, top_n=3, window=5)
+SIZES = dict(compress_block_size=4, compress_stride=2, select_block_size=4, top_n=4, window=5)
 
 
-def _arrays(seed=0):
+def _arrays(seed=0, length=T):
   keys = jax.random.split(jax.random.PRNGKey(seed), 5)
   l = SIZES["compress_block_size"]
-  return dict(gates=jax.nn.sigmoid(jax.random.normal(keys[0], (B, T, H, 3))),
+  return dict(gates=jax.nn.sigmoid(jax.random.normal(keys[0], (B, length, H, 3))),
               compress_key=jax.random.normal(keys[1], (l * D, D)) / np.sqrt(l * D),
               compress_value=jax.random.normal(keys[2], (l * D, D)) / np.sqrt(l * D),
               key_positions=0.1 * jax.random.normal(keys[3], (l, D)),
@@ -33,7 +34,7 @@ def _attend(q, keys, values):
   return np_softmax(keys @ q / np.sqrt(D)) @ values
 
 
-def _numpy_nsa(query, key, value, arrays):
+def _numpy_nsa(query, key, value, arrays, local=2):
   q, k, v = map(as_float64, (query, key, value))
   a = {name: as_float64(x) for name, x in arrays.items()}
   l, d, ls, n, w = (SIZES[name] for name in ("compress_block_size", "compress_stride",
@@ -58,9 +59,10 @@ def _numpy_nsa(query, key, value, arrays):
               importance[starts[c] // ls] += weight
           branches[h] = [_attend(q[b, i, h], ck[seen], cv[seen])]
         own = i // ls
-        others = sorted((j for j in range(own + 1) if j not in (0, own)),
+        forced = {0} | {j for j in range(own - local + 1, own + 1) if j >= 0}
+        others = sorted((j for j in range(own + 1) if j not in forced),
                         key=lambda j: -importance[j])
-        chosen = {0, own} | set(others[:n - len({0, own})])
+        chosen = forced | set(others[:n - len(forced)])
         picked = [j for j in range(i + 1) if j // ls in chosen]
         recent = list(range(max(0, i - w + 1), i + 1))
         for h in range(g * group, (g + 1) * group):
@@ -71,14 +73,14 @@ def _numpy_nsa(query, key, value, arrays):
   return out
 
 
-@pytest.mark.parametrize("implementation", ["blockwise", "xla"])
+@pytest.mark.parametrize("implementation, local", [("blockwise", 2), ("xla", 2), ("xla", 1)])
 @pytest.mark.property("nsa")
-def test_equals_the_three_branches_written_out(implementation):
+def test_equals_the_three_branches_written_out(implementation, local):
   query, key, value = random_qkv(batch=B, q_len=T, num_heads=H, num_kv_heads=HKV, head_dim=D)
   arrays = _arrays()
   got = jax.jit(functools.partial(nsa_attention, is_causal=True, implementation=implementation,
-                                  **SIZES))(query, key, value, **arrays)
-  assert_close(got, _numpy_nsa(query, key, value, arrays), rtol=1e-4, atol=1e-5)
+                                  num_local_blocks=local, **SIZES))(query, key, value, **arrays)
+  assert_close(got, _numpy_nsa(query, key, value, arrays, local), rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.property("nsa")
@@ -119,5 +121,57 @@ def test_bad_settings_are_named():
     nsa_attention(query, key, value, is_causal=True, **arrays, **{**SIZES, "top_n": 9})
   with pytest.raises(ValueError, match=r"compress_stride \(3\) must divide"):
     nsa_attention(query, key, value, is_causal=True, **arrays, **{**SIZES, "compress_stride": 3})
+  with pytest.raises(ValueError, match=r"num_local_blocks must be an int >= 1, got 0"):
+    nsa_attention(query, key, value, is_causal=True, num_local_blocks=0, **arrays, **SIZES)
+  with pytest.raises(ValueError, match=r"top_n \(3\) must be at least 1 \+ num_local_blocks = 4"):
+    nsa_attention(query, key, value, is_causal=True, num_local_blocks=3, **arrays,
+                  **{**SIZES, "top_n": 3})
   with pytest.raises(ValueError, match="nsa is causal"):
     nsa_attention(query, key, value, **arrays, **SIZES)
+
+
+def _selected_blocks(query, key, arrays, sizes, **call):
+  """The selection blocks each query's selected branch reads: `[B, H, Tq]`
+  sets, from that branch alone (gates (0, 1, 0)) over one-hot values."""
+  batch, q_len, num_heads = query.shape[:3]
+  kv_len, l = key.shape[1], sizes["compress_block_size"]
+  selected_only = dict(arrays, gates=jnp.broadcast_to(jnp.asarray([0.0, 1.0, 0.0]),
+                                                      (batch, q_len, num_heads, 3)),
+                       compress_value=jnp.zeros((l * kv_len, kv_len)),
+                       value_positions=jnp.zeros((l, kv_len)))
+  weights = attention_weights(lambda v: nsa_attention(
+      query, key, v, is_causal=True, implementation="xla", **selected_only, **sizes, **call),
+      jnp.zeros(key.shape[:3] + (kv_len,)))
+  seen = np.asarray(weights) > 0  # [B, H, Tq, Tk]
+  return [[[{j // sizes["select_block_size"] for j in np.nonzero(seen[b, h, i])[0]}
+            for i in range(q_len)] for h in range(num_heads)] for b in range(batch)]
+
+
+@pytest.mark.property("nsa")
+def test_the_initial_block_and_the_two_local_blocks_are_always_selected():
+  """Section 4.1: n = 16 blocks "including fixed activating the 1 initial
+  block and 2 local blocks": the query's own block and the one before it.
+  top_n counts them, so one block in four is chosen by importance here."""
+  length, sizes = 40, dict(SIZES, top_n=4)
+  query, key, _ = random_qkv(seed=5, batch=1, q_len=length, num_heads=H, num_kv_heads=HKV,
+                             head_dim=D)
+  blocks = _selected_blocks(query, key, _arrays(6, length=length), sizes)
+  for i in range(length):
+    own = i // sizes["select_block_size"]
+    forced = {0, max(own - 1, 0), own}
+    for h in range(H):
+      assert forced <= blocks[0][h][i], (i, h, blocks[0][h][i])
+      assert len(blocks[0][h][i]) == min(sizes["top_n"], own + 1), (i, h, blocks[0][h][i])
+
+
+@pytest.mark.property("nsa")
+def test_fewer_queries_than_keys_are_the_last_queries_of_the_full_pass():
+  """Queries sit at arange(Tq) + Tk - Tq (the docstring): every branch,
+  the sliding window included, treats the 4 queries as the last 4 of a full pass."""
+  query, key, value = random_qkv(seed=7, batch=B, q_len=T, num_heads=H, num_kv_heads=HKV,
+                                 head_dim=D)
+  arrays = _arrays(8)
+  run = functools.partial(nsa_attention, is_causal=True, implementation="xla", **SIZES)
+  full = run(query, key, value, **arrays)
+  tail = run(query[:, -4:], key, value, **dict(arrays, gates=arrays["gates"][:, -4:]))
+  assert_close(tail, full[:, -4:], rtol=1e-5, atol=1e-6)

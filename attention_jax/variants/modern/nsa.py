@@ -10,8 +10,10 @@ with gates from the layer input (eq. 5):
   * selected: the key blocks of `select_block_size` with the most attention
     from the compressed branch (its weights summed over the compressed
     tokens inside each block, eq. 8-9, and over the heads of a K/V group,
-    eq. 10), the top `top_n` of them with the first block and the query's
-    own always among them (section 3.3.2), attended token by token;
+    eq. 10), the top `top_n` of them, attended token by token; they count
+    the initial block and `num_local_blocks` local ones (the query's own and
+    the one before it), which are always selected (section 4.1: "1 initial
+    block and 2 local blocks" among the 16);
   * sliding: the last `window` tokens.
 
     o_t = g_cmp o_cmp + g_slc o_slc + g_win o_win,   g = sigmoid(x_t W_g + b)
@@ -27,7 +29,8 @@ over the block's keys plus learned positions (the paper: an MLP); a selection
 block's importance sums the compressed tokens that start inside it (eq. 9 also
 counts the overlapping neighbours); the blocks and the window are the paper's
 (l = 32, d = 16, l' = 64, w = 512) but top_n is 4, not 16, so that sequences of
-a few hundred tokens have that many blocks to choose from.
+a few hundred tokens have that many blocks to choose from (one of the 4 chosen
+by importance, beside the 3 forced).
 """
 
 from __future__ import annotations
@@ -64,8 +67,8 @@ def nsa_attention(query: Array, key: Array, value: Array, bias: Optional[Array] 
                   mask: Optional[Array] = None, *, gates: Array, compress_key: Array,
                   compress_value: Array, key_positions: Array, value_positions: Array,
                   compress_block_size: int = 32, compress_stride: int = 16,
-                  select_block_size: int = 64, top_n: int = 4, window: int = 512,
-                  is_causal: bool = False, decoding: bool = False,
+                  select_block_size: int = 64, top_n: int = 4, num_local_blocks: int = 2,
+                  window: int = 512, is_causal: bool = False, decoding: bool = False,
                   query_positions: Optional[Array] = None,
                   query_seq_lengths: Optional[Array] = None,
                   key_value_seq_lengths: Optional[Array] = None, segment_ids=None,
@@ -84,7 +87,10 @@ def nsa_attention(query: Array, key: Array, value: Array, bias: Optional[Array] 
     key_positions, value_positions: `[l, D]`, `[l, Dv]`, phi's intra-block positions.
     compress_block_size, compress_stride: l and d (d divides l).
     select_block_size: l' (a multiple of d); also the selected branch's tile.
-    top_n: selected blocks per query, the first and its own included.
+    top_n: selected blocks per query, the forced ones included: the initial
+      block and the `num_local_blocks` local ones (at least 1 + that many).
+    num_local_blocks: the query's own selection block and the ones just before
+      it, always selected (the paper: 2; 1 is the own block alone).
     window: the sliding branch's keys, the query's own included.
     is_causal, decoding, query_positions: the mechanism is causal; queries sit
       at `arange(Tq) + Tk - Tq`, or, in a decoding step, at `query_positions`.
@@ -98,7 +104,7 @@ def nsa_attention(query: Array, key: Array, value: Array, bias: Optional[Array] 
   for name, size in (("compress_block_size", compress_block_size),
                      ("compress_stride", compress_stride),
                      ("select_block_size", select_block_size), ("top_n", top_n),
-                     ("window", window)):
+                     ("num_local_blocks", num_local_blocks), ("window", window)):
     common.check_size(name, size)
   if compress_block_size % compress_stride or select_block_size % compress_stride:
     raise ValueError(f"nsa's compress_stride ({compress_stride}) must divide compress_block_size "
@@ -106,6 +112,10 @@ def nsa_attention(query: Array, key: Array, value: Array, bias: Optional[Array] 
   batch, q_len, num_heads, head_dim = query.shape
   kv_len, num_kv_heads = key.shape[1], key.shape[2]
   num_select = -(-kv_len // select_block_size)
+  if top_n < 1 + num_local_blocks:
+    raise ValueError(f"nsa's top_n ({top_n}) must be at least 1 + num_local_blocks = "
+                     f"{1 + num_local_blocks}: it counts the initial block and the "
+                     f"{num_local_blocks} local ones, which are always selected.")
   if top_n > num_select:
     raise ValueError(f"nsa's top_n ({top_n}) must be at most the number of selection blocks "
                      f"{num_select} (Tk = {kv_len} in blocks of {select_block_size}).")
@@ -148,7 +158,10 @@ def nsa_attention(query: Array, key: Array, value: Array, bias: Optional[Array] 
   own = (positions // select_block_size)[:, None, :, None]
   block = jnp.arange(num_select)[None, None, None, :]
   eligible = (block <= own) & (block * select_block_size < lengths[:, None, None, None])
-  forced = (block == 0) | (block == own)
+  # Section 4.1: the initial block and the local ones are always among the n
+  # (the query's own and the num_local_blocks - 1 before it); top_n >= their
+  # count, so the infinite scores never compete with each other.
+  forced = (block == 0) | ((block <= own) & (block > own - num_local_blocks))
   scores = jnp.where(forced, jnp.inf, jnp.where(eligible, importance, -jnp.inf))
   _, top = jax.lax.top_k(scores, top_n)
   chosen = jnp.any(top[..., None] == jnp.arange(num_select), axis=-2) & (eligible | forced)
@@ -166,9 +179,11 @@ def nsa_attention(query: Array, key: Array, value: Array, bias: Optional[Array] 
                       implementation=implementation)
   out_selected = flex_attention(query, key, value, block_mask=selected_mask, **common_masks)
 
-  # Sliding branch: the last `window` keys. A full pass has aligned positions
-  # and uses the engine's window (tiles outside it skipped).
-  if not stepping:
+  # Sliding branch: the last `window` keys. A full pass with as many queries as
+  # keys uses the engine's window (tiles outside it skipped); the engine's is
+  # top-left aligned, so fewer queries than keys, like a decoding step, are
+  # placed by their positions.
+  if not stepping and q_len == kv_len:
     out_window = flex_attention(query, key, value, is_causal=True,
                                 local_window_size=(window - 1, 0), **common_masks)
   else:
@@ -219,7 +234,10 @@ registry.register(registry.VariantSpec(
         compress_block_size="l, tokens compressed into one (the paper: 32)",
         compress_stride="d, between compressed blocks; divides l and l' (the paper: 16)",
         select_block_size="l', the selected blocks (the paper: 64)",
-        top_n="n, blocks selected per query, the first and its own included (the paper: 16)",
+        top_n="n, blocks selected per query, the initial and the local ones included "
+              "(the paper: 16)",
+        num_local_blocks="the query's own selection block and those just before it, always "
+                         "selected (the paper: 2; 1, its own only)",
         window="w, the sliding branch's keys (the paper: 512)",
         scale="multiplies every branch's logits; 1/sqrt(D) when None",
         implementation="the flex engine's for the selected and sliding branches: "
