@@ -49,6 +49,19 @@ def unused_projections(spec: "registry.VariantSpec", options: Mapping[str, Any])
   return unused
 
 
+def key_value_sets(spec: "registry.VariantSpec", options: Mapping[str, Any]) -> int:
+  """How many sets of keys and values variant `spec` with `options` reads per
+  K/V group: what its extras module declares as `key_value_sets(options)`
+  (NSA: one per branch), 1 otherwise. `MultiHeadAttention` projects, rotates
+  and caches `sets * Hkv` key and value heads, head `sets * g + i` set i of
+  group g, so that sharding the heads keeps a group's sets together."""
+  declared = getattr(spec.extras, "key_value_sets", None) if spec.extras else None
+  sets = 1 if declared is None else declared(options)
+  if not isinstance(sets, int) or isinstance(sets, bool) or sets < 1:
+    raise ValueError(f"attention variant {spec.name!r} declares {sets!r} key/value sets; "
+                     f"expected an int >= 1.")
+  return sets
+
 
 def attention_weights(attend: Callable[[Array], Array], value: Array) -> Array:
   """The weights `[B, H, Tq, Tk]` that `attend(value) -> [B, Tq, H, Dv]` applies
@@ -213,6 +226,7 @@ class MultiHeadAttention(nn.Module):
       raise ValueError("decode=True caches self-attention keys; got a context for cross-attention.")
     kv_input = x if context is None else context
     unused = unused_projections(spec, self.attention_options)
+    kv_heads = num_kv_heads * key_value_sets(spec, self.attention_options)
 
     # A projection the variant does not read is neither created nor computed:
     # the variant gets a shape-only stand-in (`jax.ShapeDtypeStruct`), which
@@ -220,9 +234,9 @@ class MultiHeadAttention(nn.Module):
     projected_dtype = self.dtype or jnp.promote_types(x.dtype, self.param_dtype)
     query = (jax.ShapeDtypeStruct(x.shape[:2] + (self.num_heads, head_dim), projected_dtype)
              if "query" in unused else self._projection("query", self.num_heads, head_dim)(x))
-    key = (jax.ShapeDtypeStruct(kv_input.shape[:2] + (num_kv_heads, head_dim), projected_dtype)
-           if "key" in unused else self._projection("key", num_kv_heads, head_dim)(kv_input))
-    value = self._projection("value", num_kv_heads, head_dim)(kv_input)
+    key = (jax.ShapeDtypeStruct(kv_input.shape[:2] + (kv_heads, head_dim), projected_dtype)
+           if "key" in unused else self._projection("key", kv_heads, head_dim)(kv_input))
+    value = self._projection("value", kv_heads, head_dim)(kv_input)
     value_residual_update = {}
     if self.value_residual is not None and context is None:
       value, value_residual_update = _mix_first_values(value, carry, self.value_residual)

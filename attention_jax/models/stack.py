@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from attention_jax import axes, registry
-from attention_jax.layers.attention import initial_value_residual_carry
+from attention_jax.layers.attention import initial_value_residual_carry, key_value_sets
 from attention_jax.models.blocks import block_class
 from attention_jax.models.config import ModelConfig
 from attention_jax.models.layer_drop import run_or_skip
@@ -57,15 +57,17 @@ def initial_carry(config: ModelConfig, batch: int, length: int) -> Carry:
 
 
 def value_layout(config: ModelConfig, variant: str) -> Tuple[int, int]:
-  """`(Hkv, Dv)` of the values `variant`'s attention layer projects under
-  `config`: the config's K/V heads or the variant's preset (multi_query's
-  one), and its head size (fixed_head_size's `head_dim`) or the width over
-  the heads."""
+  """`(value heads, Dv)` of the values `variant`'s attention layer projects
+  under `config`: the config's K/V heads or the variant's preset
+  (multi_query's one), times the variant's key/value sets (NSA's one per
+  branch), and its head size (fixed_head_size's `head_dim`) or the width
+  over the heads."""
   spec = registry.get_variant(variant)
-  layer = {**spec.module_defaults, **spec.route_options(config.options_for(variant))["layer"]}
+  options = config.options_for(variant)
+  layer = {**spec.module_defaults, **spec.route_options(options)["layer"]}
   num_kv_heads = config.num_kv_heads or layer.get("num_kv_heads") or config.num_heads
   head_dim = layer.get("head_dim") or (config.qkv_dim or config.embed_dim) // config.num_heads
-  return num_kv_heads, head_dim
+  return num_kv_heads * key_value_sets(spec, options), head_dim
 
 
 def _skipped_carry(variant: str):

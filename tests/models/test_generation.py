@@ -104,7 +104,11 @@ def test_every_causal_variant_decodes_as_its_full_pass_or_says_why_not(name):
     dict(attention="flex", attention_options={"sinks": True, "softcap": 5.0},
          streaming_attention=(1, 4)),
     # QK-norm before the rotation, of the cache's keys too.
-    dict(attention="flex", attention_options={"qk_norm": "rms"}, position="rope")])
+    dict(attention="flex", attention_options={"qk_norm": "rms"}, position="rope"),
+    # NSA's three key/value sets per group (one per branch), rotated, cached and
+    # mixed with the first layer's values like one set.
+    dict(attention="nsa", attention_options=SHORT_OPTIONS["nsa"], position="rope",
+         value_residual=0.5, scan_layers=True)])
 def test_layer_options_and_positions_decode_as_their_full_pass(overrides):
   _assert_decodes_as_its_full_pass(_config(**overrides))
 

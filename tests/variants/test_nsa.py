@@ -10,7 +10,7 @@ import pytest
 
 import attention_jax as aj
 from attention_jax.layers.attention import attention_weights
-from attention_jax.variants.modern.nsa import nsa_attention
+from attention_jax.variants.modern.nsa import nsa_attention, stack_branches
 from attention_testing import (as_float64, assert_close, assert_same_outputs_and_grads,
                                jit_init, np_softmax, random_qkv)
 
@@ -35,7 +35,12 @@ def _attend(q, keys, values):
 
 
 def _numpy_nsa(query, key, value, arrays, local=2):
+  """key, value: `[B, T, 3 HKV, D]`, each group's compressed, selected and
+  sliding branches' sets side by side."""
   q, k, v = map(as_float64, (query, key, value))
+  # [B, T, HKV, D] each: the compressed (c), selected (s) and sliding (w) sets.
+  (kc, ks, kw), (vc, vs, vw) = ([x.reshape(B, T, HKV, 3, D)[:, :, :, i] for i in range(3)]
+                                for x in (k, v))
   a = {name: as_float64(x) for name, x in arrays.items()}
   l, d, ls, n, w = (SIZES[name] for name in ("compress_block_size", "compress_stride",
                                              "select_block_size", "top_n", "window"))
@@ -46,8 +51,8 @@ def _numpy_nsa(query, key, value, arrays, local=2):
     for g in range(HKV):
       phi = lambda x, weight, pos: np.stack(
           [(x[s:s + l] + pos).reshape(-1) @ weight for s in starts])
-      ck = phi(k[b, :, g], a["compress_key"], a["key_positions"])
-      cv = phi(v[b, :, g], a["compress_value"], a["value_positions"])
+      ck = phi(kc[b, :, g], a["compress_key"], a["key_positions"])
+      cv = phi(vc[b, :, g], a["compress_value"], a["value_positions"])
       for i in range(T):
         seen = [c for c, s in enumerate(starts) if s + l - 1 <= i]
         importance = np.zeros(num_select)
@@ -68,15 +73,16 @@ def _numpy_nsa(query, key, value, arrays, local=2):
         for h in range(g * group, (g + 1) * group):
           gate = a["gates"][b, i, h]
           out[b, i, h] = (gate[0] * branches[h][0]
-                          + gate[1] * _attend(q[b, i, h], k[b, picked, g], v[b, picked, g])
-                          + gate[2] * _attend(q[b, i, h], k[b, recent, g], v[b, recent, g]))
+                          + gate[1] * _attend(q[b, i, h], ks[b, picked, g], vs[b, picked, g])
+                          + gate[2] * _attend(q[b, i, h], kw[b, recent, g], vw[b, recent, g]))
   return out
 
 
 @pytest.mark.parametrize("implementation, local", [("blockwise", 2), ("xla", 2), ("xla", 1)])
 @pytest.mark.property("nsa")
 def test_equals_the_three_branches_written_out(implementation, local):
-  query, key, value = random_qkv(batch=B, q_len=T, num_heads=H, num_kv_heads=HKV, head_dim=D)
+  query, key, value = random_qkv(batch=B, q_len=T, num_heads=H, num_kv_heads=3 * HKV,
+                                 head_dim=D)
   arrays = _arrays()
   got = jax.jit(functools.partial(nsa_attention, is_causal=True, implementation=implementation,
                                   num_local_blocks=local, **SIZES))(query, key, value, **arrays)
@@ -85,7 +91,7 @@ def test_equals_the_three_branches_written_out(implementation, local):
 
 @pytest.mark.property("nsa")
 def test_blockwise_gradients_equal_the_dense_reference_for_the_same_choice():
-  qkv = random_qkv(seed=1, batch=B, q_len=T, num_heads=H, num_kv_heads=HKV, head_dim=D)
+  qkv = random_qkv(seed=1, batch=B, q_len=T, num_heads=H, num_kv_heads=3 * HKV, head_dim=D)
   arrays = _arrays(2)
 
   def run(implementation, q, k, v, gates, compress_key):
@@ -115,7 +121,8 @@ def test_the_layer_gates_its_branches_from_its_input_and_learns_the_compression(
 
 
 def test_bad_settings_are_named():
-  query, key, value = random_qkv(batch=B, q_len=T, num_heads=H, num_kv_heads=HKV, head_dim=D)
+  query, key, value = random_qkv(batch=B, q_len=T, num_heads=H, num_kv_heads=3 * HKV,
+                                 head_dim=D)
   arrays = _arrays()
   with pytest.raises(ValueError, match=r"top_n \(9\) must be at most the number of selection"):
     nsa_attention(query, key, value, is_causal=True, **arrays, **{**SIZES, "top_n": 9})
@@ -126,6 +133,8 @@ def test_bad_settings_are_named():
   with pytest.raises(ValueError, match=r"top_n \(3\) must be at least 1 \+ num_local_blocks = 4"):
     nsa_attention(query, key, value, is_causal=True, num_local_blocks=3, **arrays,
                   **{**SIZES, "top_n": 3})
+  with pytest.raises(ValueError, match=r"a set per branch .* 3 Hkv heads; got 4 heads"):
+    nsa_attention(query, key[:, :, :4], value[:, :, :4], is_causal=True, **arrays, **SIZES)
   with pytest.raises(ValueError, match="nsa is causal"):
     nsa_attention(query, key, value, **arrays, **SIZES)
 
@@ -155,7 +164,7 @@ def test_the_initial_block_and_the_two_local_blocks_are_always_selected():
   length, sizes = 40, dict(SIZES, top_n=4)
   query, key, _ = random_qkv(seed=5, batch=1, q_len=length, num_heads=H, num_kv_heads=HKV,
                              head_dim=D)
-  blocks = _selected_blocks(query, key, _arrays(6, length=length), sizes)
+  blocks = _selected_blocks(query, key, _arrays(6, length=length), sizes, shared_key_value=True)
   for i in range(length):
     own = i // sizes["select_block_size"]
     forced = {0, max(own - 1, 0), own}
@@ -168,10 +177,45 @@ def test_the_initial_block_and_the_two_local_blocks_are_always_selected():
 def test_fewer_queries_than_keys_are_the_last_queries_of_the_full_pass():
   """Queries sit at arange(Tq) + Tk - Tq (the docstring): every branch,
   the sliding window included, treats the 4 queries as the last 4 of a full pass."""
-  query, key, value = random_qkv(seed=7, batch=B, q_len=T, num_heads=H, num_kv_heads=HKV,
+  query, key, value = random_qkv(seed=7, batch=B, q_len=T, num_heads=H, num_kv_heads=3 * HKV,
                                  head_dim=D)
   arrays = _arrays(8)
   run = functools.partial(nsa_attention, is_causal=True, implementation="xla", **SIZES)
   full = run(query, key, value, **arrays)
   tail = run(query[:, -4:], key, value, **dict(arrays, gates=arrays["gates"][:, -4:]))
   assert_close(tail, full[:, -4:], rtol=1e-5, atol=1e-6)
+
+
+def test_the_layer_gives_each_branch_its_own_keys_and_values():
+  """Section 3.3.3: independent keys and values per branch (against shortcut
+  learning across them): the layer projects, rotates and caches three sets
+  per K/V group; `shared_key_value=True` projects one."""
+  x = jax.random.normal(jax.random.PRNGKey(9), (B, T, 16))
+  for shared, sets in ((False, 3), (True, 1)):
+    layer = aj.MultiHeadAttention(num_heads=H, num_kv_heads=HKV, attention="nsa",
+                                  position="rope",
+                                  attention_options=dict(SIZES, shared_key_value=shared))
+    params = nn.meta.unbox(jit_init(layer, jax.random.PRNGKey(4), x, is_causal=True)["params"])
+    assert params["key"]["kernel"].shape == (16, sets * HKV, 4)
+    assert params["value"]["kernel"].shape == (16, sets * HKV, 4)
+
+
+@pytest.mark.property("nsa")
+def test_each_branch_reads_only_its_own_keys_and_values():
+  """A branch alone (its gate 1, the others 0) does not move when another
+  branch's keys and values change, except the selected branch, whose blocks
+  the compressed branch's keys choose (eq. 8)."""
+  query, _, _ = random_qkv(seed=10, batch=B, q_len=T, num_heads=H, num_kv_heads=HKV, head_dim=D)
+  sets = [random_qkv(seed=20 + i, batch=B, q_len=T, num_heads=HKV, head_dim=D)[1:]
+          for i in range(3)]  # each branch's (keys, values)
+  noise = jax.random.normal(jax.random.PRNGKey(12), (B, T, HKV, D))
+  run = jax.jit(functools.partial(nsa_attention, is_causal=True, implementation="xla", **SIZES))
+  attend = lambda sets, arrays: run(query, stack_branches(*[k for k, _ in sets]),
+                                    stack_branches(*[v for _, v in sets]), **arrays)
+  for branch in range(3):
+    arrays = dict(_arrays(11), gates=jnp.zeros((B, T, H, 3)).at[..., branch].set(1.0))
+    base = attend(sets, arrays)
+    for other in range(3):
+      changed = [(k + noise, v + noise) if i == other else (k, v) for i, (k, v) in enumerate(sets)]
+      moved = float(jnp.abs(attend(changed, arrays) - base).max())
+      assert (moved > 1e-3) == (other == branch or (branch, other) == (1, 0)), (branch, other)

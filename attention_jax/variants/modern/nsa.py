@@ -1,7 +1,11 @@
 """Native sparse attention (NSA, Yuan et al. 2025), `nsa`.
 
-Each query attends through three branches over the same keys and mixes them
-with gates from the layer input (eq. 5):
+Each query attends through three branches and mixes them with gates from the
+layer input (eq. 5). Each branch has keys and values of its own (section
+3.3.3, against shortcut learning across the branches): `MultiHeadAttention`
+projects, rotates and caches three sets per K/V group
+(`NSAParameters.key_value_sets`), or with `shared_key_value` one set that the
+branches share:
 
   * compressed: the keys and values of each block of `compress_block_size`
     tokens (blocks every `compress_stride` tokens) compressed to one token
@@ -25,7 +29,10 @@ Causal only. Decoding places each query by its position, so a step sees what
 the full pass does.
 
 Departures (docs/ARCHITECTURE.md): the compression map is one linear layer
-over the block's keys plus learned positions (the paper: an MLP); a selection
+over the block's keys plus learned positions (the paper: an MLP); the gate is
+one linear layer and a sigmoid (the paper: "an MLP and sigmoid activation",
+giving neither its width, depth nor activation, so any hidden layer would be
+our guess; a linear gate is the MLP's common core, as phi is); a selection
 block's importance sums the compressed tokens that start inside it (eq. 9 also
 counts the overlapping neighbours); the blocks and the window are the paper's
 (l = 32, d = 16, l' = 64, w = 512) but top_n is 4, not 16, so that sequences of
@@ -36,7 +43,7 @@ by importance, beside the 3 forced).
 from __future__ import annotations
 
 import math
-from typing import ClassVar, Optional
+from typing import Any, ClassVar, Mapping, Optional
 
 import flax.linen as nn
 import jax
@@ -49,6 +56,30 @@ from attention_jax.flex import flex_attention
 from attention_jax.variants import common
 
 Array = jax.Array
+# The branches, in the order of the gates and of each K/V group's key sets.
+BRANCHES = ("compressed", "selected", "sliding")
+
+
+def stack_branches(compressed: Array, selected: Array, sliding: Array) -> Array:
+  """Three `[B, T, Hkv, F]` (a branch's keys, or values) -> `[B, T, 3 Hkv, F]`,
+  the layout `nsa_attention` takes: head 3 g + i is branch i of K/V group g,
+  so a group's three sets sit together when the heads are sharded."""
+  stacked = jnp.stack([compressed, selected, sliding], axis=3)  # [B, T, Hkv, 3, F]
+  return stacked.reshape(stacked.shape[:2] + (-1,) + stacked.shape[4:])
+
+
+def split_branches(x: Array, shared: bool) -> tuple:
+  """The inverse of `stack_branches`: the compressed, selected and sliding
+  branches' `[B, T, Hkv, F]`; with `shared`, `x` itself three times."""
+  if shared:
+    return x, x, x
+  heads = x.shape[2]
+  if heads % len(BRANCHES):
+    raise ValueError(f"nsa's keys and values hold a set per branch ({', '.join(BRANCHES)}), "
+                     f"3 Hkv heads; got {heads} heads. Pass shared_key_value=True for one set "
+                     f"shared by the branches.")
+  split = x.reshape(x.shape[:2] + (heads // len(BRANCHES), len(BRANCHES)) + x.shape[3:])
+  return tuple(split[:, :, :, i] for i in range(len(BRANCHES)))
 
 
 def compress_blocks(x: Array, weight: Array, positions: Array, block: int, stride: int) -> Array:
@@ -68,7 +99,8 @@ def nsa_attention(query: Array, key: Array, value: Array, bias: Optional[Array] 
                   compress_value: Array, key_positions: Array, value_positions: Array,
                   compress_block_size: int = 32, compress_stride: int = 16,
                   select_block_size: int = 64, top_n: int = 4, num_local_blocks: int = 2,
-                  window: int = 512, is_causal: bool = False, decoding: bool = False,
+                  window: int = 512, shared_key_value: bool = False,
+                  is_causal: bool = False, decoding: bool = False,
                   query_positions: Optional[Array] = None,
                   query_seq_lengths: Optional[Array] = None,
                   key_value_seq_lengths: Optional[Array] = None, segment_ids=None,
@@ -77,7 +109,11 @@ def nsa_attention(query: Array, key: Array, value: Array, bias: Optional[Array] 
   """NSA: `[B, Tq, H, Dv]`.
 
   Args:
-    query, key, value: `[B, Tq, H, D]`, `[B, Tk, Hkv, D]`, `[B, Tk, Hkv, Dv]`.
+    query: `[B, Tq, H, D]`.
+    key, value: `[B, Tk, 3 Hkv, D]`, `[B, Tk, 3 Hkv, Dv]`: each K/V group's
+      compressed, selected and sliding branches' keys (values) side by side
+      (`stack_branches`); `[B, Tk, Hkv, D]`, `[B, Tk, Hkv, Dv]` with
+      `shared_key_value`.
     bias, segment_ids: not supported.
     mask: boolean `[B|1, 1|H, Tq, Tk]` ANDed into every branch's keys (the
       layer's decoding cache mask).
@@ -92,6 +128,7 @@ def nsa_attention(query: Array, key: Array, value: Array, bias: Optional[Array] 
     num_local_blocks: the query's own selection block and the ones just before
       it, always selected (the paper: 2; 1 is the own block alone).
     window: the sliding branch's keys, the query's own included.
+    shared_key_value: one set of keys and values for the three branches.
     is_causal, decoding, query_positions: the mechanism is causal; queries sit
       at `arange(Tq) + Tk - Tq`, or, in a decoding step, at `query_positions`.
     query_seq_lengths, key_value_seq_lengths: as `dot_product_attention`.
@@ -109,8 +146,10 @@ def nsa_attention(query: Array, key: Array, value: Array, bias: Optional[Array] 
   if compress_block_size % compress_stride or select_block_size % compress_stride:
     raise ValueError(f"nsa's compress_stride ({compress_stride}) must divide compress_block_size "
                      f"({compress_block_size}) and select_block_size ({select_block_size}).")
+  (compress_keys, select_keys, window_keys), (compress_values, select_values, window_values) = (
+      split_branches(key, shared_key_value), split_branches(value, shared_key_value))
   batch, q_len, num_heads, head_dim = query.shape
-  kv_len, num_kv_heads = key.shape[1], key.shape[2]
+  kv_len, num_kv_heads = select_keys.shape[1], select_keys.shape[2]
   num_select = -(-kv_len // select_block_size)
   if top_n < 1 + num_local_blocks:
     raise ValueError(f"nsa's top_n ({top_n}) must be at least 1 + num_local_blocks = "
@@ -135,9 +174,9 @@ def nsa_attention(query: Array, key: Array, value: Array, bias: Optional[Array] 
     raise ValueError(f"mask must be [B|1, H|1, Tq, Tk], got shape {list(pair_mask.shape)}.")
 
   # Compressed branch: every query against the compressed tokens before it.
-  compressed_key = compress_blocks(key, compress_key, key_positions, compress_block_size,
-                                   compress_stride)
-  compressed_value = compress_blocks(value, compress_value, value_positions,
+  compressed_key = compress_blocks(compress_keys, compress_key, key_positions,
+                                   compress_block_size, compress_stride)
+  compressed_value = compress_blocks(compress_values, compress_value, value_positions,
                                      compress_block_size, compress_stride)
   num_compressed = compressed_key.shape[1]
   block_end = jnp.arange(num_compressed) * compress_stride + compress_block_size - 1
@@ -177,18 +216,20 @@ def nsa_attention(query: Array, key: Array, value: Array, bias: Optional[Array] 
   common_masks = dict(mask=pair_mask, scale=scale, query_seq_lengths=query_seq_lengths,
                       key_value_seq_lengths=key_value_seq_lengths,
                       implementation=implementation)
-  out_selected = flex_attention(query, key, value, block_mask=selected_mask, **common_masks)
+  out_selected = flex_attention(query, select_keys, select_values, block_mask=selected_mask,
+                                **common_masks)
 
   # Sliding branch: the last `window` keys. A full pass with as many queries as
   # keys uses the engine's window (tiles outside it skipped); the engine's is
   # top-left aligned, so fewer queries than keys, like a decoding step, are
   # placed by their positions.
   if not stepping and q_len == kv_len:
-    out_window = flex_attention(query, key, value, is_causal=True,
+    out_window = flex_attention(query, window_keys, window_values, is_causal=True,
                                 local_window_size=(window - 1, 0), **common_masks)
   else:
     out_window = flex_attention(
-        query, key, value, mask_mod=lambda b, h, q_idx, kv_idx: causal(b, q_idx, kv_idx)
+        query, window_keys, window_values,
+        mask_mod=lambda b, h, q_idx, kv_idx: causal(b, q_idx, kv_idx)
         & (positions[b, q_idx] - kv_idx < window), **common_masks)
 
   gates = gates.astype(jnp.float32)
@@ -199,7 +240,8 @@ def nsa_attention(query: Array, key: Array, value: Array, bias: Optional[Array] 
 
 class NSAParameters(nn.Module):
   """NSA's arrays: the branch gates from the layer input (`reads_layer_input`)
-  and phi's compression weights and intra-block positions for keys and values.
+  and phi's compression weights and intra-block positions for keys and values;
+  and the key and value sets the layer projects (`key_value_sets`).
 
   Attributes:
     compress_block_size: l, the tokens phi compresses into one.
@@ -207,6 +249,12 @@ class NSAParameters(nn.Module):
 
   compress_block_size: int = 32
   reads_layer_input: ClassVar[bool] = True
+
+  @staticmethod
+  def key_value_sets(options: Mapping[str, Any]) -> int:
+    """Key and value sets `MultiHeadAttention` projects per K/V group: one per
+    branch, unless `options["shared_key_value"]`."""
+    return 1 if options.get("shared_key_value") else len(BRANCHES)
 
   @nn.compact
   def __call__(self, query, key, value, deterministic: bool = True, *, inputs: Array) -> dict:
@@ -239,6 +287,8 @@ registry.register(registry.VariantSpec(
         num_local_blocks="the query's own selection block and those just before it, always "
                          "selected (the paper: 2; 1, its own only)",
         window="w, the sliding branch's keys (the paper: 512)",
+        shared_key_value="one set of keys and values for the three branches (the paper: "
+                         "one per branch, the layer projecting 3 Hkv key and value heads)",
         scale="multiplies every branch's logits; 1/sqrt(D) when None",
         implementation="the flex engine's for the selected and sliding branches: "
                        "'blockwise' (default), 'pallas_gpu', 'pallas_tpu' or 'xla'")))
