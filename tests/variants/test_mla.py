@@ -9,7 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from attention_jax import registry
 from attention_jax.models import ModelConfig
+from attention_jax.models.blocks import make_mixer
 from attention_jax.models.generation import decoding_model, empty_cache
 from attention_jax.models import build_model
 from attention_jax.variants.modern.mla import MultiHeadLatentAttention, latent_attention
@@ -122,3 +124,29 @@ def test_bad_sizes_are_named(options, message):
   layer = MultiHeadLatentAttention(num_heads=H, **options)
   with pytest.raises(ValueError, match=message):
     layer.init(jax.random.PRNGKey(0), jnp.ones((1, 4, E)))
+
+
+def test_head_kernels_start_at_the_scale_of_their_inputs():
+  """lecun_normal on `[d_in, H, d]` read fan_in as H d_in (its default axes):
+  q, k and v started sqrt(H) too small. Every kernel into the heads has std
+  1/sqrt(d_in); the output kernel `[H, d_h, E]` sums over H d_h inputs."""
+  width, heads = 64, 8  # d_h = 8, d_c = 32, d_c' = 64, d_R = 4: 1,024 to 4,096 draws each
+  layer = MultiHeadLatentAttention(num_heads=heads)
+  params = nn.meta.unbox(jit_init(layer, jax.random.PRNGKey(0), jnp.ones((1, 4, width)),
+                                  is_causal=True)["params"])
+  fan_in = dict(kv_down=width, query_down=width, query_up=64, query_rope=64, key_rope=width,
+                key_up=32, value_up=32, out=heads * 8)
+  for name, inputs in fan_in.items():
+    std = float(np.std(np.asarray(params[name])))
+    assert abs(std * np.sqrt(inputs) - 1.0) < 0.1, (name, std, inputs ** -0.5)
+
+
+@pytest.mark.parametrize("absorb", [False, True])
+def test_the_configs_absorb_reaches_the_layer(absorb):
+  """The registry reports the layer's default, so a config's absorb=False is
+  not dropped as the default and decoding takes the path it names."""
+  default = {o.name: o.default for o in registry.variant_options("mla")}["absorb"]
+  assert default == MultiHeadLatentAttention.absorb
+  config = ModelConfig(attention="mla", kind="language_model", embed_dim=E, num_heads=H,
+                       attention_options={"absorb": absorb})
+  assert make_mixer(config, "mla").absorb is absorb

@@ -37,7 +37,7 @@ RMS_EPSILON = 1e-6
 
 
 def latent_attention(query_content: Array, query_rope: Array, kv_latent: Array, key_rope: Array,
-                     key_up: Array, value_up: Array, *, absorb: bool = False,
+                     key_up: Array, value_up: Array, *, absorb: bool,
                      mask: Optional[Array] = None, is_causal: bool = False,
                      query_seq_lengths: Optional[Array] = None,
                      key_value_seq_lengths: Optional[Array] = None, segment_ids=None,
@@ -54,6 +54,8 @@ def latent_attention(query_content: Array, query_rope: Array, kv_latent: Array, 
     value_up: W_UV `[d_c, H, d_h]`.
     absorb: fold W_UK into the queries and W_UV into the output (the decoding
       path); False: rebuild k_C and v (the training path). Equal results.
+      No default: the layer's `absorb` field holds the option's one, which
+      the registry reports and a config's value is compared with.
     mask, is_causal, query_seq_lengths, key_value_seq_lengths, segment_ids,
       implementation, dropout_rate, dropout_rng: as `dot_product_attention`.
   """
@@ -144,9 +146,13 @@ class MultiHeadLatentAttention(nn.Module):
     head_dim, latent, query_latent, rope_dim = self.sizes(width)
     dtype = self.dtype or jnp.promote_types(x.dtype, self.param_dtype)
     init = nn.initializers.lecun_normal()
+    # A kernel into the heads, [d_in, H, d], has fan-in d_in: lecun_normal's
+    # default axes read it as H d_in and started q, k and v sqrt(H) too small.
+    # The output kernel [H, d_h, E] sums over H d_h, which the default reads.
+    into_heads = nn.initializers.lecun_normal(in_axis=0, out_axis=(1, 2))
 
-    def param(name, *shape):
-      return self.param(name, init, shape, self.param_dtype).astype(dtype)
+    def param(name, *shape, initializer=init):
+      return self.param(name, initializer, shape, self.param_dtype).astype(dtype)
 
     ones = lambda name, size: self.param(name, nn.initializers.ones, (size,), self.param_dtype)
     x = x.astype(dtype)
@@ -154,9 +160,11 @@ class MultiHeadLatentAttention(nn.Module):
     query_latent_x = _rms_norm(x @ param("query_down", width, query_latent),
                                ones("query_norm", query_latent))
     query_content = jnp.einsum("btc,chd->bthd", query_latent_x,
-                               param("query_up", query_latent, self.num_heads, head_dim))
+                               param("query_up", query_latent, self.num_heads, head_dim,
+                                     initializer=into_heads))
     query_rope = jnp.einsum("btc,chd->bthd", query_latent_x,
-                            param("query_rope", query_latent, self.num_heads, rope_dim))
+                            param("query_rope", query_latent, self.num_heads, rope_dim,
+                                  initializer=into_heads))
     key_rope = x @ param("key_rope", width, rope_dim)
 
     q_positions = jnp.arange(length) if positions is None else positions
@@ -183,8 +191,9 @@ class MultiHeadLatentAttention(nn.Module):
                    else None)
     out = latent_attention(
         query_content, query_rope, kv_latent, key_rope,
-        param("key_up", latent, self.num_heads, head_dim),
-        param("value_up", latent, self.num_heads, head_dim), absorb=absorb, mask=mask,
+        param("key_up", latent, self.num_heads, head_dim, initializer=into_heads),
+        param("value_up", latent, self.num_heads, head_dim, initializer=into_heads),
+        absorb=absorb, mask=mask,
         is_causal=is_causal, query_seq_lengths=query_seq_lengths,
         key_value_seq_lengths=key_value_seq_lengths, segment_ids=segment_ids,
         dropout_rate=self.dropout_rate if dropout_rng is not None else 0.0,
