@@ -424,16 +424,30 @@ def _option_type(name: str, annotation: Any, default: Any, variant: str) -> type
 
 
 def _option_sources(spec: VariantSpec):
-  """`{keyword: (annotation, default)}` of the places an option can come from."""
-  sources = {}
+  """`{keyword: (annotation, default)}` of the places an option can come from.
+
+  Raises:
+    TypeError: a declared option with different defaults in two places. A
+      config's option equal to the reported default is dropped
+      (`ModelConfig`), so the place with the other default would silently
+      keep it: one default, in one place.
+  """
+  sources, places = {}, {}
   for cls in (spec.mixer_class if spec.mixer is not None else None, spec.extras):
     if cls is not None:
       for field in dataclasses.fields(cls):
         if field.default is not dataclasses.MISSING:
           sources[field.name] = (field.type, field.default)
+          places.setdefault(field.name, []).append((cls.__name__, field.default))
   for parameter in inspect.signature(spec.fn).parameters.values():
     if parameter.default is not inspect.Parameter.empty:
       sources[parameter.name] = (parameter.annotation, parameter.default)
+      places.setdefault(parameter.name, []).append((spec.fn.__name__, parameter.default))
+  for name, defaults in places.items():
+    if name in spec.options and len({repr(default) for _, default in defaults}) > 1:
+      where = ", ".join(f"{default!r} in {place}" for place, default in defaults)
+      raise TypeError(f"variant {spec.name!r}: option {name!r} has two defaults ({where}); "
+                      f"give it one, in one place, and make the others required.")
   return sources
 
 

@@ -196,6 +196,35 @@ def test_options_are_routed_once_at_registration():
   assert set(registry.get_variant("perceiver").option_routes.values()) == {("layer",)}
 
 
+def test_an_option_has_one_default_and_a_config_that_sets_another_reaches_the_module():
+  """A config's option equal to the reported default is dropped; with a second,
+  different default in another place (Transformer-XL's memory_length: 0 in the
+  function, 64 in its mixer), a config's 0 was dropped and the mixer kept 64."""
+  for name in registry.list_variants():
+    registry.variant_options(name)  # raises TypeError on two defaults
+  from attention_jax.models import ModelConfig, make_mixer  # pylint: disable=import-outside-toplevel
+  for memory_length in (0, 64, 128):
+    config = ModelConfig(attention="transformer_xl", kind="language_model",
+                         attention_options={"memory_length": memory_length})
+    assert make_mixer(config, "transformer_xl").memory_length == memory_length
+
+  def two_defaults(query, key, value, bias=None, mask=None, *, width: int = 3):
+    del key, value, bias, mask, width
+    return query
+
+  @dataclasses.dataclass
+  class Extras:
+    width: int = 4
+
+  spec = registry.VariantSpec(
+      name="two_defaults", fn=two_defaults, family="dense", complexity="O(T^2)",
+      subquadratic=False, exact=True, causal=False, cross=False, paper="none", extras=Extras,
+      options=dict(width="a width"))
+  with pytest.raises(TypeError, match=r"option 'width' has two defaults \(4 in Extras, 3 in "
+                                      r"two_defaults\)"):
+    registry._option_sources(spec)  # pylint: disable=protected-access
+
+
 def test_route_options_splits_a_config_by_place():
   routed = registry.get_variant("performer").route_options(
       {"num_features": 16, "kernel": "relu", "chunk_size": 8, "not_declared": 1})

@@ -59,7 +59,7 @@ COMPRESSIONS = ("pool", "conv")
 def transformer_xl_attention(query: Array, key: Array, value: Array, bias: Optional[Array] = None,
                              mask: Optional[Array] = None, *, relative_key: Array,
                              content_bias: Array, position_bias: Array,
-                             memory_length: int = 0, is_causal: bool = False,
+                             memory_length: int, is_causal: bool = False,
                              scale: Optional[float] = None, **kwargs) -> Array:
   """Transformer-XL's attention of a segment over `[memory; segment]` (eq. 4):
 

@@ -79,9 +79,10 @@ def _overrides(seq_len: int):
       # 8 blocks, each query choosing 3 (its own and two by gating).
       "moba": {"block_size": seq_len // 8},
       # Blocks of T/8 compressed every T/16 tokens, 8 selection blocks of
-      # which 3 are chosen, and a window of T/4.
+      # which 4 are chosen (the first, the query's own and the one before it
+      # always, one by importance), and a window of T/4.
       "nsa": {"compress_block_size": seq_len // 8, "compress_stride": seq_len // 16,
-              "select_block_size": seq_len // 8, "top_n": 3, "window": quarter},
+              "select_block_size": seq_len // 8, "top_n": 4, "window": quarter},
   }
   return {variant: {"model": {"attention_options": value}} for variant, value in options.items()}
 
