@@ -443,6 +443,11 @@ class MultiHeadAttention(nn.Module):
       raise ValueError(f"position='xl_relative' scores the projected queries and keys, which "
                        f"attention variant {self.attention!r} does not compute; use another "
                        f"position scheme for it.")
+    sets = key_value_sets(registry.get_variant(self.attention), self.attention_options)
+    if sets > 1:
+      raise ValueError(f"position='xl_relative' scores one set of keys per K/V group, and "
+                       f"attention variant {self.attention!r} reads {sets} (one per branch); "
+                       f"use another position scheme for it.")
     head_dim = query.shape[-1]
     key = jnp.repeat(key, self.num_heads // key.shape[2], axis=2)
     options = dict(self.position_options)

@@ -137,6 +137,12 @@ def test_bad_settings_are_named():
     nsa_attention(query, key[:, :, :4], value[:, :, :4], is_causal=True, **arrays, **SIZES)
   with pytest.raises(ValueError, match="nsa is causal"):
     nsa_attention(query, key, value, **arrays, **SIZES)
+  # Transformer-XL's relative terms score one set of keys per group.
+  layer = aj.MultiHeadAttention(num_heads=H, qkv_features=H * D, attention="nsa",
+                                position="xl_relative", attention_options=SIZES)
+  with pytest.raises(ValueError, match=r"position='xl_relative' scores one set of keys per K/V "
+                                       r"group, and attention variant 'nsa' reads 3"):
+    layer.init(jax.random.PRNGKey(0), jnp.zeros((1, T, 16)), is_causal=True)
 
 
 def _selected_blocks(query, key, arrays, sizes, **call):
