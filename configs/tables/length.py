@@ -69,7 +69,7 @@ def get_config():
       "T=64): sinusoidal positions fail just past the training length (3.106 at T, 3.389 at "
       "2T, 3.812 at 8T) while ALiBi stays flat (3.103, 3.097, 3.096, 3.096). RoPE holds to 2T "
       "(3.104) and fails from 4T (3.464; 3.781 at 8T); T5's bias and xPos degrade slowly "
-      "(3.388 and 3.337 at 8T); NoPE starts worse (3.199) and degrades steadily (3.436 at 8T)",
+      "(3.388 and 3.395 at 8T); NoPE starts worse (3.199) and degrades steadily (3.436 at 8T)",
       "RoPE scaled at evaluation, without fine-tuning: NTK-aware scaling holds to 4T (3.113) "
       "and fails at 8T (3.482); YaRN does worse than plain RoPE (3.323 at 2T, 4.217 at 8T). "
       "Its ramp (beta_fast=32, beta_slow=1 turns, the paper's values for a 4,096-token "
@@ -85,7 +85,7 @@ def get_config():
       "keys lie farther from their queries) first separates what the models learned at T: "
       "at this budget (1,500 steps of 16, one seed) learned positions (99.8%), T5's bias "
       "(98.4%), FoX (93.6%) and ALiBi (85.8%) formed the recall circuit; RoPE (43.0%), xPos "
-      "(46.7%), sinusoidal (48.6%), NoPE (61.9%) and GLA (51.4%) did not, so their flat "
+      "(44.3%), sinusoidal (48.6%), NoPE (61.9%) and GLA (51.4%) did not, so their flat "
       "columns say nothing about extrapolation. Of those that learned it, T5 (98.0% at 8T) "
       "and FoX (93.9%) keep it to 8T and ALiBi to 4T (85.8%), falling at 8T (77.9%); "
       "learned positions cannot be tested past T. A window of 8 cannot reach the pairs: "
