@@ -44,5 +44,7 @@ def get_config():
   config.learning_rates = (1e-3, None, 1e-2)
   config.notes = ("The cells at the config's own rate (3e-3) are the recall table's runs, copied "
                   "(the same commands); the other rates' 112 cells ran from clean clones at "
-                  "362262b, 46545c0, 13880b5 and 4916fc1",)
+                  "362262b, 46545c0, 13880b5 and 4916fc1; mla's and nsa's 24 cells were re-made "
+                  "at 2966b30 (stop 61: NSA's forced blocks and per-branch keys and values, "
+                  "MLA's initialisation), sharing the two cores with two other training runs",)
   return config

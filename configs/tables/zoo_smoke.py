@@ -66,7 +66,10 @@ def get_config():
       "the chunkwise rows' cells shared the two cores: seed 0 of delta_net, gated_delta_net "
       "and gla with the test suite, seed 1 of delta_net and gated_delta_net with test runs, "
       "and the others with a training run at the lowest priority (nice 19): their steps/s "
-      "and memory are lower bounds, not comparable with the other rows'",)
+      "and memory are lower bounds, not comparable with the other rows'",
+      "mla's two cells were re-made at 2966b30 (stop 61: its head projections had started "
+      "sqrt(H) too small), beside other training runs: its steps/s and memory are lower "
+      "bounds too",)
   mean_pooled = {"model": {"pooling": "mean"}}
   config.cell_overrides = {"listops": {
       "bigbird": {"model": {"attention_options": {"block_size": 16}}},
