@@ -203,7 +203,8 @@ class MultiHeadAttention(nn.Module):
       query_seq_lengths, key_value_seq_lengths: `[B]` valid lengths (padding).
       segment_ids: `[B, T]` packed-sequence ids (self-attention).
       positions: `[B, Tq]` or `[Tq]` token positions for relative schemes, e.g.
-        restarting at each packed segment; `arange(T)` by default.
+        restarting at each packed segment; `arange(T)` by default. Not taken
+        with `decode=True`, which places new tokens after the cached ones.
       deterministic: disables dropout.
       carry: what the previous layer handed on (the layer stack passes it);
         a variant that `carries` keys reads and replaces them.
@@ -224,6 +225,14 @@ class MultiHeadAttention(nn.Module):
     num_kv_heads, head_dim = self._dims(x.shape[-1])
     if self.decode and context is not None:
       raise ValueError("decode=True caches self-attention keys; got a context for cross-attention.")
+    if self.decode and positions is not None:
+      # The cached keys sit at their cache slots (rotated, biased and placed
+      # there), so a new token's only consistent position is its slot: other
+      # positions would shift every relative scheme and misplace the
+      # variants that choose key blocks by index (MoBA, NSA).
+      raise ValueError("decode=True places the new tokens after those already cached "
+                       "(positions arange(Tq) + the cache's count), so it takes no positions; "
+                       f"got positions of shape {jnp.shape(positions)}.")
     kv_input = x if context is None else context
     unused = unused_projections(spec, self.attention_options)
     kv_heads = num_kv_heads * key_value_sets(spec, self.attention_options)

@@ -203,6 +203,24 @@ def test_decode_refuses_cross_attention():
                                                       _inputs(1))
 
 
+@pytest.mark.parametrize("attention, options", [
+    ("dot_product", {}), ("moba", {"block_size": 2, "top_k": 1})])
+def test_decode_refuses_positions(attention, options):
+  # A cached key sits at its slot, so a new token's only consistent position is
+  # its slot. Given other positions the layer used to go on: RoPE's distances
+  # to the cached keys shifted, and MoBA chose its blocks at the positions
+  # instead of the cache indices, silently.
+  decoder = MultiHeadAttention(num_heads=H, position="rope", decode=True, attention=attention,
+                               attention_options=options)
+  x = _inputs()
+  variables = jax.eval_shape(decoder.init, jax.random.PRNGKey(0), x)
+  for step in (x, x[:, :1]):  # the prompt's call and a step's
+    with pytest.raises(ValueError, match=r"decode=True places the new tokens after those "
+                                         r"already cached .* got positions of shape \(1, 1\)"):
+      jax.eval_shape(lambda v, s: decoder.apply(v, s, positions=jnp.full((1, 1), 7),
+                                                mutable=["cache"]), variables, step)
+
+
 # ---------------------------------------------------------------------------
 # Projections a variant does not read are neither created nor computed.
 

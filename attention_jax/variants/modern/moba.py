@@ -135,7 +135,7 @@ def moba_attention(query: Array, key: Array, value: Array, bias: Optional[Array]
       `query_positions` then place the queries, whose later keys the cache
       mask hides.
     query_positions: `[Tq]` or `[B, Tq]`, a decoding step's key index of each
-      query (the layer passes its positions offset by the cache). A full pass
+      query (the layer passes arange(Tq) offset by the cache). A full pass
       ignores them: its queries sit at `arange(Tq) + Tk - Tq`, the keys'
       indices, whatever positions a rotary encoding was given.
     implementation: `flex_attention`'s ("blockwise" by default).
@@ -152,8 +152,8 @@ def moba_attention(query: Array, key: Array, value: Array, bias: Optional[Array]
   # The blocks are over the keys' indices: a full pass (the layer's first
   # decoding call too, is_causal) aligns the queries with the last keys; only
   # a step from the cache, whose causal mask the layer makes, is placed by
-  # its positions (the layer's, offset by the cache), since its Tq says
-  # nothing of where it sits in the cache.
+  # its cache indices (the layer's arange(Tq) offset by the cache), since its
+  # Tq says nothing of where it sits in the cache.
   if decoding and not is_causal and query_positions is not None:
     positions = common.query_positions(query_positions, batch, q_len).astype(jnp.int32)
   else:

@@ -161,7 +161,7 @@ def nsa_attention(query: Array, key: Array, value: Array, bias: Optional[Array] 
   common.check_per_head("gates", gates, (batch, q_len, num_heads, 3))
   scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
   # A full pass aligns the queries with the last keys; a decoding step is
-  # placed by its positions (the layer's, offset by the cache).
+  # placed by its cache indices (the layer's arange(Tq) offset by the cache).
   stepping = decoding and query_positions is not None
   if stepping:
     positions = common.query_positions(query_positions, batch, q_len).astype(jnp.int32)
