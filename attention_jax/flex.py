@@ -140,6 +140,10 @@ def flex_attention(query: Array, key: Array, value: Array, *,
       every tile.
     scale: the logits' scale; 1/sqrt(D) when None.
     softcap: logits become `softcap * tanh(logits / softcap)` (before score_mod).
+      The cap applies to the scaled logits plus `bias`, so a large negative
+      bias used as a mask is capped too (to -softcap, which still weighs
+      exp(-2 softcap) against a logit at the cap): mask with `mask` or a
+      mask_mod instead.
     sinks: `[H]` float, a learned logit per head added to the normaliser (a key
       that every query sees and whose value is zero); differentiated.
     qk_norm: "rms" or "l2": queries and keys normalised over D before the
