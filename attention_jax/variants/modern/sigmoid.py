@@ -9,8 +9,10 @@ of training (the paper's Theorem and section 3.2; it pairs it with ALiBi or
 RoPE). It is `flex_attention` with `normaliser="sigmoid"`, so the blockwise
 loops and the Pallas kernels run it, skipping empty blocks of its masks, and
 position biases reach it as score_mods. A masked key weighs 0, so a row that
-sees no key returns zeros. In decoding, Tk is the cache's length, as in the
-full pass over a sequence of that length; set `sigmoid_bias` to fix b.
+sees no key returns zeros. Tk is the keys' axis, padding included (not
+`key_value_seq_lengths`), so b is one constant for the batch; in decoding it
+is the cache's length, as in the full pass over a sequence of that length.
+Set `sigmoid_bias` to fix b whatever the padding or cache.
 """
 
 from __future__ import annotations
