@@ -286,9 +286,14 @@ def outputs_and_grads(fn, *arrays):
   (one compilation: eager execution of many small ops is the slower path on CPU)."""
   out_shape = jax.eval_shape(fn, *arrays).shape
   cotangent = jax.random.normal(jax.random.PRNGKey(42), out_shape)
-  loss = lambda *args: jnp.sum(fn(*args).astype(jnp.float32) * cotangent)
-  grad_fn = jax.grad(loss, argnums=tuple(range(len(arrays))))
-  return jax.jit(lambda *args: (fn(*args), grad_fn(*args)))(*arrays)
+
+  def loss(*args):  # the output as the auxiliary: fn is traced and run once
+    out = fn(*args)
+    return jnp.sum(out.astype(jnp.float32) * cotangent), out
+
+  grad_fn = jax.value_and_grad(loss, argnums=tuple(range(len(arrays))), has_aux=True)
+  (_, out), grads = jax.jit(grad_fn)(*arrays)
+  return out, grads
 
 
 def assert_same_outputs_and_grads(ours, theirs, *arrays, rows=None, rtol=1e-5, atol=1e-5):
