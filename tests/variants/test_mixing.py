@@ -345,6 +345,19 @@ def test_lite_is_attention_on_one_half_and_convolution_on_the_other(is_causal):
 
 
 @pytest.mark.property("lite")
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_lite_masks_tokens_past_the_query_lengths_as_keys_too(is_causal):
+  """With `query_seq_lengths` alone, the tokens past them are padding (the
+  family's rule, `tokens.real_tokens`): the convolution already zeroed them,
+  and the attention half must not read them as keys either."""
+  x = random_tokens(10)
+  module, params = module_and_params("lite", x, kernel_size=3)
+  assert_module_is_its_formula(module, params, x,
+                               lambda lengths: np_lite(x, params, is_causal, lengths), is_causal,
+                               dict(query_seq_lengths=jnp.asarray(LENGTHS)))
+
+
+@pytest.mark.property("lite")
 def test_causal_lite_reads_no_later_token():
   x = random_tokens(9, (1, 5, 4))
   module, params = module_and_params("lite", x, kernel_size=3)
