@@ -345,6 +345,19 @@ def test_lite_is_attention_on_one_half_and_convolution_on_the_other(is_causal):
 
 
 @pytest.mark.property("lite")
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_lite_masks_tokens_past_the_query_lengths_as_keys_too(is_causal):
+  """With `query_seq_lengths` alone, the tokens past them are padding (the
+  family's rule, `tokens.real_tokens`): the convolution already zeroed them,
+  and the attention half must not read them as keys either."""
+  x = random_tokens(10)
+  module, params = module_and_params("lite", x, kernel_size=3)
+  assert_module_is_its_formula(module, params, x,
+                               lambda lengths: np_lite(x, params, is_causal, lengths), is_causal,
+                               dict(query_seq_lengths=jnp.asarray(LENGTHS)))
+
+
+@pytest.mark.property("lite")
 def test_causal_lite_reads_no_later_token():
   x = random_tokens(9, (1, 5, 4))
   module, params = module_and_params("lite", x, kernel_size=3)
@@ -371,3 +384,25 @@ def test_lite_refuses_segments_its_convolution_would_cross():
     LongShortRangeAttention(num_heads=2).init(
         jax.random.PRNGKey(0), random_tokens(), segment_ids=jnp.zeros((B, T), jnp.int32))
 
+
+
+# --------------------------------------------------------------------------------------
+# every mixer of the family
+
+
+@pytest.mark.parametrize("name, fields", [("fnet", {}), ("mlp_mixer", dict(max_length=T)),
+                                          ("gmlp", dict(max_length=T)), ("lite", {})])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.int32])
+def test_mixers_refuse_a_key_padding_mask_that_is_not_boolean(name, fields, dtype):
+  """A mask is boolean, True for a real token (as `dot_product_attention`
+  demands). An additive float mask (0 for real, -1e9 for padding) cast to
+  bool would mark the real tokens as padding and the padded ones as real."""
+  x = random_tokens(12)
+  module, params = module_and_params(name, x, **fields)
+  additive = jnp.where(padding_mask(), 0, -10 ** 9).astype(dtype)
+  with pytest.raises(ValueError, match=rf"mask must be boolean \(True may attend\), got dtype "
+                                       rf"{jnp.dtype(dtype).name}"):
+    module.apply({"params": params}, x, mask=additive)
+  with pytest.raises(ValueError, match=r"mask must be boolean"):
+    cross_covariance_attention(x.reshape(B, T, 2, 4), x.reshape(B, T, 2, 4),
+                               x.reshape(B, T, 2, 4), mask=additive, temperature=jnp.ones(2))

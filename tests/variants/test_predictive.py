@@ -27,11 +27,28 @@ def _previous_map(seed=4, q_len=TQ, kv_len=TK):
   return jnp.array(np.exp(logits) / np.exp(logits).sum(-1, keepdims=True), jnp.float32)
 
 
-def np_convolve(previous, kernel, is_causal):
+def np_convolve(previous, kernel, is_causal, q_segments=None, kv_segments=None):
   """g(A)[b, o, i, j] = sum over (r, c, h) of kernel[r, c, h, o] A[b, h, i + dr, j + dc],
   written out offset by offset: dr = r - (k - 1) when causal (rows above only),
-  else r - k // 2; dc = c - k // 2; entries outside the map count as zero."""
+  else r - k // 2; dc = c - k // 2; entries outside the map count as zero, and
+  so do, with segments `[B, Tq]` and `[B, Tk]`, those whose row is in another
+  segment than i or whose column is in another segment than j."""
   previous, kernel = as_float64(previous), as_float64(kernel)
+  if q_segments is not None:
+    q_seg, kv_seg = np.asarray(q_segments), np.asarray(kv_segments)
+    q_len, kv_len = previous.shape[2:]
+    out = np.zeros(previous.shape[:1] + (kernel.shape[3], q_len, kv_len))
+    for b in range(previous.shape[0]):
+      for i in range(q_len):
+        for j in range(kv_len):
+          for r in range(kernel.shape[0]):
+            for c in range(kernel.shape[1]):
+              row = i + (r - (kernel.shape[0] - 1) if is_causal else r - kernel.shape[0] // 2)
+              col = j + c - kernel.shape[1] // 2
+              if (0 <= row < q_len and 0 <= col < kv_len and q_seg[b, row] == q_seg[b, i]
+                  and kv_seg[b, col] == kv_seg[b, j]):
+                out[b, :, i, j] += previous[b, :, row, col] @ kernel[r, c]
+    return out
   size = kernel.shape[0]
   _, _, q_len, kv_len = previous.shape
   out = np.zeros(previous.shape[:1] + (kernel.shape[3], q_len, kv_len))
@@ -77,7 +94,8 @@ def test_logits_mix_the_scores_with_the_convolved_previous_map(case):
   is_causal = kwargs.get("is_causal", False)
   scores = np.einsum("bqhd,bkhd->bhqk", as_float64(query), as_float64(key)) / np.sqrt(
       query.shape[-1])
-  logits = (1 - weight) * scores + weight * np_convolve(previous, kernel, is_causal)
+  segments = kwargs.get("segment_ids", (None, None))
+  logits = (1 - weight) * scores + weight * np_convolve(previous, kernel, is_causal, *segments)
   allowed = loop_mask(B, TQ, TK, **mask_kwargs)
   logits = np.where(allowed, logits, -np.inf)
   row_max = np.max(logits, -1, keepdims=True)
@@ -139,6 +157,36 @@ def test_padded_tokens_reach_neither_the_valid_rows_nor_the_carried_map(padding)
     np.testing.assert_allclose(rows[valid].sum(-1), 1.0, rtol=1e-5)
   # The padded positions' own outputs do change: the test can tell them apart.
   assert np.abs(np.asarray(changed[0] - out)[padded]).max() > 1e-3
+
+
+@pytest.mark.property("predictive")
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_packed_segments_give_what_each_segment_gives_alone(is_causal):
+  """Two layers over two packed sequences (segment_ids) equal the same two
+  layers over each sequence alone: the convolution of the carried map reads
+  the neighbouring rows and columns, which across a segment's border are
+  another sequence's weights (made from its tokens), zero when it runs alone."""
+  borders = (3, 8)  # segment 0: positions 0..2, segment 1: 3..7
+  length = borders[-1]
+  segment_ids = jnp.asarray(np.repeat([[0, 1]], B, 0).repeat([3, 5], axis=1))
+  first = random_qkv(seed=31, batch=B, q_len=length, num_heads=H)
+  second = random_qkv(seed=32, batch=B, q_len=length, num_heads=H)
+
+  def two_layers(first, second, **segments):
+    _, carry = predictive_attention(*first, conv_kernel=_kernel(seed=7), is_causal=is_causal,
+                                    **segments)
+    out, last = predictive_attention(*second, conv_kernel=_kernel(seed=8), carry=carry,
+                                     is_causal=is_causal, **segments)
+    return out, last[MAPS]
+
+  packed_out, packed_map = (np.asarray(a) for a in jax.jit(
+      lambda f, s: two_layers(f, s, segment_ids=segment_ids))(first, second))
+  for start, stop in ((0, borders[0]), borders):
+    part = lambda arrays: tuple(a[:, start:stop] for a in arrays)
+    alone_out, alone_map = two_layers(part(first), part(second))
+    np.testing.assert_allclose(packed_out[:, start:stop], alone_out, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(packed_map[:, :, start:stop, start:stop], alone_map, rtol=1e-5,
+                               atol=1e-6)
 
 
 @pytest.mark.parametrize("scan_layers", [False, True])

@@ -190,3 +190,20 @@ def test_lengths_past_max_length_are_refused():
                                                                  key, value)
   with pytest.raises(ValueError, match=r"synthetic_logits must be \[B\|1, H, Tq, Tk\]"):
     synthesizer_attention(query, key, value, synthetic_logits=jnp.ones((1, 2, 4, 9)))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.int32])
+def test_a_mask_that_is_not_boolean_is_refused(dtype):
+  """A mask is boolean, True may attend, as `dot_product_attention` demands:
+  an additive mask (0 allowed, -1e9 masked) cast to bool would allow exactly
+  the masked keys. Through `synthesizer_attention` and the hard-coded
+  Gaussian's dense form (window=None), which is it."""
+  from attention_jax.variants.prior.hard_coded import hard_coded_gaussian_attention
+  query, key, value = random_qkv(batch=1, q_len=4, kv_len=6, num_heads=2)
+  additive = jnp.where(jnp.arange(6) < 4, 0, -10 ** 9).astype(dtype)[None, None, None, :]
+  message = rf"mask must be boolean \(True may attend\), got dtype {jnp.dtype(dtype).name}"
+  with pytest.raises(ValueError, match=message):
+    synthesizer_attention(query, key, value, mask=additive,
+                          synthetic_logits=jnp.zeros((1, 2, 4, 6)))
+  with pytest.raises(ValueError, match=message):
+    hard_coded_gaussian_attention(query, key, value, mask=additive, window=None)

@@ -304,6 +304,11 @@ def test_average_rejects_bad_arguments():
     jit_apply(layer, {"params": params}, x, segment_ids=jnp.zeros((1, 5), jnp.int32))
   with pytest.raises(ValueError, match="x_t"):
     average_attention_step(initial_average_state(1, 8), jnp.zeros((1, 4)), **params)
+  # An additive mask (0 real, -1e9 padded) read as bool would average the padding only.
+  additive = jnp.asarray([0.0, 0.0, 0.0, -1e9, -1e9])[None, None, None, :]
+  with pytest.raises(ValueError, match=r"mask must be boolean \(True may attend\), got dtype "
+                                       r"float32"):
+    jit_apply(layer, {"params": params}, x, mask=additive)
 
 
 # ----------------------------------------------------------------------------------

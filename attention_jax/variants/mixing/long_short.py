@@ -114,9 +114,13 @@ def long_short_range_attention(
   valid = tokens.real_tokens("lite", x, mask, query_seq_lengths, key_value_seq_lengths)
   attention_inputs, conv_inputs = x[..., :half], x[..., half:]
   project = lambda kernel, bias: jnp.einsum("bte,ehd->bthd", attention_inputs, kernel) + bias
+  # The keys are masked by every padding argument, as the convolution's inputs
+  # are: a token past `query_seq_lengths` alone is padding too (`real_tokens`),
+  # which `dot_product_attention` would still read as a key.
+  key_mask = None if valid is None else valid[:, None, None, :]
   heads = dot_product_attention(
       project(query_kernel, query_bias), project(key_kernel, key_bias),
-      project(value_kernel, value_bias), mask=mask, is_causal=is_causal,
+      project(value_kernel, value_bias), mask=key_mask, is_causal=is_causal,
       query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
       dropout_rate=dropout_rate, dropout_rng=dropout_rng)
   values, gates = jnp.split(conv_inputs @ glu_kernel + glu_bias, 2, axis=-1)

@@ -124,7 +124,9 @@ registry.register(registry.VariantSpec(
 MAPS = "attention_maps"  # the carry key predictive attention reads and writes
 
 
-def predict_maps(previous: Array, conv_kernel: Array, *, is_causal: bool = False) -> Array:
+def predict_maps(previous: Array, conv_kernel: Array, *, is_causal: bool = False,
+                 q_segment_ids: Optional[Array] = None,
+                 kv_segment_ids: Optional[Array] = None) -> Array:
   """g(A): a 2-D convolution over the `[Tq, Tk]` plane with the heads as channels.
 
   previous: `[B, H, Tq, Tk]`; conv_kernel: `[k, k, H, H]` (rows, columns, in,
@@ -132,14 +134,39 @@ def predict_maps(previous: Array, conv_kernel: Array, *, is_causal: bool = False
   padded above only, so row i reads rows i - k + 1 .. i and never a later
   query's map (whose weights depend on later tokens); the key axis needs no
   such care, since a causal map is already zero right of its diagonal.
+
+  Packed sequences (`q_segment_ids` `[B, Tq]` and `kv_segment_ids` `[B, Tk]`):
+  entry (i, j) reads only rows of i's segment and columns of j's, as if each
+  sequence's map were convolved alone (zero past its borders); otherwise the
+  window would read the weights of the sequence packed beside it, made from
+  that sequence's tokens.
   Returns float32 `[B, H, Tq, Tk]`.
   """
   size = conv_kernel.shape[0]
   half = size // 2
   rows = (size - 1, 0) if is_causal else (half, half)
-  return jax.lax.conv_general_dilated(
-      previous.astype(jnp.float32), conv_kernel.astype(jnp.float32), window_strides=(1, 1),
-      padding=(rows, (half, half)), dimension_numbers=("NCHW", "HWIO", "NCHW"))
+  previous, conv_kernel = previous.astype(jnp.float32), conv_kernel.astype(jnp.float32)
+  if q_segment_ids is None and kv_segment_ids is None:
+    return jax.lax.conv_general_dilated(
+        previous, conv_kernel, window_strides=(1, 1), padding=(rows, (half, half)),
+        dimension_numbers=("NCHW", "HWIO", "NCHW"))
+  # The convolution written as its k^2 shifted windows, each masked where the
+  # entry read lies in another segment (the zero padding's entries are zero
+  # anyway, whatever the padded ids compare to).
+  _, _, q_len, kv_len = previous.shape
+  padded = jnp.pad(previous, ((0, 0), (0, 0), rows, (half, half)))
+  q_ids = jnp.pad(jnp.asarray(q_segment_ids), ((0, 0), rows))
+  kv_ids = jnp.pad(jnp.asarray(kv_segment_ids), ((0, 0), (half, half)))
+  out = jnp.zeros(previous.shape[:1] + (conv_kernel.shape[3], q_len, kv_len), jnp.float32)
+  for r in range(size):
+    same_rows = q_ids[:, r:r + q_len] == q_segment_ids  # [B, Tq]
+    for c in range(size):
+      same_columns = kv_ids[:, c:c + kv_len] == kv_segment_ids  # [B, Tk]
+      window = padded[:, :, r:r + q_len, c:c + kv_len]
+      window = jnp.where(same_rows[:, None, :, None] & same_columns[:, None, None, :], window,
+                         0.0)
+      out = out + jnp.einsum("bhqk,ho->boqk", window, conv_kernel[r, c])
+  return out
 
 
 def predictive_attention(
@@ -170,7 +197,8 @@ def predictive_attention(
   handed to the next layer. The paper's convex mix w1 = 1 - a, w2 = a: a = 0
   is vanilla attention. The map carried is the softmax's output before
   dropout, zero at every masked entry, so padded or later tokens reach no
-  allowed weight through the convolution. g has no bias: a constant per head
+  allowed weight through the convolution; with `segment_ids` the convolution
+  stays within each packed sequence's block of the map. g has no bias: a constant per head
   added to a whole row of logits would cancel in the softmax.
 
   The carried rows of padded queries are zero too. Under key-only padding
@@ -215,8 +243,9 @@ def predictive_attention(
   scores = (1.0 - previous_weight) * _scaled_scores(inputs)
   previous = _carried_map(carry, MAPS, scores.shape, "attention map")
   if previous is not None:
-    scores = scores + previous_weight * predict_maps(previous, conv_kernel,
-                                                     is_causal=is_causal)
+    scores = scores + previous_weight * predict_maps(
+        previous, conv_kernel, is_causal=is_causal, q_segment_ids=inputs.q_segment_ids,
+        kv_segment_ids=inputs.kv_segment_ids)
   maps = masked_softmax(scores, inputs.dense_mask())
   weights = common.dropout_weights(maps, dropout_rate, dropout_rng)
   out = common.weighted_values(weights, inputs.value).astype(inputs.query.dtype)
