@@ -111,7 +111,8 @@ def make_attention_mask(
     key_value_seq_lengths: `[B]` valid key/value tokens per sequence.
     q_segment_ids: `[B, Tq]` segment of each query token (packed sequences).
     kv_segment_ids: `[B, Tk]` segment of each key token.
-    mask: boolean, broadcastable to `[B, H, Tq, Tk]`; ANDed with the rest.
+    mask: boolean, broadcastable to `[B, H, Tq, Tk]`; ANDed with the rest
+      (another dtype is refused: cast, an additive mask would invert).
     q_offset: absolute position of query 0 (decoding with a KV cache), so that
       causal and window masks compare absolute positions.
 
@@ -137,7 +138,12 @@ def make_attention_mask(
     masks.append(segment_predicate(q_segment_ids[:, None, :, None],
                                    kv_segment_ids[:, None, None, :]))
   if mask is not None:
-    masks.append(jnp.asarray(mask, dtype=bool))
+    # Cast to bool, an additive mask (0 allowed, -inf masked) would allow
+    # exactly the masked pairs.
+    if jnp.asarray(mask).dtype != jnp.bool_:
+      raise ValueError(f"mask must be boolean (True may attend), got dtype "
+                       f"{jnp.asarray(mask).dtype}.")
+    masks.append(jnp.asarray(mask))
   return and_masks(*masks)
 
 

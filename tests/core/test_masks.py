@@ -40,3 +40,13 @@ def test_query_offset_shifts_causal_mask_to_absolute_positions():
   # Decoding query 3 of a 6-slot cache sees keys 0..3.
   mask = make_attention_mask(1, TK, is_causal=True, q_offset=3)
   np.testing.assert_array_equal(mask[0, 0, 0], [True, True, True, True, False, False])
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.int32])
+def test_a_mask_that_is_not_boolean_is_refused(dtype):
+  # Cast to bool, an additive mask (0 allowed, -1e9 masked) would allow exactly
+  # the masked pairs; the decoding cache of MultiHeadAttention, MLA and the
+  # recurrence variants combine the caller's mask here.
+  additive = jnp.where(jnp.arange(4) < 2, 0, -1e9).astype(dtype)[None, None, None, :]
+  with pytest.raises(ValueError, match=f"mask must be boolean .* got dtype {jnp.dtype(dtype)}"):
+    make_attention_mask(3, 4, mask=additive)

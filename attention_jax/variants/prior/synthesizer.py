@@ -104,11 +104,6 @@ def synthesizer_attention(
                      f"adds; got scale={scale!r} with mix_dot_product=False.")
   if bias is not None:
     logits = logits + jnp.asarray(bias, jnp.float32)
-  # `make_attention_mask` casts to bool: an additive mask (0 allowed, -inf
-  # masked) would then allow exactly the masked keys.
-  if mask is not None and jnp.asarray(mask).dtype != jnp.bool_:
-    raise ValueError(f"mask must be boolean (True may attend), got dtype "
-                     f"{jnp.asarray(mask).dtype}.")
   q_segments, kv_segments = split_segment_ids(segment_ids)
   allowed = make_attention_mask(
       q_len, kv_len, is_causal=is_causal, query_seq_lengths=query_seq_lengths,
