@@ -151,8 +151,12 @@ def test_alibi_and_t5_positions_reach_flex_as_score_mods_and_equal_the_materiali
   def outputs_and_grads(name):
     apply = lambda params: layers[name].apply({"params": params}, x, is_causal=True,
                                               positions=positions)
-    loss = lambda params: jnp.sum(jnp.sin(apply(params)))
-    return jax.jit(lambda params: (apply(params), jax.grad(loss)(params)))(params)
+    def loss(params):
+      out = apply(params)
+      return jnp.sum(jnp.sin(out)), out
+
+    (_, out), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
+    return out, grads
 
   (out, grads), (want, want_grads) = outputs_and_grads("flex"), outputs_and_grads("dot_product")
   assert_close(out, want, rtol=1e-5, atol=1e-5)

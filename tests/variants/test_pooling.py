@@ -87,12 +87,11 @@ def test_a_zero_context_vector_is_mean_pooling_and_an_empty_row_pools_to_zeros()
   level = dict(_level(3), context_vector=jnp.zeros((A,)))
   mask = MASK.at[2].set(False)  # row 2: nothing to pool
 
-  def pooled_and_grads(x, level):
-    fn = lambda x, level: pooling.attention_pooling(x, mask=mask, **level)
-    return fn(x, level), jax.grad(lambda x, level: jnp.sum(fn(x, level) ** 2),
-                                  argnums=(0, 1))(x, level)
+  def loss(x, level):
+    pooled = pooling.attention_pooling(x, mask=mask, **level)
+    return jnp.sum(pooled ** 2), pooled
 
-  pooled, grads = jax.jit(pooled_and_grads)(x, level)
+  (_, pooled), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(x, level)
   real = np.asarray(mask)[..., None]
   mean = (np.asarray(x) * real).sum(1) / np.maximum(real.sum(1), 1)
   assert_close(pooled, mean, rtol=1e-5, atol=1e-6)
@@ -226,12 +225,11 @@ def test_han_ignores_padded_words_and_trailing_empty_sentences_with_finite_gradi
   x = _normal(9, (B, S, W, E))
   module, params = _han(x, word_mask)
 
-  def value_and_grads(params, x):
-    fn = lambda p, x: jit_apply(module, {"params": p}, x, word_mask=word_mask)
-    return fn(params, x), jax.grad(lambda p, x: jnp.sum(fn(p, x) ** 2), argnums=(0, 1))(params,
-                                                                                         x)
+  def loss(params, x):
+    got = jit_apply(module, {"params": params}, x, word_mask=word_mask)
+    return jnp.sum(got ** 2), got
 
-  got, grads = jax.jit(value_and_grads)(params, x)
+  (_, got), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(params, x)
   assert all(np.isfinite(np.asarray(g)).all() for g in jax.tree.leaves(grads))
   assert np.all(np.asarray(grads[1])[~np.asarray(word_mask)] == 0)  # padding gets no gradient
   noise = jnp.where(word_mask[..., None], x, 7.0)
@@ -315,12 +313,11 @@ def test_cross_alignment_ignores_padding_and_passes_finite_gradients_when_fully_
   b_mask = _mask([[1, 0, 1, 1, 0], [1, 1, 1, 1, 1], [0, 0, 0, 0, 0]])
   module = pooling.CrossAlignment()
 
-  def outputs_and_grads(a, b):
-    fn = lambda a, b: jit_apply(module, {}, a, b, a_mask=MASK, b_mask=b_mask)
-    loss = lambda a, b: sum(jnp.sum(m ** 2) for m in fn(a, b))
-    return fn(a, b), jax.grad(loss, argnums=(0, 1))(a, b)
+  def loss(a, b):
+    aligned = jit_apply(module, {}, a, b, a_mask=MASK, b_mask=b_mask)
+    return sum(jnp.sum(m ** 2) for m in aligned), aligned
 
-  (m_a, m_b), grads = jax.jit(outputs_and_grads)(a, b)
+  (_, (m_a, m_b)), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(a, b)
   assert all(np.isfinite(np.asarray(g)).all() for g in grads)
   noisy_a = jnp.where(MASK[..., None], a, 30.0)
   noisy_b = jnp.where(b_mask[..., None], b, -30.0)
