@@ -658,6 +658,12 @@ def rfa_attention(query: Array, key: Array, value: Array, bias: Optional[Array] 
   # log-scale, which `feature_attention` brings to a common constant.
   log_norm = 0.5 * jnp.sum(scaled_k * scaled_k, axis=-1)
   k_feat = random_fourier_features(scaled_k, projection)
+  if not normalize:
+    # feature_attention takes the log-scale as a constant (no gradient), right
+    # for a stabiliser but not for this factor, which is part of the kernel and
+    # depends on k: exp(l - stop_gradient(l)) is 1 in value and carries its
+    # derivative. (Normalised keys have |k|^2 = scale: no derivative to carry.)
+    k_feat = k_feat * jnp.exp(log_norm - jax.lax.stop_gradient(log_norm))[..., None]
   heads = query.shape[2]
   out = feature_attention(
       q_feat, common.repeat_kv_heads(k_feat, heads),

@@ -279,6 +279,38 @@ def test_rfa_keys_far_apart_in_norm_keep_exact_outputs(chunk_size):
   assert_close(out, expected, rtol=1e-3, atol=1e-3)
 
 
+def _unnormalised_rfa_by_formula(projection, is_causal):
+  """phi(q) . phi(k) exp(|k|^2 / 2), masked, row-normalised, times V: the kernel
+  exp(q . k) estimated by unnormalised rfa, written densely (q, k scaled by D^-1/4)."""
+  def attend(query, key, value):
+    scaled_q, scaled_k = (x * query.shape[-1] ** -0.25 for x in (query, key))
+    phi = lambda x: linear.random_fourier_features(x, projection)
+    kernel = (jnp.einsum("bthf,bshf->bhts", phi(scaled_q), phi(scaled_k),
+                         precision=jax.lax.Precision.HIGHEST)
+              * jnp.exp(0.5 * jnp.sum(scaled_k ** 2, -1)).transpose(0, 2, 1)[:, :, None, :])
+    if is_causal:
+      length = query.shape[1]
+      kernel = jnp.where(jnp.tril(jnp.ones((length, length), bool)), kernel, 0.0)
+    weights = kernel / kernel.sum(-1, keepdims=True)
+    return jnp.einsum("bhts,bshd->bthd", weights, value, precision=jax.lax.Precision.HIGHEST)
+  return attend
+
+
+@pytest.mark.property("rfa")
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_unnormalised_rfa_gradients_include_the_key_norm_factor(is_causal):
+  # exp(|k|^2 / 2) is part of each key's kernel, not a constant that cancels:
+  # passed only as a stop-gradient log-scale, the keys' gradients missed its
+  # derivative (off by more than their own size).
+  query, key, value = random_qkv(seed=11, batch=1, q_len=7, num_heads=2, head_dim=8)
+  key = key * 0.5
+  projection = linear.gaussian_projection(jax.random.PRNGKey(12), 64, 8, orthogonal=False)
+  ours = lambda q, k, v: linear.rfa_attention(q, k, v, is_causal=is_causal,
+                                              projection=projection, normalize=False)
+  assert_same_outputs_and_grads(ours, _unnormalised_rfa_by_formula(projection, is_causal),
+                                query, key, value, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.property("rfa")
 @pytest.mark.parametrize("normalize", [True, False])
 def test_rfa_gated_recurrence_equals_a_python_loop(normalize):
@@ -491,3 +523,4 @@ def test_performer_with_the_reference_stabiliser_refuses_to_decode():
                                            attention_options={"numerical_stabilizer": 1e-6})
   with pytest.raises(ValueError, match="numerical_stabilizer=1e-06 cannot decode"):
     jit_init(layer, jax.random.PRNGKey(0), x)
+
