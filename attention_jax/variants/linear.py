@@ -493,7 +493,9 @@ def performer_attention(query: Array, key: Array, value: Array, bias: Optional[A
     numerical_stabilizer: softmax only: eps > 0 gives the reference code's
       stabilised features (`stabilized_performer_features`, eps added to every
       feature) and adds 2 eps to normalisers with |R| <= eps (the release:
-      1e-6). 0: exact features stabilised by their largest logit.
+      1e-6). 0: exact features stabilised by their largest logit. Not with
+      `is_causal` (ValueError): the key constant is taken over every key, so a
+      later key would change earlier queries' outputs.
     mask_padding: apply the padding. False ignores it as the release's
       Performer does (it never applies its attention bias): padded keys are
       attended and padded queries get outputs.
@@ -530,6 +532,11 @@ def performer_attention(query: Array, key: Array, value: Array, bias: Optional[A
       raise ValueError("performer's softmax kernel needs projection, its [m, D] random "
                        "features (MultiHeadAttention's extras module supplies them).")
     projection = projection.astype(jnp.float32)
+    if numerical_stabilizer and is_causal and recurrent_state is None:
+      raise ValueError(f"performer with numerical_stabilizer={numerical_stabilizer} with "
+                       f"is_causal=True would let later keys change earlier outputs: the "
+                       f"stabiliser's key constant is the largest projection over every key; "
+                       f"use 0 (exact features, stabilised causally).")
     if numerical_stabilizer and recurrent_state is not None:
       raise ValueError(f"performer with numerical_stabilizer={numerical_stabilizer} cannot "
                        f"decode from a recurrent state: the stabiliser's key constant is the "
@@ -738,7 +745,7 @@ registry.register(registry.VariantSpec(
         kernel_epsilon="relu kernel: added to every feature (the LRA release: 1e-3)",
         numerical_stabilizer="softmax kernel: the reference code's eps (features + eps after "
                              "its max-projection shift, 2 eps on tiny normalisers; the LRA "
-                             "release: 1e-6); 0: exact features",
+                             "release: 1e-6; not causal); 0: exact features",
         **_MASK_PADDING, **_CHUNK),
     presets={"lra_release": registry.Preset(
         options=dict(kernel="relu", kernel_epsilon=1e-3, scale=1.0, mask_padding=False),

@@ -524,3 +524,18 @@ def test_performer_with_the_reference_stabiliser_refuses_to_decode():
   with pytest.raises(ValueError, match="numerical_stabilizer=1e-06 cannot decode"):
     jit_init(layer, jax.random.PRNGKey(0), x)
 
+
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_performer_reference_stabiliser_is_refused_in_causal_attention(is_causal):
+  # Its key constant is the largest projection over every key: with it, a later
+  # key changed earlier queries' outputs (by ~0.9 for a key of norm 10).
+  query, key, value = random_qkv(seed=13, batch=1, q_len=8, num_heads=1, head_dim=4)
+  projection = linear.gaussian_projection(jax.random.PRNGKey(14), 2, 4)
+  attend = lambda k: linear.performer_attention(query, k, value, is_causal=is_causal,
+                                                projection=projection,
+                                                numerical_stabilizer=1e-6)
+  if is_causal:
+    with pytest.raises(ValueError, match="numerical_stabilizer=1e-06 with is_causal"):
+      attend(key)
+  else:  # all keys are every query's: nothing to leak
+    assert np.isfinite(np.asarray(attend(key))).all()
