@@ -308,9 +308,15 @@ def linear_attention(query: Array, key: Array, value: Array, bias: Optional[Arra
                        key_value_seq_lengths, mask_padding)
   epsilon = _check_epsilon("epsilon", epsilon)
   heads = query.shape[2]
-  out = feature_attention(elu_feature_map(query),
-                          common.repeat_kv_heads(elu_feature_map(key), heads),
-                          common.repeat_kv_heads(value, heads), is_causal=is_causal,
+  # Sums over the whole sequence (and the causal state carried across chunks)
+  # in float32 at least, as performer and rfa: in bfloat16 they drifted to ~20 times the
+  # output's own rounding over 8k tokens. The output returns to the query dtype.
+  dtype = jnp.promote_types(jnp.result_type(query, key, value), jnp.float32)
+  features = lambda x: elu_feature_map(x.astype(dtype))
+  out = feature_attention(features(query),
+                          common.repeat_kv_heads(features(key), heads),
+                          common.repeat_kv_heads(value.astype(dtype), heads),
+                          is_causal=is_causal,
                           key_valid=key_valid, chunk_size=chunk_size,
                           normalizer=(lambda r: r + epsilon) if epsilon else None,
                           state=recurrent_state)

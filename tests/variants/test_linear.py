@@ -96,6 +96,27 @@ def test_linear_padding(is_causal):
   assert_close(by_mask, out)
 
 
+@pytest.mark.property("linear")
+def test_linear_bfloat16_sums_over_a_long_sequence_in_float32():
+  # The prefix sums over 8192 tokens ran in bfloat16 (its state carried in
+  # bfloat16 from chunk to chunk): errors of ~0.08 on outputs near 1, twenty
+  # times bfloat16's rounding of the output itself. Performer and rfa sum in float32.
+  length = 8192
+  query, key, value = (x.astype(jnp.bfloat16) for x in random_qkv(
+      seed=21, batch=1, q_len=length, num_heads=1, head_dim=8))
+  value = value + 1.0
+  out = jit_call(linear.linear_attention, query, key, value, is_causal=True)
+  assert out.dtype == jnp.bfloat16
+  # The causal recurrence written out in float64: S_t = sum_{s <= t} phi(k_s) v_s^T.
+  phi_q, phi_k = _phi(query[0, :, 0]), _phi(key[0, :, 0])
+  v = as_float64(value[0, :, 0])
+  numerator = np.einsum("tf,tfd->td", phi_q, np.cumsum(phi_k[:, :, None] * v[:, None, :], 0))
+  expected = numerator / np.einsum("tf,tf->t", phi_q, np.cumsum(phi_k, 0))[:, None]
+  # bfloat16's own rounding of outputs below 4 is at most 2^-7.
+  assert np.abs(expected).max() < 4
+  assert np.abs(as_float64(out[0, :, 0]) - expected).max() <= 2 ** -7 + 1e-4
+
+
 @pytest.mark.parametrize("name", ["linear", "performer", "rfa"])
 def test_refuses_what_it_cannot_do(name):
   query, key, value = random_qkv(batch=B, q_len=8, kv_len=6, num_heads=H)
