@@ -768,5 +768,7 @@ registry.register(registry.VariantSpec(
     takes=("recurrent_state",),
     extras=RfaFeatures,
     options=dict(_FEATURES, gated="learned forget gates (causal RFA-Gate)",
+                 scale="multiplies q and k's product; None: 1 with normalize (the paper's "
+                       "1 / sigma^2 for unit vectors), 1/sqrt(D) without",
                  normalize="unit-norm queries and keys before the features", **_CHUNK),
     **_LINEAR))

@@ -333,6 +333,21 @@ def test_unnormalised_rfa_gradients_include_the_key_norm_factor(is_causal):
 
 
 @pytest.mark.property("rfa")
+def test_rfa_default_scale_is_the_one_its_option_documents():
+  # The option's doc said "1/sqrt(D) when None"; with normalize (the default)
+  # None is 1 (the paper's 1 / sigma^2 for unit vectors), 1/sqrt(D) only without.
+  query, key, value = random_qkv(seed=15, batch=1, q_len=6, num_heads=2, head_dim=8)
+  projection = linear.gaussian_projection(jax.random.PRNGKey(16), 16, 8)
+  out = lambda **options: jit_call(linear.rfa_attention, query, key, value,
+                                   projection=projection, **options)
+  assert_close(out(), out(scale=1.0), rtol=1e-6, atol=1e-6)
+  assert np.abs(np.asarray(out() - out(scale=8 ** -0.5))).max() > 1e-3
+  assert_close(out(normalize=False), out(normalize=False, scale=8 ** -0.5), rtol=1e-6, atol=1e-6)
+  doc = attention_jax.get_variant("rfa").options["scale"]
+  assert "1 with normalize" in doc and "1/sqrt(D) without" in doc, doc
+
+
+@pytest.mark.property("rfa")
 @pytest.mark.parametrize("normalize", [True, False])
 def test_rfa_gated_recurrence_equals_a_python_loop(normalize):
   query, key, value = random_qkv(seed=4, batch=B, q_len=11, num_heads=H, num_kv_heads=2,
