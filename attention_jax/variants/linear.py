@@ -34,6 +34,7 @@ normaliser stabilisation).
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Callable, Mapping, Optional
 
 import flax.linen as nn
@@ -382,6 +383,10 @@ def _layer_projection(module: nn.Module, num_features: int, dim: int, orthogonal
 def _scaled(query: Array, key: Array, scale: Optional[float]):
   """q and k each times sqrt(scale), so that q . k is scaled by `scale` (1/sqrt(D) default)."""
   scale = query.shape[-1] ** -0.5 if scale is None else scale
+  # sqrt(scale) multiplies q and k: 0 would make every weight equal (silently),
+  # a negative one would fail inside math.sqrt without naming the option.
+  if isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not scale > 0:
+    raise ValueError(f"scale must be a float > 0 (it multiplies q . k), got {scale!r}.")
   root = math.sqrt(scale)
   return query * root, key * root
 

@@ -575,3 +575,15 @@ def test_performer_reference_stabiliser_is_refused_in_causal_attention(is_causal
       attend(key)
   else:  # all keys are every query's: nothing to leak
     assert np.isfinite(np.asarray(attend(key))).all()
+
+
+@pytest.mark.parametrize("name", ["performer", "rfa"])
+@pytest.mark.parametrize("scale", [0.0, -0.5])
+def test_random_features_refuse_a_scale_that_is_not_positive(name, scale):
+  # q and k are multiplied by sqrt(scale): 0 gave uniform weights without a word,
+  # a negative scale a bare "math domain error".
+  query, key, value = random_qkv(seed=17, batch=1, q_len=4, num_heads=1, head_dim=8)
+  projection = linear.gaussian_projection(jax.random.PRNGKey(18), 8, 8)
+  fn = attention_jax.get_variant(name).fn
+  with pytest.raises(ValueError, match=f"scale must be a float > 0 .*got {scale}"):
+    fn(query, key, value, projection=projection, scale=scale)
