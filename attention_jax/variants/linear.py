@@ -34,6 +34,7 @@ normaliser stabilisation).
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Callable, Mapping, Optional
 
 import flax.linen as nn
@@ -308,9 +309,15 @@ def linear_attention(query: Array, key: Array, value: Array, bias: Optional[Arra
                        key_value_seq_lengths, mask_padding)
   epsilon = _check_epsilon("epsilon", epsilon)
   heads = query.shape[2]
-  out = feature_attention(elu_feature_map(query),
-                          common.repeat_kv_heads(elu_feature_map(key), heads),
-                          common.repeat_kv_heads(value, heads), is_causal=is_causal,
+  # Sums over the whole sequence (and the causal state carried across chunks)
+  # in float32 at least, as performer and rfa: in bfloat16 they drifted to ~20 times the
+  # output's own rounding over 8k tokens. The output returns to the query dtype.
+  dtype = jnp.promote_types(jnp.result_type(query, key, value), jnp.float32)
+  features = lambda x: elu_feature_map(x.astype(dtype))
+  out = feature_attention(features(query),
+                          common.repeat_kv_heads(features(key), heads),
+                          common.repeat_kv_heads(value.astype(dtype), heads),
+                          is_causal=is_causal,
                           key_valid=key_valid, chunk_size=chunk_size,
                           normalizer=(lambda r: r + epsilon) if epsilon else None,
                           state=recurrent_state)
@@ -376,6 +383,10 @@ def _layer_projection(module: nn.Module, num_features: int, dim: int, orthogonal
 def _scaled(query: Array, key: Array, scale: Optional[float]):
   """q and k each times sqrt(scale), so that q . k is scaled by `scale` (1/sqrt(D) default)."""
   scale = query.shape[-1] ** -0.5 if scale is None else scale
+  # sqrt(scale) multiplies q and k: 0 would make every weight equal (silently),
+  # a negative one would fail inside math.sqrt without naming the option.
+  if isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not scale > 0:
+    raise ValueError(f"scale must be a float > 0 (it multiplies q . k), got {scale!r}.")
   root = math.sqrt(scale)
   return query * root, key * root
 
@@ -493,7 +504,9 @@ def performer_attention(query: Array, key: Array, value: Array, bias: Optional[A
     numerical_stabilizer: softmax only: eps > 0 gives the reference code's
       stabilised features (`stabilized_performer_features`, eps added to every
       feature) and adds 2 eps to normalisers with |R| <= eps (the release:
-      1e-6). 0: exact features stabilised by their largest logit.
+      1e-6). 0: exact features stabilised by their largest logit. Not with
+      `is_causal` (ValueError): the key constant is taken over every key, so a
+      later key would change earlier queries' outputs.
     mask_padding: apply the padding. False ignores it as the release's
       Performer does (it never applies its attention bias): padded keys are
       attended and padded queries get outputs.
@@ -530,6 +543,11 @@ def performer_attention(query: Array, key: Array, value: Array, bias: Optional[A
       raise ValueError("performer's softmax kernel needs projection, its [m, D] random "
                        "features (MultiHeadAttention's extras module supplies them).")
     projection = projection.astype(jnp.float32)
+    if numerical_stabilizer and is_causal and recurrent_state is None:
+      raise ValueError(f"performer with numerical_stabilizer={numerical_stabilizer} with "
+                       f"is_causal=True would let later keys change earlier outputs: the "
+                       f"stabiliser's key constant is the largest projection over every key; "
+                       f"use 0 (exact features, stabilised causally).")
     if numerical_stabilizer and recurrent_state is not None:
       raise ValueError(f"performer with numerical_stabilizer={numerical_stabilizer} cannot "
                        f"decode from a recurrent state: the stabiliser's key constant is the "
@@ -658,6 +676,12 @@ def rfa_attention(query: Array, key: Array, value: Array, bias: Optional[Array] 
   # log-scale, which `feature_attention` brings to a common constant.
   log_norm = 0.5 * jnp.sum(scaled_k * scaled_k, axis=-1)
   k_feat = random_fourier_features(scaled_k, projection)
+  if not normalize:
+    # feature_attention takes the log-scale as a constant (no gradient), right
+    # for a stabiliser but not for this factor, which is part of the kernel and
+    # depends on k: exp(l - stop_gradient(l)) is 1 in value and carries its
+    # derivative. (Normalised keys have |k|^2 = scale: no derivative to carry.)
+    k_feat = k_feat * jnp.exp(log_norm - jax.lax.stop_gradient(log_norm))[..., None]
   heads = query.shape[2]
   out = feature_attention(
       q_feat, common.repeat_kv_heads(k_feat, heads),
@@ -732,7 +756,7 @@ registry.register(registry.VariantSpec(
         kernel_epsilon="relu kernel: added to every feature (the LRA release: 1e-3)",
         numerical_stabilizer="softmax kernel: the reference code's eps (features + eps after "
                              "its max-projection shift, 2 eps on tiny normalisers; the LRA "
-                             "release: 1e-6); 0: exact features",
+                             "release: 1e-6; not causal); 0: exact features",
         **_MASK_PADDING, **_CHUNK),
     presets={"lra_release": registry.Preset(
         options=dict(kernel="relu", kernel_epsilon=1e-3, scale=1.0, mask_padding=False),
@@ -749,5 +773,7 @@ registry.register(registry.VariantSpec(
     takes=("recurrent_state",),
     extras=RfaFeatures,
     options=dict(_FEATURES, gated="learned forget gates (causal RFA-Gate)",
+                 scale="multiplies q and k's product; None: 1 with normalize (the paper's "
+                       "1 / sigma^2 for unit vectors), 1/sqrt(D) without",
                  normalize="unit-norm queries and keys before the features", **_CHUNK),
     **_LINEAR))

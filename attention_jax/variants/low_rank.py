@@ -492,7 +492,9 @@ registry.register(registry.VariantSpec(
     subquadratic=False, causal=True, cross=False, paper="Guo et al. 2019",
     extras=LowRankProjections,
     options=dict(window_size="band: keys each side of the query",
-                 rank="r, the width of the low-rank scores", scale="multiplies the logits; 1/sqrt(D) when None"), **_LOW_RANK))
+                 rank="r, the width of the low-rank scores",
+                 scale="multiplies the band's logits; 1/sqrt(D) when None (the low-rank "
+                       "term's are always scaled by 1/sqrt(r))"), **_LOW_RANK))
 registry.register(registry.VariantSpec(
     name="memory_compressed", fn=memory_compressed_attention, complexity="O(T^2 / s)",
     subquadratic=False, causal=True, cross=True, paper="Liu et al. 2018",

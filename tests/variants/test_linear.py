@@ -96,6 +96,27 @@ def test_linear_padding(is_causal):
   assert_close(by_mask, out)
 
 
+@pytest.mark.property("linear")
+def test_linear_bfloat16_sums_over_a_long_sequence_in_float32():
+  # The prefix sums over 8192 tokens ran in bfloat16 (its state carried in
+  # bfloat16 from chunk to chunk): errors of ~0.08 on outputs near 1, twenty
+  # times bfloat16's rounding of the output itself. Performer and rfa sum in float32.
+  length = 8192
+  query, key, value = (x.astype(jnp.bfloat16) for x in random_qkv(
+      seed=21, batch=1, q_len=length, num_heads=1, head_dim=8))
+  value = value + 1.0
+  out = jit_call(linear.linear_attention, query, key, value, is_causal=True)
+  assert out.dtype == jnp.bfloat16
+  # The causal recurrence written out in float64: S_t = sum_{s <= t} phi(k_s) v_s^T.
+  phi_q, phi_k = _phi(query[0, :, 0]), _phi(key[0, :, 0])
+  v = as_float64(value[0, :, 0])
+  numerator = np.einsum("tf,tfd->td", phi_q, np.cumsum(phi_k[:, :, None] * v[:, None, :], 0))
+  expected = numerator / np.einsum("tf,tf->t", phi_q, np.cumsum(phi_k, 0))[:, None]
+  # bfloat16's own rounding of outputs below 4 is at most 2^-7.
+  assert np.abs(expected).max() < 4
+  assert np.abs(as_float64(out[0, :, 0]) - expected).max() <= 2 ** -7 + 1e-4
+
+
 @pytest.mark.parametrize("name", ["linear", "performer", "rfa"])
 def test_refuses_what_it_cannot_do(name):
   query, key, value = random_qkv(batch=B, q_len=8, kv_len=6, num_heads=H)
@@ -277,6 +298,53 @@ def test_rfa_keys_far_apart_in_norm_keep_exact_outputs(chunk_size):
                        as_float64(value))
   assert np.isfinite(np.asarray(out)).all()
   assert_close(out, expected, rtol=1e-3, atol=1e-3)
+
+
+def _unnormalised_rfa_by_formula(projection, is_causal):
+  """phi(q) . phi(k) exp(|k|^2 / 2), masked, row-normalised, times V: the kernel
+  exp(q . k) estimated by unnormalised rfa, written densely (q, k scaled by D^-1/4)."""
+  def attend(query, key, value):
+    scaled_q, scaled_k = (x * query.shape[-1] ** -0.25 for x in (query, key))
+    phi = lambda x: linear.random_fourier_features(x, projection)
+    kernel = (jnp.einsum("bthf,bshf->bhts", phi(scaled_q), phi(scaled_k),
+                         precision=jax.lax.Precision.HIGHEST)
+              * jnp.exp(0.5 * jnp.sum(scaled_k ** 2, -1)).transpose(0, 2, 1)[:, :, None, :])
+    if is_causal:
+      length = query.shape[1]
+      kernel = jnp.where(jnp.tril(jnp.ones((length, length), bool)), kernel, 0.0)
+    weights = kernel / kernel.sum(-1, keepdims=True)
+    return jnp.einsum("bhts,bshd->bthd", weights, value, precision=jax.lax.Precision.HIGHEST)
+  return attend
+
+
+@pytest.mark.property("rfa")
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_unnormalised_rfa_gradients_include_the_key_norm_factor(is_causal):
+  # exp(|k|^2 / 2) is part of each key's kernel, not a constant that cancels:
+  # passed only as a stop-gradient log-scale, the keys' gradients missed its
+  # derivative (off by more than their own size).
+  query, key, value = random_qkv(seed=11, batch=1, q_len=7, num_heads=2, head_dim=8)
+  key = key * 0.5
+  projection = linear.gaussian_projection(jax.random.PRNGKey(12), 64, 8, orthogonal=False)
+  ours = lambda q, k, v: linear.rfa_attention(q, k, v, is_causal=is_causal,
+                                              projection=projection, normalize=False)
+  assert_same_outputs_and_grads(ours, _unnormalised_rfa_by_formula(projection, is_causal),
+                                query, key, value, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.property("rfa")
+def test_rfa_default_scale_is_the_one_its_option_documents():
+  # The option's doc said "1/sqrt(D) when None"; with normalize (the default)
+  # None is 1 (the paper's 1 / sigma^2 for unit vectors), 1/sqrt(D) only without.
+  query, key, value = random_qkv(seed=15, batch=1, q_len=6, num_heads=2, head_dim=8)
+  projection = linear.gaussian_projection(jax.random.PRNGKey(16), 16, 8)
+  out = lambda **options: jit_call(linear.rfa_attention, query, key, value,
+                                   projection=projection, **options)
+  assert_close(out(), out(scale=1.0), rtol=1e-6, atol=1e-6)
+  assert np.abs(np.asarray(out() - out(scale=8 ** -0.5))).max() > 1e-3
+  assert_close(out(normalize=False), out(normalize=False, scale=8 ** -0.5), rtol=1e-6, atol=1e-6)
+  doc = attention_jax.get_variant("rfa").options["scale"]
+  assert "1 with normalize" in doc and "1/sqrt(D) without" in doc, doc
 
 
 @pytest.mark.property("rfa")
@@ -491,3 +559,31 @@ def test_performer_with_the_reference_stabiliser_refuses_to_decode():
                                            attention_options={"numerical_stabilizer": 1e-6})
   with pytest.raises(ValueError, match="numerical_stabilizer=1e-06 cannot decode"):
     jit_init(layer, jax.random.PRNGKey(0), x)
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_performer_reference_stabiliser_is_refused_in_causal_attention(is_causal):
+  # Its key constant is the largest projection over every key: with it, a later
+  # key changed earlier queries' outputs (by ~0.9 for a key of norm 10).
+  query, key, value = random_qkv(seed=13, batch=1, q_len=8, num_heads=1, head_dim=4)
+  projection = linear.gaussian_projection(jax.random.PRNGKey(14), 2, 4)
+  attend = lambda k: linear.performer_attention(query, k, value, is_causal=is_causal,
+                                                projection=projection,
+                                                numerical_stabilizer=1e-6)
+  if is_causal:
+    with pytest.raises(ValueError, match="numerical_stabilizer=1e-06 with is_causal"):
+      attend(key)
+  else:  # all keys are every query's: nothing to leak
+    assert np.isfinite(np.asarray(attend(key))).all()
+
+
+@pytest.mark.parametrize("name", ["performer", "rfa"])
+@pytest.mark.parametrize("scale", [0.0, -0.5])
+def test_random_features_refuse_a_scale_that_is_not_positive(name, scale):
+  # q and k are multiplied by sqrt(scale): 0 gave uniform weights without a word,
+  # a negative scale a bare "math domain error".
+  query, key, value = random_qkv(seed=17, batch=1, q_len=4, num_heads=1, head_dim=8)
+  projection = linear.gaussian_projection(jax.random.PRNGKey(18), 8, 8)
+  fn = attention_jax.get_variant(name).fn
+  with pytest.raises(ValueError, match=f"scale must be a float > 0 .*got {scale}"):
+    fn(query, key, value, projection=projection, scale=scale)

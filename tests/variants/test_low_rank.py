@@ -227,6 +227,24 @@ def test_low_rank_locality_is_band_plus_low_rank_attention(is_causal):
   assert np.abs(np.asarray(low - band)).max() > 1e-2
 
 
+@pytest.mark.property("low_rank_locality")
+def test_low_rank_locality_scale_is_the_band_s_only():
+  # `scale` scales the band's logits; the low-rank term keeps 1/sqrt(r). The
+  # option's doc said it "multiplies the logits", all of them.
+  query, key, value = random_qkv(seed=7, batch=1, q_len=8, num_heads=2)
+  w_q = jax.random.normal(jax.random.PRNGKey(3), (2, 8, 2))
+  w_k = jax.random.normal(jax.random.PRNGKey(4), (2, 8, 2))
+  out = lambda **options: jit_call(low_rank.low_rank_locality_attention, query, key, value,
+                                   window_size=2, **options)
+  band = out(scale=0.3)
+  low = (out(query_low_rank=w_q, key_low_rank=w_k, scale=0.3) - band)
+  expected_low = reference_attention(jnp.einsum("bthd,hdr->bthr", query, w_q),
+                                     jnp.einsum("bthd,hdr->bthr", key, w_k), value)
+  assert_close(low, expected_low, rtol=1e-5, atol=1e-5)
+  doc = attention_jax.get_variant("low_rank_locality").options["scale"]
+  assert "band" in doc and "1/sqrt(r)" in doc, doc
+
+
 def test_low_rank_locality_arguments_are_checked():
   query, key, value = random_qkv(batch=B, q_len=T, num_heads=H)
   with pytest.raises(ValueError, match="window_size must be an int >= 1"):
