@@ -438,7 +438,8 @@ class CompressionConvolutions(nn.Module):
   one per K/V head, initialised as average pooling.
 
   Attributes:
-    stride: s, must divide the key length.
+    stride: s, must divide the key length. 4 by default, where the paper
+      uses 3: powers of two divide the sequence lengths of our tasks.
     use_bias: biases on the convolutions.
   """
 
@@ -501,5 +502,6 @@ registry.register(registry.VariantSpec(
     extras=CompressionConvolutions,
     not_decodable="its strided convolution compresses the keys of the call at hand; decoding "
                   "would need a cache of compressed blocks",
-    options=dict(stride="s: keys and values compressed by a strided convolution",
+    options=dict(stride="s: keys and values compressed by a strided convolution (4; the "
+                        "paper's 3 divides few of our lengths)",
                  use_bias="biases in the compression convolutions", scale="multiplies the logits; 1/sqrt(D) when None"), **_LOW_RANK))
