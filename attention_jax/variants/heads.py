@@ -316,16 +316,21 @@ def _mean_pairwise_cosine(x: Array) -> Array:
   return jnp.mean(jnp.einsum("bhn,bgn->bhg", unit, unit))
 
 
-def subspace_disagreement(value: Array) -> Array:
+def subspace_disagreement(value: Array, key_visible: Optional[Array] = None) -> Array:
   """D_sub = -(1/H^2) sum_{i,j} cos(V_i, V_j) over the heads' projected values.
 
   Args:
     value: `[B, Tk, H, Dv]`, one value head per query head (repeat grouped
       K/V heads first: heads sharing values then agree, cos = 1).
+    key_visible: `[B|1, Tk]` bool, the keys of the sequence (those some query
+      may attend); the values of the others (padding) are left out of V_i.
+      None: every key.
 
   Returns:
     A float32 scalar in [-1, 1], averaged over the batch (higher = more diverse).
   """
+  if key_visible is not None:
+    value = jnp.where(key_visible[:, :, None, None], value.astype(jnp.float32), 0.0)
   return -_mean_pairwise_cosine(value)
 
 
@@ -383,6 +388,9 @@ def disagreement_attention(query: Array, key: Array, value: Array, bias: Optiona
   handed to `sow_loss` as the loss `weight * (-D_r)` (the weighted mean
   similarity) under the name "<r>_disagreement"; minimising it maximises the
   disagreement. A direct call (sow_loss None) computes no regulariser.
+  Padding reaches no regulariser: the subspace one reads the values of the
+  keys some query may attend, the others read the weights and outputs,
+  which are 0 in a padded (fully masked) query's row.
 
   Args:
     query: `[B, Tq, H, D]`; key: `[B, Tk, Hkv, D]`; value: `[B, Tk, Hkv, Dv]`.
@@ -406,7 +414,7 @@ def disagreement_attention(query: Array, key: Array, value: Array, bias: Optiona
   kept = {}
 
   def keeping_softmax(scores, allowed):
-    kept["weights"] = masked_softmax(scores, allowed)
+    kept["weights"], kept["allowed"] = masked_softmax(scores, allowed), allowed
     return kept["weights"]
 
   out = scoring.scored_attention(
@@ -414,8 +422,13 @@ def disagreement_attention(query: Array, key: Array, value: Array, bias: Optiona
       weighting=keeping_softmax, **kwargs)
   if sow_loss is None or weight == 0.0:
     return out
+  # V_i holds the values of the sequence's keys only: a padded key (one no
+  # query may attend, in any head) must not change the loss.
+  allowed = kept["allowed"]
+  key_visible = None if allowed is None else jnp.any(allowed, axis=(1, 2))  # [B|1, Tk]
   disagreements = dict(
-      subspace=lambda: subspace_disagreement(common.repeat_kv_heads(value, query.shape[2])),
+      subspace=lambda: subspace_disagreement(common.repeat_kv_heads(value, query.shape[2]),
+                                             key_visible),
       position=lambda: position_disagreement(kept["weights"]),
       output=lambda: output_disagreement(out))
   for name in regularizers:

@@ -101,9 +101,39 @@ def test_output_is_dot_product_attention_and_losses_are_the_formulas(is_causal):
   assert sorted(sown) == ["output_disagreement", "position_disagreement",
                           "subspace_disagreement"]
   # The losses are weight * (-D): minimising them maximises the disagreement.
-  assert_close(sown["subspace_disagreement"], 0.5 * np_mean_cosine(expanded_value))
+  # V_i is the values of the sequence's keys: example 0's padded keys are zero.
+  valid_value = np.where(allowed.any(axis=(1, 2))[:, :, None, None], expanded_value, 0.0)
+  assert_close(sown["subspace_disagreement"], 0.5 * np_mean_cosine(valid_value))
   assert_close(sown["position_disagreement"], -0.5 * np_position_disagreement(weights))
   assert_close(sown["output_disagreement"], 0.5 * np_mean_cosine(np_out))
+
+
+@pytest.mark.property("disagreement")
+@pytest.mark.parametrize("padding", ["lengths", "mask"])
+def test_padded_tokens_change_no_regularizer(padding):
+  """A padded token's query, key and value reach no loss: D_sub is the cosine
+  of the valid values only (here from the first 4 keys of example 0)."""
+  query, key, value = random_qkv(seed=5, batch=2, q_len=6, num_heads=H)
+  lengths = jnp.asarray([4, 6])
+  if padding == "lengths":
+    masks = dict(query_seq_lengths=lengths, key_value_seq_lengths=lengths)
+  else:
+    valid = jnp.arange(6)[None, :] < lengths[:, None]  # padded queries and keys alike
+    masks = dict(mask=valid[:, None, :, None] & valid[:, None, None, :])
+
+  def sown_losses(query, key, value):
+    sown = {}
+    heads.disagreement_attention(query, key, value, **masks,
+                                 sow_loss=lambda name, loss: sown.setdefault(name, loss))
+    return sown
+
+  before = sown_losses(query, key, value)
+  after = sown_losses(*(a.at[0, 4:].set(a[0, 4:] * 7.0 + 3.0) for a in (query, key, value)))
+  for name in before:
+    assert_close(after[name], before[name])
+  valid = [as_float64(value)[0:1, :4], as_float64(value)[1:2]]
+  assert_close(before["subspace_disagreement"],
+               np.mean([np_mean_cosine(v) for v in valid]))
 
 
 @pytest.mark.property("disagreement")
