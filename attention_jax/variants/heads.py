@@ -35,6 +35,7 @@ its path, so this file imports no layer).
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Optional, Sequence, Tuple
 
 import flax.linen as nn
@@ -506,13 +507,45 @@ def adaptive_span_attention(query: Array, key: Array, value: Array, bias: Option
                         reach=jnp.max(spans) + ramp)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def clamp_spans(spans: Array, max_span: float) -> Array:
+  """clip(spans, 0, max_span), whose gradient reaches a span outside
+  [0, max_span] when descending it moves the span back towards the range.
+
+  The paper projects its span parameters into the range after each update,
+  so a span at a bound still learns from the mask and the penalty. A plain
+  clip read where the spans are used would give a span that an update pushed
+  past a bound a gradient of 0 from both, for good (a head stuck at span 0
+  or S). Here its gradient is kept when it points back inside (g < 0 below
+  0, g > 0 above S) and dropped when it points further out, where the
+  paper's projection would hold the span at the bound."""
+  return jnp.clip(spans, 0.0, max_span)
+
+
+def _clamp_spans_forward(spans, max_span):
+  return clamp_spans(spans, max_span), spans
+
+
+def _clamp_spans_backward(max_span, spans, grad):
+  outward = ((spans < 0.0) & (grad > 0.0)) | ((spans > max_span) & (grad < 0.0))
+  return (jnp.where(outward, 0.0, grad),)
+
+
+clamp_spans.defvjp(_clamp_spans_forward, _clamp_spans_backward)
+
+
 class AdaptiveSpan(nn.Module):
   """`adaptive_span`'s spans z `[H]`, a parameter "span" in tokens, clamped to
-  [0, max_span] where it is read (the paper clamps it after each update,
-  which the trainer has no hook for; a span clamped at 0 or S gets no
-  gradient from the mask until the penalty or the data move it back, so it
-  starts at S / 2, where both directions are open). Sows the span penalty
-  `span_penalty_loss` into "losses" (the trainer adds it to the loss)."""
+  [0, max_span] where it is read by `clamp_spans` (the paper clamps it after
+  each update, which the trainer has no hook for; `clamp_spans` gives a span
+  pushed past a bound the gradient that brings it back, as the projection
+  would). It starts at S / 2. Sows the span penalty `span_penalty_loss` into
+  "losses" (the trainer adds it to the loss).
+
+  Scale: the parameter is the span in tokens, where the paper's is the
+  fraction z / S (its span S p), so an optimiser whose steps are about the
+  learning rate (Adam) moves these spans S times more slowly than the
+  paper's: at S = 128 and lr 3e-3, about 3 tokens in 1000 steps."""
 
   max_span: int = 128
   ramp: int = 32
@@ -523,7 +556,7 @@ class AdaptiveSpan(nn.Module):
     del key, value, deterministic
     common.check_size("max_span", self.max_span)
     half = lambda rng, shape: jnp.full(shape, self.max_span / 2, jnp.float32)
-    spans = jnp.clip(self.param("span", half, (query.shape[2],)), 0.0, float(self.max_span))
+    spans = clamp_spans(self.param("span", half, (query.shape[2],)), float(self.max_span))
     if self.span_penalty:
       self.sow("losses", "span_penalty", span_penalty_loss(spans, self.span_penalty))
     return {"spans": spans}
