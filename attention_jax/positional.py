@@ -443,6 +443,15 @@ def t5_relative_position_bucket(relative_position: Array, *, bidirectional: bool
 class T5RelativePositionBias(nn.Module):
   """Learned per-head bias of each relative position bucket (T5).
 
+  Differences from T5 as `MultiHeadAttention` uses it: T5 shares one table
+  across the layers of a stack (computed in the first layer), while each
+  layer here has its own `[num_buckets, H]` table; and T5's decoder
+  self-attention buckets causally (`bidirectional=False`: all buckets for the
+  keys before the query), while the default here is bidirectional in every
+  layer, so a causal layer leaves half its buckets unused (the keys after
+  the query are masked) and has num_buckets / 4 exact distances, not / 2.
+  Set `bidirectional` False in `position_options` for T5's decoder.
+
   Attributes:
     num_heads: H.
     num_buckets, max_distance, bidirectional: see `t5_relative_position_bucket`.
