@@ -247,6 +247,14 @@ class Rotary:
     if not self.scaling_factor >= 1.0:
       raise ValueError(f"position_options.scaling_factor must be >= 1 (it stretches the "
                        f"trained length), got {self.scaling_factor!r}.")
+    if self.scaling is None and self.scaling_factor != 1.0:
+      # Without a scaling the factor would be read by nothing: plain RoPE.
+      raise ValueError(f"position_options.scaling_factor={self.scaling_factor!r} needs a "
+                       f"scaling ('linear', 'ntk' or 'yarn') to apply it; got scaling=None.")
+    if self.scaling == "yarn" and not self.beta_fast > self.beta_slow:
+      raise ValueError(f"position_options.beta_fast must exceed beta_slow (YaRN's ramp runs "
+                       f"from beta_slow to beta_fast turns), got beta_fast={self.beta_fast!r}, "
+                       f"beta_slow={self.beta_slow!r}.")
     if self.scaling == "yarn" and not self.original_length:
       raise ValueError("position_options.scaling='yarn' needs original_length, the length the "
                        "model was trained at.")
@@ -442,6 +450,15 @@ def t5_relative_position_bucket(relative_position: Array, *, bidirectional: bool
 
 class T5RelativePositionBias(nn.Module):
   """Learned per-head bias of each relative position bucket (T5).
+
+  Differences from T5 as `MultiHeadAttention` uses it: T5 shares one table
+  across the layers of a stack (computed in the first layer), while each
+  layer here has its own `[num_buckets, H]` table; and T5's decoder
+  self-attention buckets causally (`bidirectional=False`: all buckets for the
+  keys before the query), while the default here is bidirectional in every
+  layer, so a causal layer leaves half its buckets unused (the keys after
+  the query are masked) and has num_buckets / 4 exact distances, not / 2.
+  Set `bidirectional` False in `position_options` for T5's decoder.
 
   Attributes:
     num_heads: H.

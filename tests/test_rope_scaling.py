@@ -123,6 +123,14 @@ def test_xpos_scores_stay_finite_far_from_position_zero():
     (dict(position="rope", position_options={"scaling": "yarn", "scaling_factor": 2.0}),
      "needs original_length"),
     (dict(position="rope", position_options={"scaling": "dynamic"}), "scaling must be one of"),
+    # A factor without a scaling would be ignored: plain RoPE, not the
+    # stretch asked for.
+    (dict(position="rope", position_options={"scaling_factor": 4.0}),
+     r"scaling_factor=4.0 needs a scaling"),
+    # YaRN's ramp divides by beta_fast - beta_slow.
+    (dict(position="rope", position_options={"scaling": "yarn", "scaling_factor": 2.0,
+                                             "original_length": 64, "beta_fast": 1.0}),
+     r"beta_fast must exceed beta_slow"),
     (dict(position="rope", position_options={"wavelength": 500.0}),
      r"\['wavelength'\] are not options of rope"),
     (dict(position="xpos", position_options={"rotary_fraction": 1.5}),

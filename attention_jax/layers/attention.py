@@ -205,6 +205,11 @@ class MultiHeadAttention(nn.Module):
       positions: `[B, Tq]` or `[Tq]` token positions for relative schemes, e.g.
         restarting at each packed segment; `arange(T)` by default. Not taken
         with `decode=True`, which places new tokens after the cached ones.
+        "xl_relative" reads only the first position of each row and numbers
+        the rest consecutively from it (its relative shift needs that): in-
+        segment distances of packed segments restarting at 0 come out right
+        (with `segment_ids` masking the pairs across segments), other gaps in
+        the positions are not seen.
       deterministic: disables dropout.
       carry: what the previous layer handed on (the layer stack passes it);
         a variant that `carries` keys reads and replaces them.

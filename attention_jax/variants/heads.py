@@ -35,6 +35,7 @@ its path, so this file imports no layer).
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Optional, Sequence, Tuple
 
 import flax.linen as nn
@@ -316,16 +317,21 @@ def _mean_pairwise_cosine(x: Array) -> Array:
   return jnp.mean(jnp.einsum("bhn,bgn->bhg", unit, unit))
 
 
-def subspace_disagreement(value: Array) -> Array:
+def subspace_disagreement(value: Array, key_visible: Optional[Array] = None) -> Array:
   """D_sub = -(1/H^2) sum_{i,j} cos(V_i, V_j) over the heads' projected values.
 
   Args:
     value: `[B, Tk, H, Dv]`, one value head per query head (repeat grouped
       K/V heads first: heads sharing values then agree, cos = 1).
+    key_visible: `[B|1, Tk]` bool, the keys of the sequence (those some query
+      may attend); the values of the others (padding) are left out of V_i.
+      None: every key.
 
   Returns:
     A float32 scalar in [-1, 1], averaged over the batch (higher = more diverse).
   """
+  if key_visible is not None:
+    value = jnp.where(key_visible[:, :, None, None], value.astype(jnp.float32), 0.0)
   return -_mean_pairwise_cosine(value)
 
 
@@ -383,6 +389,9 @@ def disagreement_attention(query: Array, key: Array, value: Array, bias: Optiona
   handed to `sow_loss` as the loss `weight * (-D_r)` (the weighted mean
   similarity) under the name "<r>_disagreement"; minimising it maximises the
   disagreement. A direct call (sow_loss None) computes no regulariser.
+  Padding reaches no regulariser: the subspace one reads the values of the
+  keys some query may attend, the others read the weights and outputs,
+  which are 0 in a padded (fully masked) query's row.
 
   Args:
     query: `[B, Tq, H, D]`; key: `[B, Tk, Hkv, D]`; value: `[B, Tk, Hkv, Dv]`.
@@ -406,7 +415,7 @@ def disagreement_attention(query: Array, key: Array, value: Array, bias: Optiona
   kept = {}
 
   def keeping_softmax(scores, allowed):
-    kept["weights"] = masked_softmax(scores, allowed)
+    kept["weights"], kept["allowed"] = masked_softmax(scores, allowed), allowed
     return kept["weights"]
 
   out = scoring.scored_attention(
@@ -414,8 +423,13 @@ def disagreement_attention(query: Array, key: Array, value: Array, bias: Optiona
       weighting=keeping_softmax, **kwargs)
   if sow_loss is None or weight == 0.0:
     return out
+  # V_i holds the values of the sequence's keys only: a padded key (one no
+  # query may attend, in any head) must not change the loss.
+  allowed = kept["allowed"]
+  key_visible = None if allowed is None else jnp.any(allowed, axis=(1, 2))  # [B|1, Tk]
   disagreements = dict(
-      subspace=lambda: subspace_disagreement(common.repeat_kv_heads(value, query.shape[2])),
+      subspace=lambda: subspace_disagreement(common.repeat_kv_heads(value, query.shape[2]),
+                                             key_visible),
       position=lambda: position_disagreement(kept["weights"]),
       output=lambda: output_disagreement(out))
   for name in regularizers:
@@ -493,13 +507,45 @@ def adaptive_span_attention(query: Array, key: Array, value: Array, bias: Option
                         reach=jnp.max(spans) + ramp)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def clamp_spans(spans: Array, max_span: float) -> Array:
+  """clip(spans, 0, max_span), whose gradient reaches a span outside
+  [0, max_span] when descending it moves the span back towards the range.
+
+  The paper projects its span parameters into the range after each update,
+  so a span at a bound still learns from the mask and the penalty. A plain
+  clip read where the spans are used would give a span that an update pushed
+  past a bound a gradient of 0 from both, for good (a head stuck at span 0
+  or S). Here its gradient is kept when it points back inside (g < 0 below
+  0, g > 0 above S) and dropped when it points further out, where the
+  paper's projection would hold the span at the bound."""
+  return jnp.clip(spans, 0.0, max_span)
+
+
+def _clamp_spans_forward(spans, max_span):
+  return clamp_spans(spans, max_span), spans
+
+
+def _clamp_spans_backward(max_span, spans, grad):
+  outward = ((spans < 0.0) & (grad > 0.0)) | ((spans > max_span) & (grad < 0.0))
+  return (jnp.where(outward, 0.0, grad),)
+
+
+clamp_spans.defvjp(_clamp_spans_forward, _clamp_spans_backward)
+
+
 class AdaptiveSpan(nn.Module):
   """`adaptive_span`'s spans z `[H]`, a parameter "span" in tokens, clamped to
-  [0, max_span] where it is read (the paper clamps it after each update,
-  which the trainer has no hook for; a span clamped at 0 or S gets no
-  gradient from the mask until the penalty or the data move it back, so it
-  starts at S / 2, where both directions are open). Sows the span penalty
-  `span_penalty_loss` into "losses" (the trainer adds it to the loss)."""
+  [0, max_span] where it is read by `clamp_spans` (the paper clamps it after
+  each update, which the trainer has no hook for; `clamp_spans` gives a span
+  pushed past a bound the gradient that brings it back, as the projection
+  would). It starts at S / 2. Sows the span penalty `span_penalty_loss` into
+  "losses" (the trainer adds it to the loss).
+
+  Scale: the parameter is the span in tokens, where the paper's is the
+  fraction z / S (its span S p), so an optimiser whose steps are about the
+  learning rate (Adam) moves these spans S times more slowly than the
+  paper's: at S = 128 and lr 3e-3, about 3 tokens in 1000 steps."""
 
   max_span: int = 128
   ramp: int = 32
@@ -510,7 +556,7 @@ class AdaptiveSpan(nn.Module):
     del key, value, deterministic
     common.check_size("max_span", self.max_span)
     half = lambda rng, shape: jnp.full(shape, self.max_span / 2, jnp.float32)
-    spans = jnp.clip(self.param("span", half, (query.shape[2],)), 0.0, float(self.max_span))
+    spans = clamp_spans(self.param("span", half, (query.shape[2],)), float(self.max_span))
     if self.span_penalty:
       self.sow("losses", "span_penalty", span_penalty_loss(spans, self.span_penalty))
     return {"spans": spans}

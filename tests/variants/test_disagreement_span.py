@@ -101,9 +101,39 @@ def test_output_is_dot_product_attention_and_losses_are_the_formulas(is_causal):
   assert sorted(sown) == ["output_disagreement", "position_disagreement",
                           "subspace_disagreement"]
   # The losses are weight * (-D): minimising them maximises the disagreement.
-  assert_close(sown["subspace_disagreement"], 0.5 * np_mean_cosine(expanded_value))
+  # V_i is the values of the sequence's keys: example 0's padded keys are zero.
+  valid_value = np.where(allowed.any(axis=(1, 2))[:, :, None, None], expanded_value, 0.0)
+  assert_close(sown["subspace_disagreement"], 0.5 * np_mean_cosine(valid_value))
   assert_close(sown["position_disagreement"], -0.5 * np_position_disagreement(weights))
   assert_close(sown["output_disagreement"], 0.5 * np_mean_cosine(np_out))
+
+
+@pytest.mark.property("disagreement")
+@pytest.mark.parametrize("padding", ["lengths", "mask"])
+def test_padded_tokens_change_no_regularizer(padding):
+  """A padded token's query, key and value reach no loss: D_sub is the cosine
+  of the valid values only (here from the first 4 keys of example 0)."""
+  query, key, value = random_qkv(seed=5, batch=2, q_len=6, num_heads=H)
+  lengths = jnp.asarray([4, 6])
+  if padding == "lengths":
+    masks = dict(query_seq_lengths=lengths, key_value_seq_lengths=lengths)
+  else:
+    valid = jnp.arange(6)[None, :] < lengths[:, None]  # padded queries and keys alike
+    masks = dict(mask=valid[:, None, :, None] & valid[:, None, None, :])
+
+  def sown_losses(query, key, value):
+    sown = {}
+    heads.disagreement_attention(query, key, value, **masks,
+                                 sow_loss=lambda name, loss: sown.setdefault(name, loss))
+    return sown
+
+  before = sown_losses(query, key, value)
+  after = sown_losses(*(a.at[0, 4:].set(a[0, 4:] * 7.0 + 3.0) for a in (query, key, value)))
+  for name in before:
+    assert_close(after[name], before[name])
+  valid = [as_float64(value)[0:1, :4], as_float64(value)[1:2]]
+  assert_close(before["subspace_disagreement"],
+               np.mean([np_mean_cosine(v) for v in valid]))
 
 
 @pytest.mark.property("disagreement")
@@ -213,8 +243,36 @@ def test_span_penalty_is_sown_and_spans_are_clamped_and_trainable():
                                is_causal=True) ** 2)
   grad = jax.grad(loss)(raw)
   assert np.isfinite(np.asarray(grad)).all()
-  # Spans inside (0, S) learn from the mask; clamped ones get no gradient.
-  assert np.all(np.asarray(grad)[1:3] != 0) and grad[0] == 0 and grad[3] == 0
+  # Spans inside (0, S) learn from the mask; a clamped one only from a
+  # gradient that brings it back (descending it raises -3, lowers 12).
+  assert np.all(np.asarray(grad)[1:3] != 0) and grad[0] <= 0 and grad[3] >= 0
+
+
+@pytest.mark.property("adaptive_span")
+def test_a_span_pushed_past_a_bound_can_come_back():
+  """The paper projects its spans into [0, S] after each update, so a span at
+  a bound keeps learning. A span parameter an update pushed past a bound
+  reads as the bound and takes the gradient that moves it back inside (and
+  none that pushes it further out): it is not stuck there for good."""
+  max_span = 8.0
+  raw = jnp.asarray([-1.0, 3.0, 9.5])
+  assert_close(heads.clamp_spans(raw, max_span), [0.0, 3.0, 8.0])
+  # A loss that wants longer spans: its descent raises every span, which
+  # brings -1 back and would push 9.5 further out.
+  longer = jax.grad(lambda z: -jnp.sum(heads.clamp_spans(z, max_span)))(raw)
+  assert_close(longer, [-1.0, -1.0, 0.0])
+  # The span penalty wants shorter ones: 9.5 comes back, -1 stays.
+  shorter = jax.grad(lambda z: heads.span_penalty_loss(heads.clamp_spans(z, max_span), 3.0))(raw)
+  assert_close(shorter, [0.0, 1.0, 1.0])
+  # Through the layer: a head at span -1 learns from the penalty's opposite
+  # (sown with a negative weight) as the paper's projected span at 0 would.
+  layer = heads.AdaptiveSpan(max_span=8, ramp=2, span_penalty=-1.0)
+  query = jnp.zeros((1, 4, 3, 2))
+
+  def sown_penalty(span):
+    _, state = layer.apply({"params": {"span": span}}, query, query, query, mutable=["losses"])
+    return state["losses"]["span_penalty"][0]
+  assert_close(jax.grad(sown_penalty)(raw), [-1.0 / 3, -1.0 / 3, 0.0])
 
 
 @pytest.mark.property("adaptive_span")
