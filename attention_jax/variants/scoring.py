@@ -167,6 +167,11 @@ def luong_local_attention(query: Array, key: Array, value: Array, bias: Optional
     a_t(s) = softmax_{|s' - p_t| <= D}(score(h_t, k_s')) * exp(-(s - p_t)^2 / (2 sigma^2)),
     not renormalised after the Gaussian, as in the paper. p_t is real, so
     the Gaussian favours the keys nearest the predicted point.
+    Without `key_value_seq_lengths`, S is Tk, padding included: padding
+    given only through `mask` (as the encoder passes it) moves p_t, so the
+    padded length changes the real tokens' outputs. The paper's S is the
+    source length: pass `key_value_seq_lengths` (the RNN and Transformer
+    seq2seq models do for their cross-attention).
 
   Args:
     query: `[B, Tq, H, D]`; key: `[B, Tk, Hkv, D]`; value: `[B, Tk, Hkv, Dv]`.
@@ -374,7 +379,8 @@ registry.register(registry.VariantSpec(
 registry.register(registry.VariantSpec(
     name="luong_local", fn=luong_local_attention, paper="Luong et al. 2015", extras=LocalScore,
     takes=("dropout", "query_positions"),
-    options=dict(mode="'predictive' (local-p: p_t = S sigmoid(v^T tanh(W_p h_t)), the window's "
+    options=dict(mode="'predictive' (local-p: p_t = S sigmoid(v^T tanh(W_p h_t)), S the "
+                      "key_value_seq_lengths or else Tk with any padding; the window's "
                       "softmax times a Gaussian at p_t) or 'monotonic' (local-m: p_t = t, the "
                       "window's softmax alone)",
                  window="D, the window's half-width in keys",
