@@ -169,9 +169,11 @@ def luong_local_attention(query: Array, key: Array, value: Array, bias: Optional
     the Gaussian favours the keys nearest the predicted point.
     Without `key_value_seq_lengths`, S is Tk, padding included: padding
     given only through `mask` (as the encoder passes it) moves p_t, so the
-    padded length changes the real tokens' outputs. The paper's S is the
-    source length: pass `key_value_seq_lengths` (the RNN and Transformer
-    seq2seq models do for their cross-attention).
+    padded length changes the real tokens' outputs; and under `is_causal`
+    (or while decoding, where Tk is the cache's size) query t's p_t depends
+    on how many keys there are after it. The paper's S is the source length
+    (cross-attention): pass `key_value_seq_lengths` (the RNN and Transformer
+    seq2seq models do).
 
   Args:
     query: `[B, Tq, H, D]`; key: `[B, Tk, Hkv, D]`; value: `[B, Tk, Hkv, Dv]`.
