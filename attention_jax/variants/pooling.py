@@ -62,12 +62,25 @@ def valid_tokens(mask: Optional[Array], lengths: Optional[Array], batch: int, le
 
   Raises:
     ValueError: on a mask that is not boolean `[B, T]` or lengths that are not `[B]`
-      (never broadcast: a `[1, T]` mask for a batch is a bug more often than not).
+      (never broadcast: a `[1, T]` mask for a batch is a bug more often than not),
+      lengths that are not integers, or (where concrete) not in [0, T].
   """
   valid = None
   if lengths is not None:
     if tuple(jnp.shape(lengths)) != (batch,):
       raise _shape_error(lengths_name, lengths, f"[B] = [{batch}]")
+    # `arange(T) < lengths` would take anything: 2.5 keeps 3 tokens, True 1, a
+    # count past T or below 0 all or none.
+    dtype = jnp.result_type(lengths)
+    if not jnp.issubdtype(dtype, jnp.integer):
+      raise ValueError(f"{lengths_name} must be an integer array of token counts, got dtype "
+                       f"{dtype}.")
+    if not isinstance(lengths, jax.core.Tracer) and batch:  # values only checkable outside jit
+      values = np.asarray(lengths)
+      low, high = int(values.min()), int(values.max())
+      if low < 0 or high > length:
+        raise ValueError(f"{lengths_name} must lie in [0, {length}] (T), got values in "
+                         f"[{low}, {high}].")
     valid = mask_lib.length_predicate(jnp.arange(length)[None, :],
                                       jnp.asarray(lengths)[:, None])
   if mask is not None:

@@ -167,6 +167,13 @@ def luong_local_attention(query: Array, key: Array, value: Array, bias: Optional
     a_t(s) = softmax_{|s' - p_t| <= D}(score(h_t, k_s')) * exp(-(s - p_t)^2 / (2 sigma^2)),
     not renormalised after the Gaussian, as in the paper. p_t is real, so
     the Gaussian favours the keys nearest the predicted point.
+    Without `key_value_seq_lengths`, S is Tk, padding included: padding
+    given only through `mask` (as the encoder passes it) moves p_t, so the
+    padded length changes the real tokens' outputs; and under `is_causal`
+    (or while decoding, where Tk is the cache's size) query t's p_t depends
+    on how many keys there are after it. The paper's S is the source length
+    (cross-attention): pass `key_value_seq_lengths` (the RNN and Transformer
+    seq2seq models do).
 
   Args:
     query: `[B, Tq, H, D]`; key: `[B, Tk, Hkv, D]`; value: `[B, Tk, Hkv, Dv]`.
@@ -214,6 +221,11 @@ def luong_local_attention(query: Array, key: Array, value: Array, bias: Optional
     centre = common.query_positions(query_positions, batch, q_len)[:, None, :]
   distance = jnp.arange(kv_len, dtype=jnp.float32) - centre[..., None]  # [B, H|1, Tq, Tk]
   in_window = jnp.abs(distance) <= window
+  if mask is not None and jnp.result_type(mask) != jnp.bool_:
+    # Checked here, not only by prepare_inputs: logical_and would cast a float
+    # or int mask to bool first (0.3 -> True), and the check would never see it.
+    raise ValueError(f"mask must be boolean (True may attend), got dtype "
+                     f"{jnp.result_type(mask)}.")
   mask = in_window if mask is None else jnp.logical_and(mask, in_window)
 
   score_fn = dot_score
@@ -369,7 +381,8 @@ registry.register(registry.VariantSpec(
 registry.register(registry.VariantSpec(
     name="luong_local", fn=luong_local_attention, paper="Luong et al. 2015", extras=LocalScore,
     takes=("dropout", "query_positions"),
-    options=dict(mode="'predictive' (local-p: p_t = S sigmoid(v^T tanh(W_p h_t)), the window's "
+    options=dict(mode="'predictive' (local-p: p_t = S sigmoid(v^T tanh(W_p h_t)), S the "
+                      "key_value_seq_lengths or else Tk with any padding; the window's "
                       "softmax times a Gaussian at p_t) or 'monotonic' (local-m: p_t = t, the "
                       "window's softmax alone)",
                  window="D, the window's half-width in keys",

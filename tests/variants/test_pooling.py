@@ -447,6 +447,21 @@ def test_a_pooling_or_alignment_module_is_refused_as_a_token_mixer(name):
     (lambda: pooling.attention_pooling(jnp.ones((2, 3, E)), lengths=jnp.ones((2, 1)),
                                        **_level(0)),
      r"lengths must have shape \[B\] = \[2\], got shape \[2, 1\]"),
+    # Lengths are counts of tokens: a float (2.5 would keep 3 tokens), a bool
+    # or a count outside [0, T] (silently none or all) is refused, as
+    # dot_product_attention refuses its key_value_seq_lengths.
+    (lambda: pooling.attention_pooling(jnp.ones((2, 3, E)), lengths=jnp.array([2.5, 3.0]),
+                                       **_level(0)),
+     r"lengths must be an integer array of token counts, got dtype float32"),
+    (lambda: pooling.attention_pooling(jnp.ones((2, 3, E)), lengths=jnp.array([True, False]),
+                                       **_level(0)),
+     r"lengths must be an integer array of token counts, got dtype bool"),
+    (lambda: pooling.attention_pooling(jnp.ones((2, 3, E)), lengths=jnp.array([1, 4]),
+                                       **_level(0)),
+     r"lengths must lie in \[0, 3\] \(T\), got values in \[1, 4\]"),
+    (lambda: pooling.cross_alignment(jnp.ones((2, 3, E)), jnp.ones((2, 4, E)),
+                                     b_lengths=jnp.array([-1, 2])),
+     r"b_lengths must lie in \[0, 4\] \(T\), got values in \[-1, 2\]"),
     (lambda: pooling.hierarchical_attention_pooling(jnp.ones((2, 3, E)), _level(0), _level(0)),
      r"x must have shape \[B, S, W, E\] \(S sentences of W words\), got shape \[2, 3, 5\]"),
     (lambda: pooling.hierarchical_attention_pooling(jnp.ones((2, 3, 4, E)), _level(0), _level(0),

@@ -261,6 +261,13 @@ def test_luong_local_layer_places_decoded_queries_at_their_positions():
      r"query_positions must be \[Tq\] or \[B, Tq\] = \[7\] or \[2, 7\], got \[3\]"),
     (dict(score="dot", position_kernel=jnp.zeros((2, 8, 3)), position_vector=jnp.zeros((2, 4))),
      r"position_vector must have shape \[2, 3\], got \[2, 4\]"),
+    # A non-boolean mask is refused as dot_product_attention refuses it, not
+    # cast to bool by the window's logical_and (0.3 would let every key in).
+    (dict(mode="monotonic", score="dot", mask=jnp.full((7,), 0.3)),
+     r"mask must be boolean \(True may attend\), got dtype float32"),
+    (dict(score="dot", position_kernel=jnp.zeros((2, 8, 3)), position_vector=jnp.zeros((2, 3)),
+          mask=jnp.ones((2, 1, 1, 7), jnp.int32)),
+     r"mask must be boolean \(True may attend\), got dtype int32"),
 ])
 def test_luong_local_rejects_bad_arguments(options, message):
   query, key, value = random_qkv(num_heads=2, head_dim=8)
