@@ -69,7 +69,10 @@ def get_config():
       "and memory are lower bounds, not comparable with the other rows'",
       "mla's two cells were re-made at 2966b30 (stop 61: its head projections had started "
       "sqrt(H) too small), beside other training runs: its steps/s and memory are lower "
-      "bounds too",)
+      "bounds too",
+      "disagreement's two cells were re-made at a2ffb48 (stop 62: its subspace regulariser "
+      "had read the values of padded keys), beside the test suite and training runs: its "
+      "steps/s and memory are lower bounds too",)
   mean_pooled = {"model": {"pooling": "mean"}}
   config.cell_overrides = {"listops": {
       "bigbird": {"model": {"attention_options": {"block_size": 16}}},
