@@ -285,6 +285,22 @@ def test_random_on_flex_matches_dense_under_the_drawn_keys(causal, window):
                  implementation="blockwise")
 
 
+def test_random_on_flex_refuses_a_bias_and_a_pairwise_mask_as_its_pure_form_does():
+  """The flex path took a dense [B, H, T, T] bias and a pairwise [B, 1, T, T]
+  mask that the pure form (and every sparse variant's kernel path) refuses:
+  a T x T input to a variant registered sub-quadratic, and a pattern other
+  than the drawn one."""
+  query, key, value = random_qkv(q_len=T, num_heads=2)
+  fn = functools.partial(random_attention, rng=jax.random.PRNGKey(0), num_random=4,
+                         implementation="blockwise")
+  with pytest.raises(ValueError, match="does not support bias"):
+    fn(query, key, value, jnp.zeros((1, 2, T, T)))
+  with pytest.raises(ValueError, match="key-padding mask"):
+    fn(query, key, value, None, jnp.ones((1, 1, T, T), bool))
+  with pytest.raises(ValueError, match=r"query length \(19\).*key/value length \(7\)"):
+    fn(query, key[:, :7], value[:, :7])
+
+
 def test_random_draws_are_in_range_causal_and_vary_by_head():
   for causal in (False, True):
     indices = np.asarray(random_indices(jax.random.PRNGKey(0), 2, 64, 8, causal))
