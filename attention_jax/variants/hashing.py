@@ -274,6 +274,9 @@ def lsh_attention(
     chunk_size = -(-length // num_chunks)
   common.check_size("chunk_size", chunk_size)
   if not mask_padding:
+    # Ignored, but checked first: a pairwise or non-boolean mask is an error
+    # whatever mask_padding says.
+    _valid_keys("lsh", mask, key_value_seq_lengths, batch, length)
     mask = key_value_seq_lengths = None
   # num_chunks chunks of chunk_size: T' = num_chunks * chunk_size.
   multiple = chunk_size * (num_chunks or 1)

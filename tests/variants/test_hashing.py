@@ -120,6 +120,10 @@ def test_lsh_padding():
     (dict(hash_rng=None), "needs hash_rng"),
     (dict(bias=jnp.zeros((1, 1, 16, 16))), "does not support bias"),
     (dict(is_causal=True, mask=jnp.ones((1, 1, 16, 16), bool)), "key-padding mask"),
+    # mask_padding=False ignores the padding, not the rules a mask must follow:
+    # a pairwise or an additive mask was dropped without a word.
+    (dict(mask_padding=False, mask=jnp.ones((1, 1, 16, 16), bool)), "key-padding mask"),
+    (dict(mask_padding=False, mask=jnp.zeros((1, 1, 1, 16))), "mask must be boolean"),
 ])
 def test_lsh_rejects_bad_arguments(options, message):
   query, key, value = random_qkv(batch=1, q_len=16, num_heads=2)
