@@ -703,6 +703,22 @@ def test_refuses_cross_attention_bias_and_pairwise_masks(name):
     fn(query, key, value, None, jnp.ones((1, 1, 40, 40), bool))
 
 
+@pytest.mark.parametrize("name", sorted(MODULE_OPTIONS))
+def test_refuses_lengths_that_are_not_integer_b_arrays(name):
+  """Float lengths were taken as thresholds (3.5 let key 3 through, where
+  dot_product_attention refuses them); a [B, 1] length broadcast to [B, B]."""
+  fn = functools.partial(registry.get_variant(name).fn, **MODULE_OPTIONS[name])
+  if registry.get_variant(name).extras is not None:
+    fn = functools.partial(fn, rng=jax.random.PRNGKey(0))
+  query, key, value = random_qkv(batch=2, q_len=40, num_heads=2)
+  with pytest.raises(ValueError, match=r"key_value_seq_lengths must be an integer array of "
+                                       r"shape \[B\] = \[2\], got float32 \[2\]"):
+    fn(query, key, value, key_value_seq_lengths=jnp.array([35.5, 40.0]))
+  with pytest.raises(ValueError, match=r"query_seq_lengths must be an integer array of "
+                                       r"shape \[B\] = \[2\], got int32 \[2, 1\]"):
+    fn(query, key, value, query_seq_lengths=jnp.array([[35], [40]]))
+
+
 # Every registered variant runs by name in MultiHeadAttention under jit
 # (test_every_variant.py); here with its options, GQA, a padding mask and causal.
 @pytest.mark.parametrize("name", ["local", "longformer", "axial"])
