@@ -345,6 +345,29 @@ def test_causal_sinkhorn_with_a_hard_previous_block_sort_matches_its_dense_mask(
   assert_same_outputs_and_grads(ours, oracle, query, key, value)
 
 
+@pytest.mark.property("lsh")
+@pytest.mark.property("routing")
+@pytest.mark.parametrize("variant", ["lsh", "routing"])
+def test_causal_lsh_and_routing_choose_their_groups_over_the_whole_sequence(variant):
+  """What their docstrings state: the causal mask keeps j <= i inside a group,
+  but the groups (sorted chunks, top-k cluster members) are chosen over the
+  whole sequence, so changing only the tokens after position 30 changes
+  earlier outputs (unlike causal sinkhorn, above, and the sparse patterns)."""
+  length, cut = 48, 30
+  query, key, value = random_qkv(seed=1, batch=1, q_len=length, num_heads=4, head_dim=8)
+  later = random_qkv(seed=2, batch=1, q_len=length, num_heads=4, head_dim=8)
+  replaced = [x.at[:, cut:].set(3.0 * y[:, cut:]) for x, y in zip((query, key, value), later)]
+  centroids = hashing._normalize(jax.random.normal(jax.random.PRNGKey(5), (4, 7, 8)))
+  attend = {
+      "lsh": lambda q, k, v: hashing.lsh_attention(q, k, v, is_causal=True, hash_rng=RNG,
+                                                   chunk_size=8, n_buckets=4),
+      "routing": lambda q, k, v: hashing.routing_attention(q, k, v, is_causal=True,
+                                                           centroids=centroids),
+  }[variant]
+  before, after = jit_call(attend, query, key, value), jit_call(attend, *replaced)
+  assert np.abs(np.asarray(before - after)[:, :cut]).max() > 1e-3
+
+
 @pytest.mark.property("sinkhorn")
 def test_causal_sinkhorn_output_never_depends_on_later_tokens():
   length, block_size = 16, 4
