@@ -866,6 +866,8 @@ def test_axial_reaches_every_position_after_both_passes(causal):
     cols = np.arange(length) % 4
     reachable = lower & (cols[None, :] <= cols[:, None])
     assert np.all(reach[reachable] > 0.0)
+    # ... and only those (the docstring's departure from Ho et al.'s decoder).
+    assert np.all(reach[~reachable] == 0.0)
   else:
     assert np.all(reach > 0.0)
   # Any single pass would not: the row pass alone leaves other rows out.
