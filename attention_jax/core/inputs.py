@@ -83,13 +83,17 @@ def _pairwise_rank4(name: str, array, target: Sequence[int]) -> Optional[Array]:
   return array.reshape(padded)
 
 
-def _check_lengths(name: str, lengths: Optional[Array], batch: int, max_len: int) -> None:
+def check_lengths(name: str, lengths: Optional[Array], batch: int,
+                  max_len: Optional[int] = None) -> None:
+  """A ValueError unless `lengths` is None or an integer `[B]` array, with
+  values in [0, max_len] when `max_len` is given and the values are concrete."""
   if lengths is None:
     return
   if jnp.shape(lengths) != (batch,) or not jnp.issubdtype(jnp.asarray(lengths).dtype, jnp.integer):
     raise ValueError(f"{name} must be an integer array of shape [B] = [{batch}], "
                      f"got {jnp.asarray(lengths).dtype} {list(jnp.shape(lengths))}.")
-  if not isinstance(lengths, jax.core.Tracer):  # Values are only checkable outside jit.
+  if max_len is not None and not isinstance(lengths, jax.core.Tracer):
+    # Values are only checkable outside jit.
     values = np.asarray(lengths)
     low, high = int(values.min()), int(values.max())
     if low < 0 or high > max_len:
@@ -149,8 +153,8 @@ def prepare_inputs(query, key, value, bias=None, mask=None, *, scale=None, is_ca
   mask = _pairwise_rank4("mask", mask, target)
   if mask is not None and mask.dtype != jnp.bool_:
     raise ValueError(f"mask must be boolean (True may attend), got dtype {mask.dtype}.")
-  _check_lengths("query_seq_lengths", query_seq_lengths, batch, q_len)
-  _check_lengths("key_value_seq_lengths", key_value_seq_lengths, batch, kv_len)
+  check_lengths("query_seq_lengths", query_seq_lengths, batch, q_len)
+  check_lengths("key_value_seq_lengths", key_value_seq_lengths, batch, kv_len)
   q_segment_ids, kv_segment_ids = split_segment_ids(segment_ids)
   if unbatched and q_segment_ids is not None:
     q_segment_ids, kv_segment_ids = q_segment_ids[None], kv_segment_ids[None]

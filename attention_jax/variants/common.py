@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from attention_jax.core import masks as mask_lib
+from attention_jax.core.inputs import check_lengths
 
 Array = jnp.ndarray
 
@@ -111,6 +112,9 @@ def key_padding(variant: str, mask: Optional[Array], key_value_seq_lengths: Opti
   as it does for a mask that is not boolean.
   """
   valid = None
+  # As `dot_product_attention` demands: a float length (3.5 let 4 keys
+  # through) or a [B, 1] one (broadcast to B x B) is an error, not a guess.
+  check_lengths("key_value_seq_lengths", key_value_seq_lengths, batch)
   if key_value_seq_lengths is not None:
     valid = mask_lib.length_predicate(jnp.arange(kv_len)[None, :],
                                       jnp.asarray(key_value_seq_lengths)[:, None])
@@ -140,6 +144,7 @@ def zero_padded_queries(out: Array, query_seq_lengths: Optional[Array]) -> Array
   """
   if query_seq_lengths is None:
     return out
+  check_lengths("query_seq_lengths", query_seq_lengths, out.shape[0])
   valid = mask_lib.length_predicate(jnp.arange(out.shape[1])[None, :],
                                     jnp.asarray(query_seq_lengths)[:, None])
   return jnp.where(valid[:, :, None, None], out, jnp.zeros((), out.dtype))

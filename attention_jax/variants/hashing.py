@@ -229,7 +229,11 @@ def lsh_attention(
     value: `[B, T, Hkv, Dv]`, Hkv dividing H.
     bias, segment_ids: not supported (ValueError).
     mask: only a key-padding mask `[B|1, 1, 1, T]`.
-    is_causal: token i attends to tokens j <= i.
+    is_causal: token i attends to tokens j <= i. The hashing, the sort and
+      the chunks still span the whole sequence (as in Reformer): a later token
+      sorted before i shifts the chunk boundaries, and so which earlier keys
+      share i's two chunks, so an earlier output can change with a later
+      token (not strictly autoregressive; `lsh` cannot decode).
     query_seq_lengths: `[B]`; later queries output zeros.
     key_value_seq_lengths: `[B]`; later tokens are not attended. Padded tokens
       (by lengths or mask) are sorted after every valid token, so they never
@@ -274,6 +278,9 @@ def lsh_attention(
     chunk_size = -(-length // num_chunks)
   common.check_size("chunk_size", chunk_size)
   if not mask_padding:
+    # Ignored, but checked first: a pairwise or non-boolean mask is an error
+    # whatever mask_padding says.
+    _valid_keys("lsh", mask, key_value_seq_lengths, batch, length)
     mask = key_value_seq_lengths = None
   # num_chunks chunks of chunk_size: T' = num_chunks * chunk_size.
   multiple = chunk_size * (num_chunks or 1)
@@ -485,7 +492,11 @@ def routing_attention(
     value: `[B, Tk, Hkv, Dv]`.
     bias, segment_ids: not supported (ValueError).
     mask: only a key-padding mask `[B|1, 1, 1, Tk]`.
-    is_causal: query i attends keys j <= i (top-left aligned).
+    is_causal: query i attends keys j <= i (top-left aligned). The members
+      of each cluster are still the top-k over the whole sequence (as the
+      paper's balanced clusters): a later token can push an earlier query or
+      key out of a cluster, so an earlier output can change with a later
+      token (not strictly autoregressive; see `not_decodable`).
     query_seq_lengths: `[B]`; later queries output zeros and are never routed.
     key_value_seq_lengths: `[B]`; later keys are never routed or attended.
     centroids: `[H, C, D]` cluster centres (a variable of `RoutingCentroids`);

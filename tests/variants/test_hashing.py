@@ -120,6 +120,10 @@ def test_lsh_padding():
     (dict(hash_rng=None), "needs hash_rng"),
     (dict(bias=jnp.zeros((1, 1, 16, 16))), "does not support bias"),
     (dict(is_causal=True, mask=jnp.ones((1, 1, 16, 16), bool)), "key-padding mask"),
+    # mask_padding=False ignores the padding, not the rules a mask must follow:
+    # a pairwise or an additive mask was dropped without a word.
+    (dict(mask_padding=False, mask=jnp.ones((1, 1, 16, 16), bool)), "key-padding mask"),
+    (dict(mask_padding=False, mask=jnp.zeros((1, 1, 1, 16))), "mask must be boolean"),
 ])
 def test_lsh_rejects_bad_arguments(options, message):
   query, key, value = random_qkv(batch=1, q_len=16, num_heads=2)
@@ -339,6 +343,29 @@ def test_causal_sinkhorn_with_a_hard_previous_block_sort_matches_its_dense_mask(
       allowed[:, :, i, j] &= block_j in (block_i, block_i - 1)
   oracle = lambda q, k, v: reference_attention(q, k, v, None, jnp.asarray(allowed))
   assert_same_outputs_and_grads(ours, oracle, query, key, value)
+
+
+@pytest.mark.property("lsh")
+@pytest.mark.property("routing")
+@pytest.mark.parametrize("variant", ["lsh", "routing"])
+def test_causal_lsh_and_routing_choose_their_groups_over_the_whole_sequence(variant):
+  """What their docstrings state: the causal mask keeps j <= i inside a group,
+  but the groups (sorted chunks, top-k cluster members) are chosen over the
+  whole sequence, so changing only the tokens after position 30 changes
+  earlier outputs (unlike causal sinkhorn, above, and the sparse patterns)."""
+  length, cut = 48, 30
+  query, key, value = random_qkv(seed=1, batch=1, q_len=length, num_heads=4, head_dim=8)
+  later = random_qkv(seed=2, batch=1, q_len=length, num_heads=4, head_dim=8)
+  replaced = [x.at[:, cut:].set(3.0 * y[:, cut:]) for x, y in zip((query, key, value), later)]
+  centroids = hashing._normalize(jax.random.normal(jax.random.PRNGKey(5), (4, 7, 8)))
+  attend = {
+      "lsh": lambda q, k, v: hashing.lsh_attention(q, k, v, is_causal=True, hash_rng=RNG,
+                                                   chunk_size=8, n_buckets=4),
+      "routing": lambda q, k, v: hashing.routing_attention(q, k, v, is_causal=True,
+                                                           centroids=centroids),
+  }[variant]
+  before, after = jit_call(attend, query, key, value), jit_call(attend, *replaced)
+  assert np.abs(np.asarray(before - after)[:, :cut]).max() > 1e-3
 
 
 @pytest.mark.property("sinkhorn")

@@ -285,6 +285,22 @@ def test_random_on_flex_matches_dense_under_the_drawn_keys(causal, window):
                  implementation="blockwise")
 
 
+def test_random_on_flex_refuses_a_bias_and_a_pairwise_mask_as_its_pure_form_does():
+  """The flex path took a dense [B, H, T, T] bias and a pairwise [B, 1, T, T]
+  mask that the pure form (and every sparse variant's kernel path) refuses:
+  a T x T input to a variant registered sub-quadratic, and a pattern other
+  than the drawn one."""
+  query, key, value = random_qkv(q_len=T, num_heads=2)
+  fn = functools.partial(random_attention, rng=jax.random.PRNGKey(0), num_random=4,
+                         implementation="blockwise")
+  with pytest.raises(ValueError, match="does not support bias"):
+    fn(query, key, value, jnp.zeros((1, 2, T, T)))
+  with pytest.raises(ValueError, match="key-padding mask"):
+    fn(query, key, value, None, jnp.ones((1, 1, T, T), bool))
+  with pytest.raises(ValueError, match=r"query length \(19\).*key/value length \(7\)"):
+    fn(query, key[:, :7], value[:, :7])
+
+
 def test_random_draws_are_in_range_causal_and_vary_by_head():
   for causal in (False, True):
     indices = np.asarray(random_indices(jax.random.PRNGKey(0), 2, 64, 8, causal))
@@ -687,6 +703,22 @@ def test_refuses_cross_attention_bias_and_pairwise_masks(name):
     fn(query, key, value, None, jnp.ones((1, 1, 40, 40), bool))
 
 
+@pytest.mark.parametrize("name", sorted(MODULE_OPTIONS))
+def test_refuses_lengths_that_are_not_integer_b_arrays(name):
+  """Float lengths were taken as thresholds (3.5 let key 3 through, where
+  dot_product_attention refuses them); a [B, 1] length broadcast to [B, B]."""
+  fn = functools.partial(registry.get_variant(name).fn, **MODULE_OPTIONS[name])
+  if registry.get_variant(name).extras is not None:
+    fn = functools.partial(fn, rng=jax.random.PRNGKey(0))
+  query, key, value = random_qkv(batch=2, q_len=40, num_heads=2)
+  with pytest.raises(ValueError, match=r"key_value_seq_lengths must be an integer array of "
+                                       r"shape \[B\] = \[2\], got float32 \[2\]"):
+    fn(query, key, value, key_value_seq_lengths=jnp.array([35.5, 40.0]))
+  with pytest.raises(ValueError, match=r"query_seq_lengths must be an integer array of "
+                                       r"shape \[B\] = \[2\], got int32 \[2, 1\]"):
+    fn(query, key, value, query_seq_lengths=jnp.array([[35], [40]]))
+
+
 # Every registered variant runs by name in MultiHeadAttention under jit
 # (test_every_variant.py); here with its options, GQA, a padding mask and causal.
 @pytest.mark.parametrize("name", ["local", "longformer", "axial"])
@@ -834,6 +866,8 @@ def test_axial_reaches_every_position_after_both_passes(causal):
     cols = np.arange(length) % 4
     reachable = lower & (cols[None, :] <= cols[:, None])
     assert np.all(reach[reachable] > 0.0)
+    # ... and only those (the docstring's departure from Ho et al.'s decoder).
+    assert np.all(reach[~reachable] == 0.0)
   else:
     assert np.all(reach > 0.0)
   # Any single pass would not: the row pass alone leaves other rows out.

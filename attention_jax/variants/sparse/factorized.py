@@ -263,8 +263,12 @@ def axial_attention(query: Array, key: Array, value: Array, bias=None, mask=None
   image flattened row by row: attention within each row, then within each
   column, the second pass taking the row pass's outputs as its values (same
   queries and keys). Every output depends on every input after both passes.
-  Causal: each pass is causal, so position i only ever sees positions <= i.
-  Padded positions are neither keys nor values in either pass. O(T (rows + cols)).
+  Causal: each pass is causal, so position i only ever sees positions <= i,
+  and of those only the ones in a column at most i's (an earlier row's later
+  columns are out of reach); Ho et al.'s causal Axial Transformer reaches
+  every earlier position (its outer decoder also attends over whole earlier
+  rows), which this does not do. Padded positions are neither keys nor values
+  in either pass. O(T (rows + cols)).
   """
   length = engine.self_attention_length("axial", query, key)
   rows, cols = axial_shape(length, shape)

@@ -133,6 +133,11 @@ def random_attention(query: Array, key: Array, value: Array, bias=None, mask=Non
   if window_size is not None:
     common.check_size("window_size", window_size, length=length)
   if implementation is not None:
+    # The family's input rules, as the pure form (`engine.prepare`) and the
+    # other variants' kernel path (`kernel.kernel_attention`) apply them:
+    # flex_attention itself would take a dense bias and a pairwise mask.
+    common.reject_unsupported("random", bias=bias)
+    common.key_padding("random", mask, key_value_seq_lengths, query.shape[0], length)
     indices = random_indices(rng, query.shape[2], length, num_random, is_causal)
     drawn = lambda b, h, q_idx, kv_idx: jnp.any(indices[h, q_idx] == kv_idx)
     mask_mod = drawn if window_size is None else patterns.or_masks(
