@@ -168,6 +168,10 @@ def get_config():
       "what differs is the update: the delta rule overwrites the value stored under a key, "
       "where an additive update sums every value written under similar keys. All six reach "
       "100% on induction heads and 95-100% on selective copying in both seeds",
+      "lsh and routing are causal inside their groups only: the groups (LSH's sorted "
+      "chunks, routing's top-k cluster members) are chosen over the whole sequence, as in "
+      "their papers, so a later token can change which earlier keys a query sees (their "
+      "docstrings; stop 62). Their rows sit with the fixed-state variants all the same",
   )
   config.cell_overrides = {"mqar_T32": _overrides(32), "mqar_T64": _overrides(64),
                            "induction_T32": _overrides(32), "copying_T32": _overrides(32)}
