@@ -820,8 +820,10 @@ def sinkhorn_attention(
     key_value_seq_lengths: `[B]`; later keys are not attended.
     block_size: tokens per block; a T that it does not divide is padded to its
       next multiple (the added keys masked, their outputs dropped).
-    sinkhorn_iterations: Sinkhorn normalisation rounds.
-    temperature: Sinkhorn temperature (> 0).
+    sinkhorn_iterations: Sinkhorn normalisation rounds (0: the sort is
+      exp(logits / temperature), not normalised).
+    temperature: Sinkhorn temperature (> 0). No Gumbel noise is added: the
+      sort is deterministic (the paper's Gumbel-Sinkhorn samples one).
     sort_logits: `[B|1, H|1, nb, nb]` block-sorting scores given directly;
       otherwise computed by the sorting network from
     sort_hidden_kernel: `[H, D, S]` and
@@ -945,7 +947,7 @@ registry.register(registry.VariantSpec(
     subquadratic=True, exact=False, causal=True, cross=False, paper="Tay et al. 2020",
     extras=SinkhornSortNet,
     options=dict(block_size="tokens per block", sinkhorn_iterations="balancing iterations",
-                 temperature="of the Gumbel-Sinkhorn sort", sort_hidden_dim="sort network width",
+                 temperature="of the Sinkhorn sort (no Gumbel noise: deterministic)", sort_hidden_dim="sort network width",
                  scale="multiplies the logits; 1/sqrt(D) when None",
                  sort="'sinkhorn' (the method) or 'lra_release' (no sort: own block plus the "
                       "sum of all blocks, two softmaxes added)",
