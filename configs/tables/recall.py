@@ -84,7 +84,12 @@ def _overrides(seq_len: int):
       "nsa": {"compress_block_size": seq_len // 8, "compress_stride": seq_len // 16,
               "select_block_size": seq_len // 8, "top_n": 4, "window": quarter},
   }
-  return {variant: {"model": {"attention_options": value}} for variant, value in options.items()}
+  overrides = {variant: {"model": {"attention_options": value}}
+               for variant, value in options.items()}
+  # Grouped-query attention: the 4 query heads share 2 key/value heads (its
+  # layer's num_kv_heads, which unset makes it multi_head under another name).
+  overrides["grouped_query"] = {"model": {"num_kv_heads": 2}}
+  return overrides
 
 
 def get_config():

@@ -72,7 +72,10 @@ def get_config():
       "bounds too",
       "disagreement's two cells were re-made at a2ffb48 (stop 62: its subspace regulariser "
       "had read the values of padded keys), beside the test suite and training runs: its "
-      "steps/s and memory are lower bounds too",)
+      "steps/s and memory are lower bounds too",
+      "grouped_query shares 2 key/value heads among the 4 query heads; its cells were "
+      "re-made with it at stop 62 (before, num_kv_heads was unset and the row was "
+      "multi_head's), beside other training runs: its steps/s are lower bounds too",)
   mean_pooled = {"model": {"pooling": "mean"}}
   config.cell_overrides = {"listops": {
       "bigbird": {"model": {"attention_options": {"block_size": 16}}},
@@ -84,5 +87,7 @@ def get_config():
       "gmlp": {"model": {"attention_options": {"max_length": 101}}},
       # 7 blocks of 16 (its default 64 would make 2, fewer than its top_k of 3).
       "moba": {"model": {"attention_options": {"block_size": 16}}},
+      # The 4 query heads share 2 key/value heads (unset, it is multi_head).
+      "grouped_query": {"model": {"num_kv_heads": 2}},
   }}
   return config
