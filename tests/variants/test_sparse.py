@@ -711,12 +711,16 @@ def test_refuses_lengths_that_are_not_integer_b_arrays(name):
   if registry.get_variant(name).extras is not None:
     fn = functools.partial(fn, rng=jax.random.PRNGKey(0))
   query, key, value = random_qkv(batch=2, q_len=40, num_heads=2)
+  # Traced only (eval_shape): the refusals are made while tracing, and the
+  # query lengths' only after the whole attention, which eagerly compiles op by op.
+  trace = lambda **lengths: jax.eval_shape(lambda q, k, v: fn(q, k, v, **lengths),
+                                           query, key, value)
   with pytest.raises(ValueError, match=r"key_value_seq_lengths must be an integer array of "
                                        r"shape \[B\] = \[2\], got float32 \[2\]"):
-    fn(query, key, value, key_value_seq_lengths=jnp.array([35.5, 40.0]))
+    trace(key_value_seq_lengths=jnp.array([35.5, 40.0]))
   with pytest.raises(ValueError, match=r"query_seq_lengths must be an integer array of "
                                        r"shape \[B\] = \[2\], got int32 \[2, 1\]"):
-    fn(query, key, value, query_seq_lengths=jnp.array([[35], [40]]))
+    trace(query_seq_lengths=jnp.array([[35], [40]]))
 
 
 # Every registered variant runs by name in MultiHeadAttention under jit
