@@ -12,7 +12,7 @@ import attention_jax as aj
 from attention_jax.layers.attention import attention_weights
 from attention_jax.variants.modern.nsa import nsa_attention, stack_branches
 from attention_testing import (as_float64, assert_close, assert_same_outputs_and_grads,
-                               jit_init, np_softmax, random_qkv)
+                               jit_call, jit_init, np_softmax, random_qkv)
 
 B, T, H, HKV, D = 2, 27, 4, 2, 8
 SIZES = dict(compress_block_size=4, compress_stride=2, select_block_size=4, top_n=4, window=5)
@@ -154,8 +154,8 @@ def _selected_blocks(query, key, arrays, sizes, **call):
                                                       (batch, q_len, num_heads, 3)),
                        compress_value=jnp.zeros((l * kv_len, kv_len)),
                        value_positions=jnp.zeros((l, kv_len)))
-  weights = attention_weights(lambda v: nsa_attention(
-      query, key, v, is_causal=True, implementation="xla", **selected_only, **sizes, **call),
+  weights = attention_weights(jax.jit(lambda v: nsa_attention(
+      query, key, v, is_causal=True, implementation="xla", **selected_only, **sizes, **call)),
       jnp.zeros(key.shape[:3] + (kv_len,)))
   seen = np.asarray(weights) > 0  # [B, H, Tq, Tk]
   return [[[{j // sizes["select_block_size"] for j in np.nonzero(seen[b, h, i])[0]}
@@ -186,9 +186,10 @@ def test_fewer_queries_than_keys_are_the_last_queries_of_the_full_pass():
   query, key, value = random_qkv(seed=7, batch=B, q_len=T, num_heads=H, num_kv_heads=3 * HKV,
                                  head_dim=D)
   arrays = _arrays(8)
-  run = functools.partial(nsa_attention, is_causal=True, implementation="xla", **SIZES)
-  full = run(query, key, value, **arrays)
-  tail = run(query[:, -4:], key, value, **dict(arrays, gates=arrays["gates"][:, -4:]))
+  run = lambda query, **arrays: jit_call(nsa_attention, query, key, value, is_causal=True,
+                                         implementation="xla", **SIZES, **arrays)
+  full = run(query, **arrays)
+  tail = run(query[:, -4:], **dict(arrays, gates=arrays["gates"][:, -4:]))
   assert_close(tail, full[:, -4:], rtol=1e-5, atol=1e-6)
 
 
