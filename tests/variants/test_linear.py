@@ -567,9 +567,9 @@ def test_performer_reference_stabiliser_is_refused_in_causal_attention(is_causal
   # key changed earlier queries' outputs (by ~0.9 for a key of norm 10).
   query, key, value = random_qkv(seed=13, batch=1, q_len=8, num_heads=1, head_dim=4)
   projection = linear.gaussian_projection(jax.random.PRNGKey(14), 2, 4)
-  attend = lambda k: linear.performer_attention(query, k, value, is_causal=is_causal,
-                                                projection=projection,
-                                                numerical_stabilizer=1e-6)
+  attend = jax.jit(lambda k: linear.performer_attention(query, k, value, is_causal=is_causal,
+                                                        projection=projection,
+                                                        numerical_stabilizer=1e-6))
   if is_causal:
     with pytest.raises(ValueError, match="numerical_stabilizer=1e-06 with is_causal"):
       attend(key)
