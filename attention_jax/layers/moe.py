@@ -18,6 +18,14 @@ The Switch load-balancing loss `N * sum_n f_n * P_n` (f_n the fraction of
 tokens whose first choice is expert n, P_n the mean router probability of
 expert n) times `load_balancing_weight` is sown into "losses", which the
 trainer adds to the task's loss.
+
+Capacity makes tokens compete: a later token's first choice can take the slot
+an earlier token's second choice needed, so a token's output depends on the
+tokens after it. A causal model (a language model, a Transformer decoder)
+calls the layer with `is_causal=True`, which routes every token to all of its
+top-k experts with no capacity (every expert computed at every position and
+combined by the gates: N times the FLOPs of capacity routing at factor 1), so
+a token's output is a function of that token alone, as in decoding.
 """
 
 from __future__ import annotations
@@ -134,8 +142,9 @@ class MixtureOfExperts(nn.Module):
                       shape, self.param_dtype)
 
   @nn.compact
-  def __call__(self, x: Array, deterministic: bool = True) -> Array:
-    """x: `[B, T, E]` -> `[B, T, E]`."""
+  def __call__(self, x: Array, deterministic: bool = True, *, is_causal: bool = False) -> Array:
+    """x: `[B, T, E]` -> `[B, T, E]`; `is_causal`: route without capacity, so
+    that no position's output depends on another's (module docstring)."""
     self._check()
     if x.ndim != 3:
       raise ValueError(f"x must be [B, T, E], got shape {x.shape}.")
@@ -148,8 +157,17 @@ class MixtureOfExperts(nn.Module):
                           nn.initializers.normal(0.02), (axes.EMBED, None)),
                       name="router")
     router_probs = jax.nn.softmax(router(x.astype(jnp.float32)), axis=-1)  # [B, T, N]
-    capacity = expert_capacity(length, experts, self.top_k, self.capacity_factor)
-    dispatch, combine = route(router_probs, self.top_k, capacity)
+    if is_causal:
+      # Every token in a slot of its own of every expert: C = T, the identity dispatch.
+      dispatch = None
+      gates, chosen = jax.lax.top_k(router_probs, self.top_k)  # [B, T, k]
+      if self.top_k > 1:
+        gates = gates / jnp.sum(gates, axis=-1, keepdims=True)
+      combine = jnp.einsum("btk,btkn->btn", gates, jax.nn.one_hot(chosen, experts,
+                                                                  dtype=gates.dtype))
+    else:
+      capacity = expert_capacity(length, experts, self.top_k, self.capacity_factor)
+      dispatch, combine = route(router_probs, self.top_k, capacity)
     if self.load_balancing_weight:
       self.sow("losses", "load_balancing",
                self.load_balancing_weight * load_balancing_loss(router_probs))
@@ -163,7 +181,10 @@ class MixtureOfExperts(nn.Module):
     output = self._kernel("wo", (experts, hidden, features), (axes.EXPERT, axes.MLP, None))
     output_bias = self._bias("bo", (experts, features), (axes.EXPERT, None))
 
-    expert_inputs = jnp.einsum("btnc,bte->nbce", dispatch.astype(dtype), x.astype(dtype))
+    if dispatch is None:  # [N, B, T, E]: every position at every expert
+      expert_inputs = jnp.broadcast_to(x.astype(dtype), (experts,) + x.shape)
+    else:
+      expert_inputs = jnp.einsum("btnc,bte->nbce", dispatch.astype(dtype), x.astype(dtype))
     projected = [jnp.einsum("nbce,nef->nbcf", expert_inputs, kernel.astype(dtype))
                  + bias.astype(dtype)[:, None, None, :]
                  for kernel, bias in zip(inputs, input_biases)]
@@ -174,5 +195,7 @@ class MixtureOfExperts(nn.Module):
     h = nn.Dropout(self.dropout_rate)(h, deterministic=deterministic)
     expert_outputs = (jnp.einsum("nbcf,nfe->nbce", h, output.astype(dtype))
                       + output_bias.astype(dtype)[:, None, None, :])
+    if dispatch is None:  # an expert not chosen has gate 0
+      return jnp.einsum("btn,nbte->bte", combine.astype(dtype), expert_outputs)
     # An empty slot has zero combine weight, so its (bias-only) output adds nothing.
     return jnp.einsum("btnc,nbce->bte", combine.astype(dtype), expert_outputs)

@@ -104,6 +104,13 @@ def make_feed_forward(config: ModelConfig, **module_kwargs) -> nn.Module:
       options=config.feed_forward_options, **module_kwargs)
 
 
+def feed_forward_arguments(config: ModelConfig, is_causal: bool) -> Dict[str, Any]:
+  """The keyword arguments of the feed-forward layer's call: a causal block
+  tells the mixture of experts (whose capacity routing would otherwise let a
+  later token change an earlier token's output) to route without capacity."""
+  return {"is_causal": True} if is_causal and config.feed_forward == "moe" else {}
+
+
 def block_class(config: ModelConfig):
   """`Block`, or `nn.remat(Block)` keeping what `config.remat_policy` names."""
   if config.remat_policy == "none":
@@ -170,8 +177,11 @@ class Block(nn.Module):
       y, carry = mixer(y, deterministic=deterministic, carry=carry, **mixer_arguments)
       return dropout(y, deterministic=deterministic)
 
+    mlp_arguments = feed_forward_arguments(config, is_causal)
+
     def feed_forward(y):
-      return dropout(mlp(y, deterministic=deterministic), deterministic=deterministic)
+      return dropout(mlp(y, deterministic=deterministic, **mlp_arguments),
+                     deterministic=deterministic)
 
     for branch, norm in ((attend, attention_norm), (feed_forward, mlp_norm)):
       x = residual(x, branch, norm)

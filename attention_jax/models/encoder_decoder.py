@@ -35,7 +35,8 @@ import jax.numpy as jnp
 from attention_jax import axes
 from attention_jax.data.seq2seq import PAD_ID
 from attention_jax.layers import make_feed_forward, make_norm
-from attention_jax.models.blocks import EMBEDDED, RESIDUAL_ARRANGEMENTS, make_mixer
+from attention_jax.models.blocks import (EMBEDDED, RESIDUAL_ARRANGEMENTS, feed_forward_arguments,
+                                         make_mixer)
 from attention_jax.models.config import ModelConfig
 from attention_jax.models.encoder import Encoder, embed_tokens
 from attention_jax.models.seq2seq import shift_right
@@ -76,7 +77,8 @@ class DecoderBlock(nn.Module):
         ("cross_attention", lambda y: cross_attention(y, source,
                                                       key_value_seq_lengths=source_lengths,
                                                       deterministic=deterministic)),
-        ("mlp", lambda y: mlp(y, deterministic=deterministic)),
+        ("mlp", lambda y: mlp(y, deterministic=deterministic,
+                              **feed_forward_arguments(config, is_causal=True))),
     )
     for name, branch in branches:
       x = residual(x, lambda y, f=branch: dropout(f(y), deterministic=deterministic),

@@ -38,7 +38,8 @@ import jax
 import jax.numpy as jnp
 
 from attention_jax.layers.norms import make_norm
-from attention_jax.models.blocks import EMBEDDED, make_feed_forward, make_mixer
+from attention_jax.models.blocks import (EMBEDDED, feed_forward_arguments, make_feed_forward,
+                                         make_mixer)
 from attention_jax.models.config import ModelConfig
 
 Array = jnp.ndarray
@@ -166,16 +167,17 @@ class ReversibleBlock(nn.Module):
     y = self.attention(self.attention_norm(x), deterministic=deterministic, **arguments)
     return nn.with_logical_constraint(self.dropout(y, deterministic=deterministic), EMBEDDED)
 
-  def feed_forward(self, x: Array, deterministic: bool) -> Array:
+  def feed_forward(self, x: Array, deterministic: bool, is_causal: bool = False) -> Array:
     """G(x) = dropout(feed_forward(norm(x))); x: `[B, T, E]`."""
-    y = self.mlp(self.mlp_norm(x), deterministic=deterministic)
+    y = self.mlp(self.mlp_norm(x), deterministic=deterministic,
+                 **feed_forward_arguments(self.config, is_causal))
     return nn.with_logical_constraint(self.dropout(y, deterministic=deterministic), EMBEDDED)
 
   def __call__(self, x1: Array, x2: Array, mask: Optional[Array], is_causal: bool,
                deterministic: bool) -> Tuple[Array, Array]:
     """The layer run directly (initialisation, decoding): `(y1, y2)`."""
     y1 = x1 + self.attend(x2, mask, is_causal, deterministic)
-    return y1, x2 + self.feed_forward(y1, deterministic)
+    return y1, x2 + self.feed_forward(y1, deterministic, is_causal)
 
 
 class ReversibleStack(nn.Module):
@@ -240,8 +242,8 @@ class ReversibleStack(nn.Module):
       if method == "attend":
         return layer.apply({"params": params}, x, context["mask"], is_causal, deterministic,
                            method=ReversibleBlock.attend, rngs=rngs)
-      return layer.apply({"params": params}, x, deterministic, method=ReversibleBlock.feed_forward,
-                         rngs=rngs)
+      return layer.apply({"params": params}, x, deterministic, is_causal,
+                         method=ReversibleBlock.feed_forward, rngs=rngs)
 
     return residual
 

@@ -143,3 +143,28 @@ def test_sharded_over_eight_devices_trains_as_one_device():
   # [experts, embed, mlp] = [8, 16, 32] in the script's model.
   assert out["shard_shapes"]["1,8,1"] == [[1, 16, 32]]
   assert out["shard_shapes"]["2,2,2"] == [[4, 16, 16]]
+
+
+def test_causal_routing_is_each_token_to_all_its_top_k_experts():
+  """`is_causal=True`: no capacity, so no token competes with another for a
+  slot (a later token's first choice would otherwise take the slot an earlier
+  token's second choice needed). Reference: the loop with room for every choice."""
+  module, params = _module_and_params(num_experts=4, top_k=2, capacity_factor=0.5)
+  x = _inputs()
+  got = jax.jit(lambda p, x: module.apply({"params": p}, x, is_causal=True))(params, x)
+  assert_close(got, _loop_reference(x, params, 4, 2, capacity=2 * T), atol=1e-5)
+
+
+def test_causal_language_model_with_moe_does_not_see_the_future():
+  """With capacity-limited routing, changing tokens 8.. moved the logits at
+  positions 0..7 of a causal language model by ~0.5; they must not move."""
+  model = build_model(dict(kind="language_model", vocab_size=50, embed_dim=16, num_heads=2,
+                           mlp_dim=32, num_layers=2, max_length=16, feed_forward="moe",
+                           feed_forward_options=dict(num_experts=4, top_k=2,
+                                                     capacity_factor=0.5)))
+  tokens = jax.random.randint(jax.random.PRNGKey(0), (4, 16), 1, 50)
+  changed = tokens.at[:, 8:].set(tokens[:, 8:] * 7 % 49 + 1)
+  variables = jit_init(model, jax.random.PRNGKey(1), tokens)
+  before, after = (jit_apply(model, variables, t) for t in (tokens, changed))
+  np.testing.assert_array_equal(np.asarray(before[:, :8]), np.asarray(after[:, :8]))
+  assert np.abs(np.asarray(before[:, 8:] - after[:, 8:])).max() > 0

@@ -68,6 +68,17 @@ def test_decoder_is_causal_and_ignores_padded_source_tokens():
   assert_close(_with_lengths(model, variables, repadded, source_lengths), logits, atol=1e-5)
 
 
+def test_decoder_with_a_mixture_of_experts_is_causal():
+  """Capacity-limited routing let later targets take the expert slots of
+  earlier ones (logits at positions 0..3 moved by changing targets 3..); the
+  decoder's feed-forward routes causally."""
+  model, variables = _model_and_variables(
+      feed_forward="moe", feed_forward_options=dict(num_experts=4, top_k=2, capacity_factor=0.5))
+  logits = jit_apply(model, variables, SOURCE, TARGET)
+  later = TARGET.at[:, 3:].set(5)
+  assert_close(jit_apply(model, variables, SOURCE, later)[:, :4], logits[:, :4], atol=1e-6)
+
+
 def _with_lengths(model, variables, source, source_lengths):
   """The teacher-forced logits with the source's padding given by lengths, not
   by token 0 (the model reads padding from the ids; here they are nonzero)."""
