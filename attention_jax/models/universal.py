@@ -6,6 +6,10 @@ Step n = 1..N (N = `num_layers`) adds the coordinate signal (the sinusoids of
 the timestep n, and of the positions when `position` is "sinusoidal": other
 position schemes act where they always do, at the embedding or in the
 mixers) and applies the shared block: s_n = block(s_{n-1} + signal_n).
+The encoders add "sinusoidal" (and "learned") positions to the embeddings
+as for every stack, so with "sinusoidal" the first step sees the positions'
+sinusoids twice (the paper's s_0 is the embeddings alone, its P^1 the one
+position signal); kept, as the committed results were trained so.
 
 ACT, per position: a halting unit h_n = sigmoid(w . s_n + b) reads each new
 state. The position halts at the first step N' where h_1 + ... + h_N' reaches
