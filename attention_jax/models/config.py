@@ -517,6 +517,12 @@ class ModelConfig:
       raise ValueError(f"model.stack='reversible' computes y1 = x1 + F(norm(x2)), y2 = x2 + "
                        f"G(norm(y1)), a pre-norm arrangement; model.residual={self.residual!r} "
                        f"must be 'pre_norm'.")
+    if self.norm == "powernorm":
+      # The layers run as pure functions of their parameters (the backward
+      # recomputes them), so no running statistic could be updated or kept.
+      raise ValueError("model.stack='reversible' re-runs each layer from its parameters alone; "
+                       "model.norm='powernorm' keeps a running statistic in 'batch_stats': use "
+                       "another norm or stack='standard'.")
     if self.remat_policy != "none":
       raise ValueError(f"model.stack='reversible' already recomputes every layer in the backward "
                        f"pass; model.remat_policy={self.remat_policy!r} must be 'none'.")

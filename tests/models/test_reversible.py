@@ -235,6 +235,8 @@ def test_reversible_language_model_is_causal():
     (dict(attention="realformer"), r"attention 'realformer' carries \('attention_scores',\)"),
     (dict(layer_drop_rate=0.1), r"model.layer_drop_rate=0.1 skips blocks of the standard stack"),
     (dict(kind="rnn_seq2seq"), r"model.kind='rnn_seq2seq' has none"),
+    # Was refused only at init, blaming the attention for PowerNorm's batch_stats.
+    (dict(norm="powernorm"), r"model.norm='powernorm' keeps a running statistic"),
 ])
 def test_what_the_config_refuses_is_named(overrides, message):
   with pytest.raises(ValueError, match=message):
