@@ -19,7 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from attention_jax.core.masks import Window, make_attention_mask, normalize_window, split_segment_ids
+from attention_jax.core.masks import (Window, check_boolean_mask, make_attention_mask,
+                                      normalize_window, split_segment_ids)
 from attention_jax.core.softmax import MASKED_LOGSUMEXP, logsumexp_residual
 
 Array = jnp.ndarray
@@ -151,8 +152,7 @@ def prepare_inputs(query, key, value, bias=None, mask=None, *, scale=None, is_ca
   target = (batch, num_heads, q_len, kv_len)
   bias = _pairwise_rank4("bias", bias, target)
   mask = _pairwise_rank4("mask", mask, target)
-  if mask is not None and mask.dtype != jnp.bool_:
-    raise ValueError(f"mask must be boolean (True may attend), got dtype {mask.dtype}.")
+  check_boolean_mask(mask)
   check_lengths("query_seq_lengths", query_seq_lengths, batch, q_len)
   check_lengths("key_value_seq_lengths", key_value_seq_lengths, batch, kv_len)
   q_segment_ids, kv_segment_ids = split_segment_ids(segment_ids)

@@ -88,6 +88,14 @@ def and_masks(*masks: Optional[Array]) -> Optional[Array]:
   return result
 
 
+def check_boolean_mask(mask: Optional[Array]) -> None:
+  """A ValueError unless `mask` is None or boolean. Cast to bool, an additive
+  mask (0 allowed, -inf masked) would allow exactly the masked pairs."""
+  if mask is not None and jnp.result_type(mask) != jnp.bool_:
+    raise ValueError(f"mask must be boolean (True may attend), got dtype "
+                     f"{jnp.result_type(mask)}.")
+
+
 def make_attention_mask(
     q_len: int,
     kv_len: int,
@@ -138,11 +146,7 @@ def make_attention_mask(
     masks.append(segment_predicate(q_segment_ids[:, None, :, None],
                                    kv_segment_ids[:, None, None, :]))
   if mask is not None:
-    # Cast to bool, an additive mask (0 allowed, -inf masked) would allow
-    # exactly the masked pairs.
-    if jnp.asarray(mask).dtype != jnp.bool_:
-      raise ValueError(f"mask must be boolean (True may attend), got dtype "
-                       f"{jnp.asarray(mask).dtype}.")
+    check_boolean_mask(mask)
     masks.append(jnp.asarray(mask))
   return and_masks(*masks)
 

@@ -119,11 +119,7 @@ def key_padding(variant: str, mask: Optional[Array], key_value_seq_lengths: Opti
     valid = mask_lib.length_predicate(jnp.arange(kv_len)[None, :],
                                       jnp.asarray(key_value_seq_lengths)[:, None])
   if mask is not None:
-    # As `dot_product_attention` demands: cast to bool, an additive float mask
-    # (0 real, -inf padded) would mark the real tokens padding and the padded real.
-    if jnp.asarray(mask).dtype != jnp.bool_:
-      raise ValueError(f"mask must be boolean (True may attend), got dtype "
-                       f"{jnp.asarray(mask).dtype}.")
+    mask_lib.check_boolean_mask(mask)  # as dot_product_attention demands
     shape = tuple(jnp.shape(mask))
     if len(shape) != 4 or shape[1:3] != (1, 1) or shape[0] not in (1, batch) or \
         shape[3] not in (1, kv_len):

@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from attention_jax import registry
+from attention_jax.core.masks import check_boolean_mask
 from attention_jax.core.softmax import masked_softmax
 from attention_jax.variants import common
 from attention_jax.variants.dense import prepare_inputs
@@ -221,11 +222,9 @@ def luong_local_attention(query: Array, key: Array, value: Array, bias: Optional
     centre = common.query_positions(query_positions, batch, q_len)[:, None, :]
   distance = jnp.arange(kv_len, dtype=jnp.float32) - centre[..., None]  # [B, H|1, Tq, Tk]
   in_window = jnp.abs(distance) <= window
-  if mask is not None and jnp.result_type(mask) != jnp.bool_:
-    # Checked here, not only by prepare_inputs: logical_and would cast a float
-    # or int mask to bool first (0.3 -> True), and the check would never see it.
-    raise ValueError(f"mask must be boolean (True may attend), got dtype "
-                     f"{jnp.result_type(mask)}.")
+  # Checked here, not only by prepare_inputs: logical_and would cast a float
+  # or int mask to bool first (0.3 -> True), and the check would never see it.
+  check_boolean_mask(mask)
   mask = in_window if mask is None else jnp.logical_and(mask, in_window)
 
   score_fn = dot_score
