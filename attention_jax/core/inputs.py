@@ -93,7 +93,7 @@ def check_lengths(name: str, lengths: Optional[Array], batch: int,
   if jnp.shape(lengths) != (batch,) or not jnp.issubdtype(jnp.asarray(lengths).dtype, jnp.integer):
     raise ValueError(f"{name} must be an integer array of shape [B] = [{batch}], "
                      f"got {jnp.asarray(lengths).dtype} {list(jnp.shape(lengths))}.")
-  if max_len is not None and not isinstance(lengths, jax.core.Tracer):
+  if max_len is not None and batch and not isinstance(lengths, jax.core.Tracer):
     # Values are only checkable outside jit.
     values = np.asarray(lengths)
     low, high = int(values.min()), int(values.max())

@@ -36,6 +36,7 @@ import numpy as np
 
 from attention_jax import registry
 from attention_jax.core import masks as mask_lib
+from attention_jax.core.inputs import check_lengths
 from attention_jax.core.softmax import masked_softmax
 from attention_jax.variants import common
 
@@ -71,16 +72,7 @@ def valid_tokens(mask: Optional[Array], lengths: Optional[Array], batch: int, le
       raise _shape_error(lengths_name, lengths, f"[B] = [{batch}]")
     # `arange(T) < lengths` would take anything: 2.5 keeps 3 tokens, True 1, a
     # count past T or below 0 all or none.
-    dtype = jnp.result_type(lengths)
-    if not jnp.issubdtype(dtype, jnp.integer):
-      raise ValueError(f"{lengths_name} must be an integer array of token counts, got dtype "
-                       f"{dtype}.")
-    if not isinstance(lengths, jax.core.Tracer) and batch:  # values only checkable outside jit
-      values = np.asarray(lengths)
-      low, high = int(values.min()), int(values.max())
-      if low < 0 or high > length:
-        raise ValueError(f"{lengths_name} must lie in [0, {length}] (T), got values in "
-                         f"[{low}, {high}].")
+    check_lengths(lengths_name, lengths, batch, length)
     valid = mask_lib.length_predicate(jnp.arange(length)[None, :],
                                       jnp.asarray(lengths)[:, None])
   if mask is not None:
