@@ -14,15 +14,20 @@ import numpy as np
 from attention_jax.core import reference_attention
 
 
+# The flags of tests/conftest.py's TEST_XLA_FLAGS that make the compiled code slow.
+RUNTIME_COSTLY_XLA_FLAGS = ("xla_backend_optimization_level", "xla_cpu_opt_preset")
+
+
 def runtime_bound_environment(**extra: str) -> dict:
   """The environment for a subprocess that mostly runs its programs rather than
   compiles them (a training run, a benchmark): this session's environment
-  without the backend optimisation level 0 that tests/conftest.py asks for,
-  which makes compiles cheap and the compiled code slow."""
+  without the backend optimisation level 0 and the fast-compile preset that
+  tests/conftest.py asks for, which make compiles cheap and the compiled code
+  slow."""
   environment = dict(os.environ, **extra)
   environment["XLA_FLAGS"] = " ".join(
       flag for flag in environment.get("XLA_FLAGS", "").split()
-      if not flag.startswith("--xla_backend_optimization_level="))
+      if not flag.startswith(tuple(f"--{name}=" for name in RUNTIME_COSTLY_XLA_FLAGS)))
   return environment
 
 

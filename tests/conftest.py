@@ -8,6 +8,7 @@ to add none (on an accelerator, whose XLA version may not know the CPU flags).
 
 import atexit
 import gc
+import importlib.metadata
 import os
 import pathlib
 import re
@@ -21,11 +22,21 @@ import tempfile
 # * XLA:CPU's older loop emitters instead of its MLIR fusion emitters, which
 #   compile a small program in about half the time;
 # * code generation in one piece: the two test workers already use both cores.
+# * XLA:CPU's fast-compile preset (stop 63, on top of the three: test_linear.py
+#   with test_funnel.py in one process, alternating, 134 and 120 s against 144
+#   and 140 s). XLA refuses a flag it does not know, and the preset is newer
+#   than the oldest jaxlib we allow, so it is asked for only from the jaxlib it
+#   was measured on.
 TEST_XLA_FLAGS = {
     "xla_backend_optimization_level": "0",
     "xla_cpu_use_fusion_emitters": "false",
     "xla_cpu_parallel_codegen_split_count": "1",
 }
+if tuple(int(part) for part in re.findall(r"\d+", importlib.metadata.version("jaxlib"))[:2]) >= (0, 10):
+  TEST_XLA_FLAGS["xla_cpu_opt_preset"] = "CPU_OPT_PRESET_FAST_COMPILE"
+# Of these, the optimisation level and the preset make the compiled code slow: a
+# subprocess that mostly runs its programs drops them (tests/attention_testing.py,
+# `runtime_bound_environment`).
 for _flag, _value in TEST_XLA_FLAGS.items():
   if os.environ.get("ATTENTION_JAX_TEST_XLA_FLAGS") == "0":
     break
